@@ -1,0 +1,57 @@
+"""``mlx-fill`` command line. Each subcommand lives in its own module, imported only when used.
+
+A command module exposes ``add_arguments(parser)`` and ``run(args) -> int`` (the exit code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("mlx_fill.demo", "run a multi-turn tool-calling exchange with fill off and on"),
+    "qualify": ("mlx_fill.qualify", "measure exact chunk sizes and the cost curve; write a plan"),
+    "fixture": ("mlx_fill.fixtures", "print the path of a loadable fixture model directory"),
+    "assets": ("mlx_fill.assets", "resolve or fetch tokenizer/template assets"),
+    "audit": ("mlx_fill.audit", "compile strict rows for tools and audit them on a corpus"),
+    "serve": ("mlx_fill.adapters.serve", "OpenAI-compatible endpoint with fill"),
+    "study": ("mlx_fill.study", "model-free corpus study of proposal sources"),
+    "replay": ("mlx_fill.replay", "replay agent sessions against an OpenAI endpoint"),
+    "ab": ("mlx_fill.replay", "paired A/B replay against two endpoints"),
+    "report": ("mlx_fill.report", "agreement and wall-clock verdicts for replay runs"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: mlx-fill COMMAND [options]", "", "commands:"]
+    lines += [f"  {name:<9} {desc}" for name, (_, desc) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name == "--version":
+        from . import __version__
+        print(__version__)
+        return 0
+    if name not in COMMANDS:
+        print(f"mlx-fill: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    parser = argparse.ArgumentParser(prog=f"mlx-fill {name}", description=COMMANDS[name][1])
+    if hasattr(module, "add_arguments_for"):
+        module.add_arguments_for(name, parser)
+    else:
+        module.add_arguments(parser)
+    args = parser.parse_args(rest)
+    args.command = name
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""The append-and-rewind primitive.
+
+``append`` writes already-known token ids into a model's cache with chunked forwards;
+``checkpoint`` / ``rewind`` take back a rejected tail. Invariant enforced here: after
+``append`` followed by ``rewind(cp, keep)`` the cache equals, array for array, the cache that
+forwarding only the first ``keep`` appended ids would have produced, and a failure inside
+``append`` leaves the cache exactly at its pre-append state.
+
+Supported per-layer caches (mlx-lm 0.32): ``KVCache``, ``QuantizedKVCache``, ``ChunkedKVCache``
+(trim), ``RotatingKVCache`` (trim while not wrapped; appends refused once they would wrap),
+``ArraysCache`` (recurrent state: snapshot by reference, restore, replay the kept prefix) and
+``CacheList`` (composition). Anything else is refused with :class:`Unsupported`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Sequence
+
+import mlx.core as mx
+from mlx_lm.models import cache as C
+
+from .plan import DispatchPlan
+
+LogitRows = Literal["none", "last", "all"]
+
+# Model types whose ``__call__`` is exactly ``head(body(x))`` with head = lm_head or tied
+# embeddings; for these the vocabulary projection runs only on the requested rows.
+_SPLIT_HEAD_TYPES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next",
+     "glm4", "glm", "glm4_moe", "phi3", "starcoder2", "olmo2", "granite"}
+)
+
+
+class Unsupported(Exception):
+    """The primitive refuses this cache or operation; ``reason`` is a stable short code."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+def _leaves(cache: Sequence[Any]) -> list[Any]:
+    """Flatten ``CacheList`` nesting into per-layer leaf caches, refusing unknown types."""
+    out: list[Any] = []
+    for c in cache:
+        if isinstance(c, C.CacheList):
+            out.extend(_leaves(c.caches))
+        elif isinstance(c, (C.KVCache, C.QuantizedKVCache, C.ChunkedKVCache, C.RotatingKVCache,
+                            C.ArraysCache)):
+            out.append(c)
+        else:
+            raise Unsupported("cache_type", type(c).__name__)
+    return out
+
+
+def check_supported(cache: Sequence[Any]) -> None:
+    """Raise :class:`Unsupported` when any layer cache is of a type the primitive cannot rewind."""
+    _leaves(cache)
+
+
+def cache_offset(cache: Sequence[Any]) -> int:
+    """Tokens the cache holds (the first layer that counts tokens; recurrent layers do not)."""
+    for c in _leaves(cache):
+        if not isinstance(c, C.ArraysCache):
+            return int(c.offset)
+    raise Unsupported("no_offset", "cache has no attention layer to count tokens")
+
+
+@dataclass
+class Checkpoint:
+    """Cache state before a speculative append; ``appended`` records every id fed since."""
+
+    model: Any
+    cache: list[Any]
+    plan: DispatchPlan
+    offsets: list[int | None]
+    snapshots: list[tuple | None]
+    appended: list[int] = field(default_factory=list)
+
+    @property
+    def has_recurrent(self) -> bool:
+        return any(s is not None for s in self.snapshots)
+
+
+def checkpoint(model: Any, cache: list[Any], plan: DispatchPlan) -> Checkpoint:
+    """Record the state a later :func:`rewind` returns to. O(layers), no array copies.
+
+    KV layers record their offset (trim moves it back; stale slots are overwritten later).
+    Recurrent layers record their arrays by reference: mlx-lm rebinds ``cache[i]`` on every
+    update and never mutates those arrays in place, so the references stay exact.
+    """
+    offsets: list[int | None] = []
+    snaps: list[tuple | None] = []
+    for c in _leaves(cache):
+        if isinstance(c, C.ArraysCache):
+            offsets.append(None)
+            snaps.append((list(c.cache), c.left_padding, c.lengths))
+        else:
+            offsets.append(int(c.offset))
+            snaps.append(None)
+    return Checkpoint(model, cache, plan, offsets, snaps)
+
+
+def _restore(cp: Checkpoint) -> None:
+    """Put every layer back at the checkpoint (KV trim, recurrent restore)."""
+    for c, off, snap in zip(_leaves(cp.cache), cp.offsets, cp.snapshots):
+        if snap is not None:
+            c.cache, c.left_padding, c.lengths = list(snap[0]), snap[1], snap[2]
+            continue
+        extra = int(c.offset) - off
+        if extra < 0:
+            raise Unsupported("rewind_forward", "cache is behind its checkpoint")
+        if extra == 0:
+            continue
+        if isinstance(c, C.RotatingKVCache) and not c.is_trimmable():
+            raise Unsupported("rotating_wrapped", "rotating cache wrapped; cannot rewind")
+        c.trim(extra)
+
+
+def rewind(cp: Checkpoint, keep: int) -> None:
+    """Keep the first ``keep`` ids appended since ``cp`` and drop the rest.
+
+    Postcondition: the cache is bit-identical to having appended only ``cp.appended[:keep]``
+    from the checkpoint. Trimmable layers trim; when recurrent layers are present and a tail
+    must go, every layer is restored and the kept prefix is replayed with one chunked append.
+    """
+    n = len(cp.appended)
+    if not 0 <= keep <= n:
+        raise ValueError(f"keep={keep} outside 0..{n}")
+    if keep == n:
+        return
+    kept = cp.appended[:keep]
+    if cp.has_recurrent:
+        _restore(cp)
+        cp.appended = []
+        if kept:
+            append(cp.model, cp.cache, kept, plan=cp.plan, logits="none", record=cp)
+        return
+    for c, off in zip(_leaves(cp.cache), cp.offsets):
+        target = off + keep
+        extra = int(c.offset) - target
+        if extra > 0:
+            if isinstance(c, C.RotatingKVCache) and not c.is_trimmable():
+                raise Unsupported("rotating_wrapped", "rotating cache wrapped; cannot rewind")
+            c.trim(extra)
+    cp.appended = kept
+
+
+def _split_head(model: Any) -> tuple[Any, Any] | None:
+    """(body, head) with ``model(x) == head(body(x))`` for known architectures, else None."""
+    m = getattr(model, "language_model", model)
+    if getattr(model, "model_type", None) not in _SPLIT_HEAD_TYPES:
+        return None
+    body = getattr(m, "model", None)
+    if body is None:
+        return None
+    args = getattr(m, "args", None)
+    if getattr(args, "tie_word_embeddings", False) or not hasattr(m, "lm_head"):
+        return body, body.embed_tokens.as_linear
+    return body, m.lm_head
+
+
+def _room_before_wrap(cache: Sequence[Any]) -> int | None:
+    """Tokens a rotating layer can take before it wraps (None when no rotating layer)."""
+    room = None
+    for c in _leaves(cache):
+        if isinstance(c, C.RotatingKVCache):
+            r = c.max_size - int(c.offset)
+            room = r if room is None else min(room, r)
+    return room
+
+
+def append(
+    model: Any,
+    cache: list[Any],
+    ids: Sequence[int],
+    *,
+    plan: DispatchPlan,
+    logits: LogitRows = "last",
+    record: Checkpoint | None = None,
+) -> mx.array | None:
+    """Forward known ``ids`` into ``cache`` in plan-sized chunks.
+
+    ``ids`` must not include the token whose KV the previous step already wrote. Returns
+    logits of shape ``[1, V]`` for ``"last"``, ``[len(ids), V]`` for ``"all"``, or None; the
+    vocabulary projection runs only on those rows. The returned arrays are lazy.
+    On any exception (including cancellation) the cache is restored to its entry state.
+    When ``record`` is given the ids are recorded on it for a later :func:`rewind`.
+    """
+    ids = [int(t) for t in ids]
+    if not ids:
+        raise ValueError("append needs at least one id")
+    room = _room_before_wrap(cache)
+    if room is not None and len(ids) > room - 1:
+        raise Unsupported("rotating_would_wrap", f"{len(ids)} ids, {room} slots before wrap")
+    entry = checkpoint(model, cache, plan)
+    split = _split_head(model)
+    try:
+        start = cache_offset(cache)
+        rows: list[mx.array] = []
+        pos = 0
+        for size in plan.chunks(start, len(ids)):
+            x = mx.array(ids[pos:pos + size])[None]
+            pos += size
+            last_chunk = pos == len(ids)
+            want = logits == "all" or (logits == "last" and last_chunk)
+            if split is None:
+                out = model(x, cache=cache)
+                if want:
+                    rows.append(out[0] if logits == "all" else out[0, -1:])
+            else:
+                body, head = split
+                h = body(x, cache=cache)
+                if want:
+                    rows.append(head(h)[0] if logits == "all" else head(h[:, -1:])[0])
+            mx.eval([c.state for c in _leaves(cache)] if not last_chunk else [])
+        if record is not None:
+            record.appended.extend(ids)
+        if not rows:
+            return None
+        return rows[0] if len(rows) == 1 else mx.concatenate(rows, axis=0)
+    except BaseException:
+        _restore(entry)
+        raise
+

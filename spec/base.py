@@ -1,0 +1,69 @@
+"""The speculative roster's seam: :class:`DraftSource`, and its adapter to a fill source.
+
+A drafter never decides what is emitted: every drafted id is checked by the target through the
+one verifier (``mlx_fill.spec.verifier``) on the shared append-and-rewind primitive.
+
+Contract of a :class:`DraftSource`:
+
+- ``prefill(prompt)`` once per request with the full prompt ids;
+- ``draft(feed, n)`` with ``feed`` = the ids committed since the previous call (the last
+  emitted token included, injected ones too); returns at most ``n`` ids for the slots after
+  the last fed id. Returning fewer, including none, is always allowed.
+- ``commit(drafted, accepted)`` after verification: the first ``accepted`` drafted ids were
+  committed, the rest rejected (a drafter with its own cache rewinds it here).
+
+Sources that read the target's live caches, hidden-state taps or lm-head (KV-borrowing and
+block drafters) receive them through a read-only ``TargetView`` given at construction; none
+ships here because no such checkpoint is obtainable for the fixture models.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol, Sequence, runtime_checkable
+
+from ..proposal import DecodeView, Proposal
+
+
+@runtime_checkable
+class DraftSource(Protocol):
+    name: str
+
+    def prefill(self, prompt: Sequence[int]) -> None: ...
+
+    def draft(self, feed: Sequence[int], n: int) -> list[int]: ...
+
+    def commit(self, drafted: Sequence[int], accepted: int) -> None: ...
+
+
+class DraftProposalSource:
+    """Runs a :class:`DraftSource` as a ``verify`` proposal source, so the decode loop has one
+    apply path. ``length`` picks each round's draft length from the source's running
+    acceptance (the cost model); a length of 0 proposes nothing this round."""
+
+    def __init__(self, source: DraftSource, length: Callable[[], int]):
+        self.source = source
+        self.name = source.name
+        self._length = length
+        self._seen = 0
+        self._prefilled = False
+
+    def propose(self, view: DecodeView) -> Proposal | None:
+        if not self._prefilled:
+            self.source.prefill(list(view.prompt))
+            self._seen = len(view.prompt)
+            self._prefilled = True
+        tokens = view.tokens
+        feed = tokens[self._seen:]
+        self._seen = len(tokens)
+        n = self._length()
+        if n <= 0:
+            if feed:
+                self.source.draft(feed, 0)
+            return None
+        ids = self.source.draft(feed, n)[:n]
+        if not ids:
+            return None
+        return Proposal(tuple(int(t) for t in ids), "verify", self.name)
+
+    def feedback(self, proposal: Proposal, accepted: int) -> None:
+        self.source.commit(list(proposal.ids), accepted)
