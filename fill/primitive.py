@@ -15,7 +15,7 @@ Supported per-layer caches (mlx-lm 0.32): ``KVCache``, ``QuantizedKVCache``, ``C
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import mlx.core as mx
 from mlx_lm.models import cache as C
@@ -179,6 +179,7 @@ def append(
     plan: DispatchPlan,
     logits: LogitRows = "last",
     record: Checkpoint | None = None,
+    after_chunk: Callable[[list[Any]], None] | None = None,
 ) -> mx.array | None:
     """Forward known ``ids`` into ``cache`` in plan-sized chunks.
 
@@ -187,6 +188,8 @@ def append(
     vocabulary projection runs only on those rows. The returned arrays are lazy.
     On any exception (including cancellation) the cache is restored to its entry state.
     When ``record`` is given the ids are recorded on it for a later :func:`rewind`.
+    ``after_chunk(cache)`` runs after every chunk's forward (the decode loop passes mlx-lm's
+    KV-quantization step, which may swap list entries in place exactly as serial decode would).
     """
     ids = [int(t) for t in ids]
     if not ids:
@@ -214,6 +217,8 @@ def append(
                 h = body(x, cache=cache)
                 if want:
                     rows.append(head(h)[0] if logits == "all" else head(h[:, -1:])[0])
+            if after_chunk is not None:
+                after_chunk(cache)
             mx.eval([c.state for c in _leaves(cache)] if not last_chunk else [])
         if record is not None:
             record.appended.extend(ids)

@@ -13,7 +13,10 @@ import json
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import IO, Literal, Protocol, Sequence, runtime_checkable
+from typing import IO, TYPE_CHECKING, Literal, Protocol, Sequence, runtime_checkable
+
+if TYPE_CHECKING:
+    from .plan import DispatchPlan
 
 Policy = Literal["assert", "verify"]
 
@@ -111,11 +114,20 @@ class FillSession:
         self,
         sources: Sequence[ProposalSource],
         *,
+        prompt_ids: Sequence[int] | None = None,
+        eos_ids: Sequence[int] = (),
+        plan: "DispatchPlan | None" = None,
         max_span: int = 64,
         allow_assert: bool = True,
         trace: IO[str] | None = None,
     ) -> None:
+        """``prompt_ids``: the full rendered prompt (the decode loop may only see the suffix
+        after a prompt-cache hit); ``plan``: the dispatch plan (default: ``load_plan(model)``
+        in exact mode, resolved by the decode loop)."""
         self.sources = list(sources)
+        self.prompt_ids = list(prompt_ids) if prompt_ids is not None else None
+        self.eos_ids = frozenset(int(t) for t in eos_ids)
+        self.plan = plan
         self.max_span = max_span
         self.allow_assert = allow_assert
         self.trace = trace

@@ -1,0 +1,253 @@
+"""The fill-aware decode loop: ``generate_step`` with ``fill=``.
+
+Same signature, yields and pipelining as ``mlx_lm.generate.generate_step`` (mlx-lm 0.32.x).
+With ``fill=None`` it returns the stock generator untouched. With a :class:`FillSession`, after
+each yielded token it asks the session for a proposal and applies it through the one
+append-and-rewind primitive:
+
+- ``assert``: the in-flight sample for the first slot is discarded (counted as wasted), the span
+  is appended with one chunked forward (last-row logits only), its ids are yielded one at a
+  time, and sampling resumes from the last row.
+- ``verify``: the first id is checked against the in-flight sample before any forward; on a
+  match the whole span is forwarded once, every row is sampled by the target
+  (``mlx_fill.spec.verifier``), the rejected tail is rewound and decoding resumes at the
+  correction token.
+
+Invariants: at every yield and when the consumer stops (``close()``, ``max_tokens`` inside a
+span, an exception), the cache holds exactly prompt + yielded tokens; a proposed EOS is never
+committed (the session cuts spans at EOS); every token not yielded by ``assert`` is a target
+sample.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Callable, Generator, Iterator, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import generate_step as stock_generate_step
+from mlx_lm.generate import generation_stream, maybe_quantize_kv_cache
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import greedy_sampler
+
+from .plan import DispatchPlan, load_plan
+from .primitive import Checkpoint, Unsupported, append, cache_offset, check_supported, checkpoint, rewind
+from .proposal import DecodeView, FillSession, Proposal
+from .spec.verifier import process_row, verify_rows
+
+DEFAULT_QUANTIZED_KV_START = 5000
+
+
+def generate_step(
+    prompt: mx.array,
+    model: nn.Module,
+    stream: Any = generation_stream,
+    *,
+    fill: FillSession | None = None,
+    **kwargs: Any,
+) -> Generator[tuple[int, mx.array], None, None]:
+    """``mlx_lm.generate.generate_step`` plus ``fill=``; stock behaviour when ``fill`` is None.
+
+    ``stock_generate_step`` is bound when this module is first imported, before any patching,
+    so delegation never recurses into a patched module attribute.
+    """
+    if fill is None:
+        return stock_generate_step(prompt, model, stream, **kwargs)
+    return _fill_loop(prompt, model, stream, fill=fill, **kwargs)
+
+
+def _forced_logprobs(token: int, vocab: int) -> mx.array:
+    """Log-probabilities of an asserted token: the policy put all mass on it (lazy)."""
+    return mx.where(mx.arange(vocab) == token, 0.0, -mx.inf)
+
+
+def _refusal(prompt_cache: list, input_embeddings: Any) -> str | None:
+    if input_embeddings is not None:
+        return "media_input"
+    try:
+        check_supported(prompt_cache)
+    except Unsupported as e:
+        return e.reason
+    return None
+
+
+def _fill_loop(
+    prompt: mx.array,
+    model: nn.Module,
+    stream: Any,
+    *,
+    fill: FillSession,
+    max_tokens: int = 256,
+    sampler: Optional[Callable[[mx.array], mx.array]] = None,
+    logits_processors: Optional[list] = None,
+    max_kv_size: Optional[int] = None,
+    prompt_cache: Optional[list] = None,
+    prefill_step_size: int = 2048,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
+    prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
+    input_embeddings: Optional[mx.array] = None,
+) -> Iterator[tuple[int, mx.array]]:
+    if prompt_cache is None:
+        prompt_cache = make_prompt_cache(model, max_kv_size=max_kv_size)
+    reason = _refusal(prompt_cache, input_embeddings)
+    if reason is not None:
+        fill.refuse(reason)
+        yield from stock_generate_step(
+            prompt, model, stream, max_tokens=max_tokens, sampler=sampler,
+            logits_processors=logits_processors, max_kv_size=max_kv_size,
+            prompt_cache=prompt_cache, prefill_step_size=prefill_step_size, kv_bits=kv_bits,
+            kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start,
+            prompt_progress_callback=prompt_progress_callback, input_embeddings=input_embeddings)
+        return
+    if len(prompt) == 0:
+        raise ValueError("Either input_embeddings or prompt (or both) must be provided.")
+
+    plan = fill.plan or load_plan(model)
+    if kv_bits is not None:
+        # Serial decode quantizes the cache right after the step that reaches the threshold;
+        # a chunk must end there too so later rows attend over the same (quantized) keys.
+        plan = DispatchPlan(plan.key, plan.mode, plan.max_chunk,
+                            tuple(sorted({*plan.kv_boundaries, quantized_kv_start})),
+                            plan.cost, plan.qualified)
+    quantize = functools.partial(maybe_quantize_kv_cache, quantized_kv_start=quantized_kv_start,
+                                 kv_group_size=kv_group_size, kv_bits=kv_bits)
+    sampler = sampler or greedy_sampler
+    progress = prompt_progress_callback or (lambda *_: None)
+    prompt_ids = fill.prompt_ids if fill.prompt_ids is not None else prompt.tolist()
+    stats = fill.stats
+    emitted: list[int] = []
+    history: mx.array | None = None  # logits-processor history, as in mlx-lm's _step
+
+    def _step(y: mx.array) -> tuple[mx.array, mx.array]:
+        nonlocal history
+        with mx.stream(stream):
+            logits = model(y[None], cache=prompt_cache)[:, -1, :]
+            if logits_processors:
+                history = y if history is None else mx.concat([history, y])
+            quantize(prompt_cache)
+            stats.forwards += 1
+            return process_row(logits, history, sampler, logits_processors)
+
+    def _grow_history(ids: Sequence[int]) -> None:
+        nonlocal history
+        if logits_processors:
+            new = mx.array(list(ids), dtype=history.dtype if history is not None else mx.uint32)
+            history = new if history is None else mx.concat([history, new])
+
+    def _burst(cp: Checkpoint, ids: Sequence[int],
+               logprobs: Sequence[mx.array]) -> Iterator[tuple[int, mx.array]]:
+        """Yield committed ids one at a time; if the consumer stops mid-burst, rewind the cache
+        to exactly the ids it received."""
+        for j, (t, lp) in enumerate(zip(ids, logprobs)):
+            try:
+                yield t, lp
+            except GeneratorExit:
+                rewind(cp, j + 1)
+                raise
+            emitted.append(t)
+
+    with mx.stream(stream):
+        total = len(prompt)
+        done = 0
+        progress(done, total)
+        while total - done > 1:
+            n_chunk = min(prefill_step_size, total - done - 1)
+            chunk = prompt[:n_chunk]
+            model(chunk[None], cache=prompt_cache)
+            quantize(prompt_cache)
+            mx.eval([c.state for c in prompt_cache])
+            if logits_processors:
+                history = chunk if history is None else mx.concat([history, chunk])
+            done += n_chunk
+            progress(done, total)
+            prompt = prompt[n_chunk:]
+            mx.clear_cache()
+        y, logprobs = _step(prompt)
+        mx.async_eval(y, logprobs)
+
+    def _apply_assert(ids: list[int], need_next: bool):
+        """Append an asserted span; returns the sample after it (None at max_tokens)."""
+        stats.wasted_samples += 1
+        t0 = time.perf_counter()
+        cp = checkpoint(model, prompt_cache, plan)
+        stats.checkpoint_ms += (time.perf_counter() - t0) * 1e3
+        stats.forwards += len(plan.chunks(cache_offset(prompt_cache), len(ids)))
+        row = append(model, prompt_cache, ids, plan=plan, logits="last" if need_next else "none",
+                     record=cp, after_chunk=quantize)
+        vocab = logprobs.shape[-1]
+        yield from _burst(cp, ids, [_forced_logprobs(t, vocab) for t in ids])
+        _grow_history(ids)
+        if not need_next:
+            return None
+        nxt, nxt_lp = process_row(row, history, sampler, logits_processors)
+        mx.async_eval(nxt, nxt_lp)
+        return nxt, nxt_lp
+
+    def _apply_verify(ids: list[int], first_sample: mx.array, first_logprobs: mx.array):
+        """Forward a verified span (its first id already equals the in-flight sample), keep the
+        agreeing prefix, return (kept, next token, its logprobs)."""
+        t0 = time.perf_counter()
+        cp = checkpoint(model, prompt_cache, plan)
+        stats.checkpoint_ms += (time.perf_counter() - t0) * 1e3
+        stats.forwards += len(plan.chunks(cache_offset(prompt_cache), len(ids)))
+        rows = append(model, prompt_cache, ids, plan=plan, logits="all", record=cp,
+                      after_chunk=quantize)
+        verdict = verify_rows(rows, ids, history, sampler, logits_processors)
+        t0 = time.perf_counter()
+        rewind(cp, verdict.accepted)
+        stats.checkpoint_ms += (time.perf_counter() - t0) * 1e3
+        kept = ids[:verdict.accepted]
+        yield from _burst(cp, kept, [first_logprobs, *verdict.row_logprobs[:len(kept) - 1]])
+        _grow_history(kept)
+        nxt = mx.array([verdict.next_token], dtype=first_sample.dtype)
+        return len(kept), nxt, verdict.next_logprobs
+
+    n = 0
+    while True:
+        with mx.stream(stream):
+            if n != max_tokens:
+                next_y, next_logprobs = _step(y)
+                mx.async_eval(next_y, next_logprobs)
+            if n == 0:
+                mx.eval(y)
+                progress(total, total)
+            if n == max_tokens:
+                break
+        token = y.item()
+        yield token, logprobs
+        emitted.append(token)
+        n += 1
+        stats.emitted = n
+        if n % 256 == 0:
+            mx.clear_cache()
+        y, logprobs = next_y, next_logprobs
+        remaining = max_tokens - n if max_tokens >= 0 else None
+        if remaining == 0:
+            continue
+        proposal = fill.propose(DecodeView(prompt_ids, emitted, fill.eos_ids))
+        if proposal is None:
+            continue
+        ids = list(proposal.ids if remaining is None else proposal.ids[:remaining])
+        position = len(emitted)
+        if proposal.policy == "assert":
+            need_next = remaining is None or len(ids) < remaining
+            with mx.stream(stream):
+                after = yield from _apply_assert(ids, need_next)
+            kept = len(ids)
+        else:
+            if y.item() != ids[0]:
+                fill.feedback(Proposal(tuple(ids), "verify", proposal.origin), 0, position)
+                continue
+            with mx.stream(stream):
+                kept, nxt, nxt_lp = yield from _apply_verify(ids, y, logprobs)
+            after = (nxt, nxt_lp) if remaining is None or kept < remaining else None
+        fill.feedback(Proposal(tuple(ids), proposal.policy, proposal.origin), kept, position)
+        n += kept
+        stats.emitted = n
+        if after is None:  # max_tokens reached inside the span; the cache holds every yield
+            break
+        y, logprobs = after

@@ -1,0 +1,76 @@
+"""Seeded random-weight models with real mlx-lm architectures.
+
+Used by the exactness tests, ``mlx-fill qualify`` examples and the mechanism benchmark: the
+primitive's exactness does not depend on trained weights, only on the architecture, dtype,
+quantization and cache types, so these models exercise every code path the fixtures do.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.utils import quantize_model, save_model
+
+ARCHS = ("llama", "qwen3", "qwen3_5", "llama_swa")
+
+_TINY: dict[str, Any] = dict(
+    hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, vocab_size=512, rms_norm_eps=1e-6,
+    max_position_embeddings=16384, rope_theta=10000.0, tie_word_embeddings=False,
+)
+# Shaped like Qwen3-0.6B (about 0.5B parameters with tied embeddings).
+_HALF_B: dict[str, Any] = dict(
+    hidden_size=1024, num_hidden_layers=28, intermediate_size=3072, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=128, vocab_size=151936, rms_norm_eps=1e-6,
+    max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=True,
+)
+SIZES = {"tiny": _TINY, "0.5b": _HALF_B}
+
+
+def config_for(arch: str, size: str = "tiny", sliding_window: int = 64) -> dict[str, Any]:
+    """An mlx-lm ``config.json`` dict for ``arch`` at ``size``."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+    cfg = dict(SIZES[size])
+    if arch == "llama_swa":
+        n = cfg["num_hidden_layers"]
+        cfg.update(model_type="llama", sliding_window=sliding_window,
+                   layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                                for i in range(n)])
+    elif arch == "qwen3_5":
+        cfg.update(model_type="qwen3_5", full_attention_interval=2, linear_num_value_heads=4,
+                   linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                   linear_conv_kernel_dim=4, rope_parameters={
+                       "type": "default", "rope_theta": cfg["rope_theta"],
+                       "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1]})
+    else:
+        cfg["model_type"] = arch
+    return cfg
+
+
+def build(config: dict[str, Any], *, dtype: mx.Dtype = mx.float32, seed: int = 0,
+          bits: int | None = None, group_size: int = 64) -> tuple[nn.Module, dict[str, Any]]:
+    """Instantiate ``config`` with seeded random weights in ``dtype``; quantize to ``bits``."""
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    model.set_dtype(dtype)
+    config = dict(config, torch_dtype=str(dtype).replace("mlx.core.", ""))
+    if bits is not None:
+        model, config = quantize_model(model, config, group_size, bits)
+    mx.eval(model.parameters())
+    return model, config
+
+
+def save(model: nn.Module, config: dict[str, Any], path: Path) -> Path:
+    """Write ``config.json`` + safetensors so ``mlx_lm.utils.load_model(path)`` loads it."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_model(path, model)
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    return path

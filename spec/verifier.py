@@ -1,0 +1,78 @@
+"""The one verifier: mlx-lm's sample-and-compare acceptance rule over a multi-row forward.
+
+Given the logit rows of a forward over proposed ids ``f_1..f_k`` (row ``i`` predicts the slot
+after ``f_{i+1}``), each row is processed exactly as mlx-lm's single-token step processes its
+logits (logits processors with the history grown one token per row, log-softmax, the request's
+sampler), so every sample is the target's own. Acceptance: ``f_1`` was already checked against
+the in-flight sample; ``f_{i+1}`` is accepted while it equals the sample of row ``i``; the
+sample after the last accepted id is the correction (or bonus) token. This is lossless for any
+proposer at any temperature: every emitted token is a target sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import mlx.core as mx
+
+Sampler = Callable[[mx.array], mx.array]
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+
+def process_row(
+    logits: mx.array,
+    history: mx.array | None,
+    sampler: Sampler,
+    logits_processors: Sequence[LogitsProcessor] | None,
+) -> tuple[mx.array, mx.array]:
+    """Sample one ``[1, V]`` logits row the way ``generate_step``'s ``_step`` does.
+
+    ``history`` already ends with the token this row follows. Returns ``(sample[1], logprobs[V])``.
+    """
+    if logits_processors:
+        for processor in logits_processors:
+            logits = processor(history, logits)
+    logprobs = logits - mx.logsumexp(logits, keepdims=True)
+    return sampler(logprobs), logprobs.squeeze(0)
+
+
+@dataclass
+class Verdict:
+    """Outcome of one verify round. ``accepted`` counts proposed ids kept (``>= 1``: the first was
+    pre-checked); ``logprobs[i]`` belongs to the slot after ``ids[i]``; ``next_token`` is the
+    target's sample after the last accepted id, not yet in the cache."""
+
+    accepted: int
+    next_token: int
+    next_logprobs: mx.array
+    row_logprobs: list[mx.array]
+
+
+def verify_rows(
+    rows: mx.array,
+    ids: Sequence[int],
+    history: mx.array | None,
+    sampler: Sampler,
+    logits_processors: Sequence[LogitsProcessor] | None,
+) -> Verdict:
+    """Sample every row of ``rows`` (``[k, V]`` for ``ids = f_1..f_k``) and apply the rule.
+
+    ``history`` is the logits-processor history before ``f_1`` (None without processors).
+    """
+    samples: list[mx.array] = []
+    logprobs: list[mx.array] = []
+    hist = history
+    for i, t in enumerate(ids):
+        if logits_processors:
+            tok = mx.array([t], dtype=hist.dtype if hist is not None else mx.uint32)
+            hist = tok if hist is None else mx.concatenate([hist, tok])
+        s, lp = process_row(rows[i:i + 1], hist, sampler, logits_processors)
+        samples.append(s)
+        logprobs.append(lp)
+    mx.eval(samples)
+    sampled = [int(s.item()) for s in samples]
+    accepted = 1
+    while accepted < len(ids) and sampled[accepted - 1] == ids[accepted]:
+        accepted += 1
+    return Verdict(accepted, sampled[accepted - 1], logprobs[accepted - 1], logprobs)

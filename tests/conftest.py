@@ -1,0 +1,35 @@
+"""Shared fixtures: seeded random-weight models with real mlx-lm architectures."""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+import pytest
+
+from mlx_fill.random_models import build, config_for
+
+# (id, arch, dtype, bits): every cache type and weight format the primitive supports.
+MODEL_CONFIGS = [
+    ("llama-f32", "llama", mx.float32, None),
+    ("qwen3-bf16", "qwen3", mx.bfloat16, None),
+    ("qwen3-f16", "qwen3", mx.float16, None),
+    ("qwen3-q4", "qwen3", mx.float32, 4),
+    ("qwen3-q8", "qwen3", mx.float32, 8),
+    ("qwen35-hybrid-f32", "qwen3_5", mx.float32, None),
+    ("qwen35-hybrid-bf16", "qwen3_5", mx.bfloat16, None),
+    ("llama-swa-f32", "llama_swa", mx.float32, None),
+]
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model(arch: str, dtype: mx.Dtype = mx.float32, bits: int | None = None):
+    """A cached tiny random model (weights are never mutated by the tests)."""
+    model, _ = build(config_for(arch), dtype=dtype, bits=bits, group_size=32)
+    return model
+
+
+@pytest.fixture(params=MODEL_CONFIGS, ids=[c[0] for c in MODEL_CONFIGS])
+def any_model(request):
+    _, arch, dtype, bits = request.param
+    return tiny_model(arch, dtype, bits)
