@@ -24,20 +24,24 @@ def _as_list(x: Any) -> list[mx.array]:
     raise TypeError(f"unexpected cache element {type(x).__name__}")
 
 
-def cache_content(cache: Sequence[Any]) -> list[mx.array]:
-    """Flat list of the arrays that define ``cache``'s state, in layer order."""
+def cache_content(cache: Sequence[Any], since: int = 0) -> list[mx.array]:
+    """Flat list of the arrays that define ``cache``'s state, in layer order.
+
+    ``since`` restricts attention layers to positions ``since..offset`` (a tail both sides
+    wrote on top of one shared prefix); recurrent arrays are always included whole.
+    """
     out: list[mx.array] = []
     for c in cache:
         if isinstance(c, C.CacheList):
-            out.extend(cache_content(c.caches))
+            out.extend(cache_content(c.caches, since))
         elif isinstance(c, C.ArraysCache):
             out.extend(_as_list(c.cache))
         elif isinstance(c, C.RotatingKVCache):
             n = min(int(c.offset), c.max_size)
-            out.extend(a[..., :n, :] for a in _as_list((c.keys, c.values)))
+            out.extend(a[..., min(since, n):n, :] for a in _as_list((c.keys, c.values)))
         elif isinstance(c, (C.KVCache, C.QuantizedKVCache, C.ChunkedKVCache)):
             n = int(c.offset)
-            out.extend(a[..., :n, :] for a in _as_list((c.keys, c.values)))
+            out.extend(a[..., since:n, :] for a in _as_list((c.keys, c.values)))
         else:
             raise TypeError(f"unsupported cache type {type(c).__name__}")
     return out
