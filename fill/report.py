@@ -461,6 +461,10 @@ def write_plots(result: dict, runs: Runs, out_dir: Path) -> list[str]:
                  and r["timing"].get(key) is not None] for arm in arms]
         if any(data):
             ax.boxplot([d or [float("nan")] for d in data], tick_labels=arms)
+        else:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+            ax.set_xticks([])
+            ax.set_yticks([])
         ax.set_title(title)
     fig.tight_layout()
     paths.append(str(out_dir / "latency.png"))
