@@ -175,15 +175,20 @@ def _render_history(session: dict) -> list[dict]:
     return out
 
 
+def session_tools(session: dict) -> tuple[list[dict] | None, str]:
+    """The tools array a session is replayed with and its origin: ``recorded``,
+    ``synthesized`` (structured session without one) or ``none`` (inline-text harness)."""
+    if session.get("tool_call_style") != "structured":
+        return None, "none"
+    if session.get("tools"):
+        return session["tools"], "recorded"
+    return synthesize_tools(session["messages"]) or None, "synthesized"
+
+
 def session_turns(session: dict) -> tuple[list[Turn], str]:
     """The session's turns, in order, and how its tools were obtained."""
     structured = session.get("tool_call_style") == "structured"
-    if not structured:
-        tools, origin = None, "none"
-    elif session.get("tools"):
-        tools, origin = session["tools"], "recorded"
-    else:
-        tools, origin = synthesize_tools(session["messages"]), "synthesized"
+    tools, origin = session_tools(session)
     history = _render_history(session)
     turns = []
     messages = session["messages"]
@@ -197,7 +202,7 @@ def session_turns(session: dict) -> tuple[list[Turn], str]:
             "tool_names": [c["name"] for c in calls],
         }
         turns.append(Turn(str(session.get("session_id", "")), str(session.get("source", "")), len(turns),
-                          index, history[:index], tools or None, origin, expected))
+                          index, history[:index], tools, origin, expected))
     return turns, origin
 
 

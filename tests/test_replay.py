@@ -117,6 +117,8 @@ def test_session_without_tools_is_marked_synthesized_and_recorded_tools_are_kept
     recorded = [{"type": "function", "function": {"name": "find", "parameters": {"type": "object"}}}]
     turns, origin = replay.session_turns(_structured(tools=recorded))
     assert origin == "recorded" and turns[0].tools == recorded
+    assert replay.session_tools(_inline()) == (None, "none")
+    assert replay.session_tools(_structured(tools=recorded)) == (recorded, "recorded")
 
 
 # ----------------------------------------------------------------------------- history
