@@ -18,6 +18,12 @@ Rendering contract for the recorded history:
 
 A turn is an assistant message that follows a non-assistant message. Corrupt transcript lines
 (unparsable JSON, no ``messages`` list) are skipped and reported.
+
+Timing is client-side, from sending the request: ``wall_s`` to the end of the reply, ``ttft_s``
+to the first content or tool-call delta, ``first_tool_call_s`` to the first tool-call delta
+(``mlx_lm.server`` streams each call whole once it is parsed, so this is when the first call was
+complete). The last two need ``--stream`` (the default). ``usage.fill`` is recorded verbatim when
+the server reports it (mlx-fill servers), else None.
 """
 
 from __future__ import annotations
