@@ -1,0 +1,231 @@
+"""``mlx-fill audit``: compile strict rows for a family's template and audit them on a corpus.
+
+Each corpus case is one assistant turn. Its ids are the model's own: the case's assistant
+message is rendered through the real template after the case's conversation (``reply``), or,
+for streams a template cannot express, its text is tokenized whole (``raw_reply``). The stream
+is cut after its first EOS id, then teacher-forced through a fresh :class:`StrictSource`
+exactly as the decode loop drives it (``propose`` at each position through a ``FillSession``,
+which cuts spans at EOS and at ``max_span``; an applied span is appended whole). Per case:
+
+* fires, injected ids;
+* containment failures: a proposed span that is not the ids the real stream has at that point;
+* false fires: any fire in a case marked ``"expect": "none"``, or a fire starting inside one
+  of the case's ``no_fill_in`` substrings of the reply text;
+* missed: a case marked ``"expect": "fill"`` where nothing fired.
+
+Exit status 1 on any containment failure, false fire or miss; 0 otherwise.
+
+Case file (``<corpus>/<family>/*.json``)::
+
+    {"id": "...", "family": "qwen3.5", "description": "...",
+     "tools": "default.json",                # optional, under <corpus>/tools/; else --tools
+     "messages": [...], "template_kwargs": {...},
+     "reply": {"role": "assistant", ...}     # or "raw_reply": "text"
+     "expect": "fill" | "none", "no_fill_in": ["..."]}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .assets import FAMILIES, load_tokenizer
+from .proposal import DecodeView, FillSession
+from .rows import plan_for
+from .strict import strict_source
+from .tokenbytes import ids_bytes, token_bytes
+
+DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "fixtures" / "audit"
+
+
+@dataclass
+class Fire:
+    position: int
+    origin: str
+    ids: list[int]
+    contained: bool
+    false_fire: bool
+
+
+@dataclass
+class CaseResult:
+    id: str
+    family: str
+    expect: str
+    tokens: int
+    fires: list[Fire] = field(default_factory=list)
+    compiled: bool = True
+
+    @property
+    def injected(self) -> int:
+        return sum(len(f.ids) for f in self.fires if f.contained)
+
+    @property
+    def containment_failures(self) -> int:
+        return sum(not f.contained for f in self.fires)
+
+    @property
+    def false_fires(self) -> int:
+        return sum(f.false_fire for f in self.fires)
+
+    @property
+    def missed(self) -> bool:
+        return self.expect == "fill" and not any(f.contained for f in self.fires)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.containment_failures or self.false_fires or self.missed)
+
+
+def _render(tok, messages, tools, kwargs, generation: bool) -> str:
+    return tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                   add_generation_prompt=generation, **kwargs)
+
+
+def case_stream(tok, case: dict, tools) -> tuple[list[int], list[int], str]:
+    """(prompt ids, reply ids cut after the first EOS, reply text) for one case."""
+    kwargs = case.get("template_kwargs", {})
+    messages = case["messages"]
+    primer = _render(tok, messages, tools, kwargs, True)
+    if "raw_reply" in case:
+        text = case["raw_reply"]
+    else:
+        full = _render(tok, [*messages, case["reply"]], tools, kwargs, False)
+        if not full.startswith(primer):
+            raise ValueError(f"case {case['id']}: the rendered reply does not extend the prompt")
+        text = full[len(primer):]
+    ids = tok.encode(text, add_special_tokens=False)
+    eos = set(tok.eos_token_ids)
+    for i, t in enumerate(ids):
+        if t in eos:
+            ids = ids[: i + 1]
+            break
+    prompt = tok.encode(primer, add_special_tokens=False)
+    return prompt, ids, text
+
+
+def _regions(text: str, needles: list[str]) -> list[tuple[int, int]]:
+    out = []
+    for needle in needles:
+        start = text.find(needle)
+        if start < 0:
+            raise ValueError(f"no_fill_in entry {needle!r} is not in the reply text")
+        while start >= 0:
+            out.append((start, start + len(needle)))
+            start = text.find(needle, start + 1)
+    return out
+
+
+def audit_case(tok, case: dict, tools) -> CaseResult:
+    """Teacher-force one case through a fresh StrictSource."""
+    prompt, ids, text = case_stream(tok, case, tools)
+    expect = case.get("expect", "fill")
+    result = CaseResult(case["id"], case["family"], expect, len(ids))
+    source = strict_source(tok, case["messages"], tools, case.get("template_kwargs"))
+    if source is None:
+        result.compiled = False
+        return result
+    session = FillSession([source])
+    table = token_bytes(tok)
+    regions = _regions(text, case.get("no_fill_in", []))
+    eos = frozenset(tok.eos_token_ids)
+    pos = 0
+    while pos < len(ids):
+        view = DecodeView(prompt, ids[:pos], eos)
+        p = session.propose(view)
+        if p is None:
+            pos += 1
+            continue
+        span = list(p.ids)
+        contained = ids[pos: pos + len(span)] == span
+        at = len(ids_bytes(table, ids[:pos]).decode("utf-8", "replace"))
+        false_fire = expect == "none" or any(a <= at < b for a, b in regions)
+        result.fires.append(Fire(pos, p.origin, span, contained, false_fire))
+        session.feedback(p, len(span) if contained else 0, pos)
+        pos += len(span) if contained else 1
+    return result
+
+
+def load_cases(corpus: Path, family: str) -> list[dict]:
+    folder = corpus / family if (corpus / family).is_dir() else corpus
+    cases = []
+    for path in sorted(folder.glob("*.json")):
+        case = json.loads(path.read_text())
+        if case.get("family") == family:
+            cases.append(case)
+    return cases
+
+
+def _tools(corpus: Path, case: dict, default):
+    ref = case.get("tools")
+    if ref is None:
+        return default
+    if isinstance(ref, list):
+        return ref
+    return json.loads((corpus / "tools" / ref).read_text())
+
+
+def print_rows(tok, family: str, tools, out) -> None:
+    plan = plan_for(tok, [{"role": "user", "content": "audit"}], tools)
+    if plan is None:
+        print(f"[{family}] no rows: the template cannot render tool calls", file=out)
+        return
+    print(f"[{family}] syntax={plan.syntax} rows={len(plan.rows())}", file=out)
+    for r in plan.rows():
+        print(f"  {r.origin:<32} assert key={r.key!r} trigger={list(r.trigger)} "
+              f"({tok.decode(list(r.trigger))!r}) span={list(r.span)} "
+              f"({tok.decode(list(r.span))!r})", file=out)
+
+
+def audit_family(family: str, tools, corpus: Path, out=sys.stdout) -> list[CaseResult]:
+    tok = load_tokenizer(family)
+    print_rows(tok, family, tools, out)
+    results = []
+    for case in load_cases(corpus, family):
+        r = audit_case(tok, case, _tools(corpus, case, tools))
+        results.append(r)
+        status = "ok" if r.ok else "FAIL"
+        print(f"  {status:<4} {r.id:<40} expect={r.expect:<4} fires={len(r.fires)} "
+              f"injected={r.injected}/{r.tokens} containment_failures={r.containment_failures} "
+              f"false_fires={r.false_fires}{' MISSED' if r.missed else ''}"
+              f"{'' if r.compiled else ' (no rows compiled)'}", file=out)
+        for f in r.fires:
+            if not f.contained or f.false_fire:
+                print(f"       at {f.position} {f.origin}: {tok.decode(f.ids)!r}"
+                      f"{'' if f.contained else ' NOT CONTAINED'}"
+                      f"{' FALSE FIRE' if f.false_fire else ''}", file=out)
+    return results
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--family", required=True, choices=[*FAMILIES, "all"])
+    parser.add_argument("--tools", type=Path,
+                        help="tools.json (OpenAI tools array); default <corpus>/tools/default.json")
+    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    parser.add_argument("--json", type=Path, help="write the full report here")
+
+
+def run(args: argparse.Namespace) -> int:
+    tools_path = args.tools or args.corpus / "tools" / "default.json"
+    tools = json.loads(Path(tools_path).read_text())
+    families = list(FAMILIES) if args.family == "all" else [args.family]
+    results: list[CaseResult] = []
+    for family in families:
+        results += audit_family(family, tools, args.corpus)
+    bad = [r for r in results if not r.ok]
+    total_inj = sum(r.injected for r in results)
+    total_tok = sum(r.tokens for r in results)
+    print(f"cases={len(results)} failed={len(bad)} fires={sum(len(r.fires) for r in results)} "
+          f"injected={total_inj}/{total_tok} tokens "
+          f"containment_failures={sum(r.containment_failures for r in results)} "
+          f"false_fires={sum(r.false_fires for r in results)} "
+          f"missed={sum(r.missed for r in results)}")
+    if args.json:
+        report = [{**asdict(r), "injected": r.injected, "ok": r.ok,
+                   "containment_failures": r.containment_failures,
+                   "false_fires": r.false_fires, "missed": r.missed} for r in results]
+        args.json.write_text(json.dumps({"cases": report}, indent=1))
+    return 1 if bad or not results else 0

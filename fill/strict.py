@@ -1,0 +1,123 @@
+"""StrictSource: asserts the parts of a tool call that the template and schema determine.
+
+Per position the source decodes only the new ids (incrementally, never splitting a UTF-8
+character), advances the :class:`~mlx_fill.guards.TurnGuard`, and proposes a compiled row only
+when the guard puts the stream in the row's structural state:
+
+* ``scaffold`` / ``name`` rows: the stream is inside a structurally opened call whose body so far
+  equals the row's key text exactly, and the emitted ids end with the row's trigger ids.
+* ``close`` rows: the body parses (grammar, full consumption) as a known tool's call ending at a
+  complete value delimiter, the text since that value equals the row's key, no key is
+  duplicated, and the tool's schema allows no further argument.
+
+Everything proposed is ``assert``: the spans are template/schema-determined. A call whose body
+does not parse once it has ended, after rows fired in it, counts a ``parse_fallback`` and
+disarms the source for the rest of the request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .guards import SYNTAXES, Role, TurnGuard
+from .proposal import DecodeView, Proposal
+from .rows import Row, RowPlan, initial_role, plan_for
+from .tokenbytes import IncrementalText, token_bytes
+
+
+@dataclass
+class StrictStats:
+    """What this source did in one request."""
+
+    fires: int = 0
+    accepted: int = 0
+    parse_fallbacks: int = 0
+
+
+class StrictSource:
+    """A ProposalSource over a compiled :class:`RowPlan` for one request."""
+
+    name = "strict"
+
+    def __init__(self, plan: RowPlan, tokenizer, initial: Role) -> None:
+        self.plan = plan
+        self.guard = TurnGuard(SYNTAXES[plan.syntax], plan.markers, initial)
+        self.text = IncrementalText(token_bytes(tokenizer))
+        self.stats = StrictStats()
+        self.armed = True
+        self._seen = 0
+        self._fired_in_call = False
+        self._calls_ended = 0
+        self._max_head_key = max((len(k) for k in plan.head), default=0)
+
+    def _advance(self, emitted) -> None:
+        if len(emitted) < self._seen:
+            raise ValueError("the emitted stream shrank; a source sees each position once")
+        new = emitted[self._seen:]
+        self._seen = len(emitted)
+        if new:
+            self.guard.feed(self.text.add(new))
+        if self.guard.calls_ended != self._calls_ended:
+            self._calls_ended = self.guard.calls_ended
+            if self._fired_in_call and self.guard.syntax.parse(self.guard.last_body) is None:
+                self._disarm()
+            self._fired_in_call = False
+
+    def _row(self, emitted) -> Row | None:
+        g = self.guard
+        if g.role is not Role.CALL or g.declined:
+            return None
+        if len(g.body) <= self._max_head_key and g.body in self.plan.head:
+            row = self.plan.head[g.body]
+            if _ends_with(emitted, row.trigger):
+                return row
+            return None
+        for key in self.plan.close_keys:
+            if not g.body.endswith(key):
+                continue
+            state = g.call_prefix()
+            if state is None:
+                return None
+            spec = self.plan.tools.get(state.tool)
+            if (spec is None or state.closed is False and not spec.closable(state.keys)
+                    or state.value_end != len(g.body) - len(key)):
+                return None
+            row = self.plan.close[key]
+            return row if _ends_with(emitted, row.trigger) else None
+        return None
+
+    def _disarm(self) -> None:
+        self.armed = False
+        self.stats.parse_fallbacks += 1
+
+    def propose(self, view: DecodeView) -> Proposal | None:
+        """A row's span when the guard is in its structural state; else None."""
+        self._advance(view.emitted)
+        if not self.armed:
+            return None
+        row = self._row(view.emitted)
+        if row is None:
+            return None
+        self.stats.fires += 1
+        self._fired_in_call = True
+        return Proposal(row.span, "assert", row.origin)
+
+    def feedback(self, proposal: Proposal, accepted: int) -> None:
+        """Count committed ids (assert spans are committed whole unless a stop cut them)."""
+        self.stats.accepted += accepted
+
+
+def _ends_with(seq, tail: tuple[int, ...]) -> bool:
+    n = len(tail)
+    return n == 0 or (len(seq) >= n and tuple(seq[-n:]) == tail)
+
+
+def strict_source(tokenizer, messages: list[dict], tools: list[dict] | None,
+                  template_kwargs: dict | None = None) -> StrictSource | None:
+    """A StrictSource for this request, or None when no rows compile (no tools, or a template
+    that cannot render tool calls). Raises ValueError naming the path of a malformed tool."""
+    plan = plan_for(tokenizer, messages, tools, template_kwargs)
+    if plan is None or not plan.rows():
+        return None
+    role = initial_role(tokenizer, messages, tools, dict(template_kwargs or {}), plan.markers)
+    return StrictSource(plan, tokenizer, role)
