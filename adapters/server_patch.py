@@ -1,0 +1,218 @@
+"""Fill inside an unmodified ``mlx_lm.server`` (mlx-lm 0.32.x), applied by the autoload hook.
+
+Routing: a chat or text completion whose body carries ``tools``, ``tool_choice`` or
+``prediction`` is marked on the HTTP thread (``APIHandler.handle_completion``), the mark is
+copied onto its ``GenerationArguments`` (``ResponseGenerator.generate``), and
+``ResponseGenerator._is_batchable`` answers False for it, so it takes the serial lane
+(``_serve_single``). Every other request keeps the batched lane untouched.
+
+Decoding: ``_tokenize`` records the full prompt ids on the mark; ``_serve_single`` publishes the
+mark in a context variable on the generation thread; ``mlx_lm.server.stream_generate`` (the
+name server.py bound at import) is wrapped to build the request's :class:`FillSession` and pass
+``fill=`` to the fill-aware ``generate_step`` (installed in ``mlx_lm.generate`` by the same hook).
+
+Responses: ``usage.fill`` (the session's stats) and, with a ``prediction``,
+``usage.completion_tokens_details.{accepted,rejected}_prediction_tokens``, in the final
+response and in the streamed usage chunk (``stream_options.include_usage``).
+
+Every wrapper carries ``__mlx_fill__ = True`` (idempotence) and ``__wrapped__``. All targets are
+checked before any is replaced; a mismatch raises, and the hook turns that into one warning.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..proposal import FillSession
+from ..session import build_session, finish_session, predicted_count
+from ..prediction import prediction_usage
+
+ROUTED_KEYS = ("tools", "tool_choice", "prediction")
+log = logging.getLogger("mlx_fill")
+
+# (class name, method, leading parameter names the wrapper relies on)
+TARGETS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("APIHandler", "handle_completion", ("self", "request", "stop_words")),
+    ("APIHandler", "generate_response", ("self", "text", "finish_reason")),
+    ("APIHandler", "completion_usage_response", ("self",)),
+    ("ResponseGenerator", "generate", ("self", "request", "generation_args")),
+    ("ResponseGenerator", "_is_batchable", ("self", "args")),
+    ("ResponseGenerator", "_serve_single", ("self", "request", "stream")),
+    ("ResponseGenerator", "_tokenize", ("self", "tokenizer", "request", "args")),
+)
+
+
+@dataclass
+class FillRequest:
+    """What the fill needs from one HTTP request; filled in as the request moves threads."""
+
+    mode: str
+    body: dict
+    prompt_ids: list[int] | None = None
+    session: FillSession | None = None
+    predicted: int = 0
+    error: str | None = None
+
+    def usage(self) -> dict[str, Any]:
+        """``usage`` additions: ``fill`` and, with a prediction, ``completion_tokens_details``."""
+        extra: dict[str, Any] = {}
+        if self.session is not None:
+            extra["fill"] = self.session.stats.as_dict()
+        elif self.error is not None:
+            extra["fill"] = {"error": self.error}
+        if self.body.get("prediction") is not None:
+            extra["completion_tokens_details"] = prediction_usage(self.session, self.predicted)
+        return extra
+
+
+_current: contextvars.ContextVar[tuple[FillRequest, Any] | None] = contextvars.ContextVar(
+    "mlx_fill_request", default=None)
+
+
+def wants_fill(body: Any) -> bool:
+    """Requests that take the serial fill lane: those carrying tools, tool_choice or prediction."""
+    return isinstance(body, dict) and bool(
+        body.get("tools") or body.get("tool_choice") is not None or body.get("prediction") is not None)
+
+
+def _check(server: Any) -> None:
+    for cls_name, method, params in TARGETS:
+        cls = getattr(server, cls_name, None)
+        fn = getattr(cls, method, None)
+        if fn is None:
+            raise RuntimeError(f"mlx_lm.server.{cls_name}.{method} is missing")
+        names = tuple(inspect.signature(fn).parameters)[:len(params)]
+        if names != params:
+            raise RuntimeError(f"mlx_lm.server.{cls_name}.{method}{names} does not start with {params}")
+    if not callable(getattr(server, "stream_generate", None)):
+        raise RuntimeError("mlx_lm.server.stream_generate is missing")
+
+
+def _wrap(original: Callable, wrapper: Callable) -> Callable:
+    wrapper.__wrapped__ = original
+    wrapper.__mlx_fill__ = True
+    wrapper.__name__ = getattr(original, "__name__", wrapper.__name__)
+    wrapper.__doc__ = original.__doc__
+    return wrapper
+
+
+def _add_usage(response: Any, fill_request: FillRequest | None) -> Any:
+    if fill_request is not None and isinstance(response, dict) and isinstance(response.get("usage"), dict):
+        response["usage"].update(fill_request.usage())
+    return response
+
+
+def _open_session(fill_request: FillRequest, args: Any, kwargs: dict) -> FillSession | None:
+    """The request's session; a request fill cannot serve (malformed tools or prediction) gets
+    a refused session, so it decodes exactly as without fill and says why in ``usage.fill``."""
+    body = fill_request.body
+    tokenizer = kwargs["tokenizer"]
+    prompt_ids = fill_request.prompt_ids or []
+    try:
+        fill_request.predicted = predicted_count(tokenizer, body.get("prediction"))
+        return build_session(
+            fill_request.mode, model=kwargs["model"], tokenizer=tokenizer, prompt_ids=prompt_ids,
+            messages=body.get("messages"), tools=body.get("tools") or None,
+            template_kwargs=body.get("chat_template_kwargs") or None,
+            temperature=float(getattr(args.sampling, "temperature", 0.0) or 0.0),
+            seed=getattr(args, "seed", None),
+            logprobs=bool(getattr(args, "logprobs", False)) or (getattr(args, "top_logprobs", -1) or -1) > 0,
+            response_format=body.get("response_format"),
+            media=kwargs.get("input_embeddings") is not None,
+            prediction=body.get("prediction"))
+    except ValueError as e:
+        session = FillSession([], prompt_ids=prompt_ids)
+        session.refuse("invalid_request")
+        fill_request.error = str(e)
+        return session
+
+
+def apply(server: Any, mode: str) -> bool:
+    """Patch the executed ``mlx_lm.server`` module for fill ``mode``. Returns False when it was
+    already patched. Raises (patching nothing) when a target is missing or has another shape."""
+    if getattr(server.ResponseGenerator._is_batchable, "__mlx_fill__", False):
+        return False
+    _check(server)
+    from .mlx_lm import install_generate_step
+    API, RG = server.APIHandler, server.ResponseGenerator
+    handle_completion, generate_response = API.handle_completion, API.generate_response
+    usage_response, generate = API.completion_usage_response, RG.generate
+    is_batchable, serve_single, tokenize = RG._is_batchable, RG._serve_single, RG._tokenize
+    stream_generate = server.stream_generate
+
+    def handle_completion_w(self, request, stop_words, *a, **kw):
+        body = getattr(self, "body", None)
+        self.mlx_fill = FillRequest(mode, body) if wants_fill(body) else None
+        if self.mlx_fill is not None:
+            request.mlx_fill = self.mlx_fill
+        return handle_completion(self, request, stop_words, *a, **kw)
+
+    def generate_response_w(self, *a, **kw):
+        return _add_usage(generate_response(self, *a, **kw), getattr(self, "mlx_fill", None))
+
+    def usage_response_w(self, *a, **kw):
+        return _add_usage(usage_response(self, *a, **kw), getattr(self, "mlx_fill", None))
+
+    def generate_w(self, request, generation_args, *a, **kw):
+        fill_request = getattr(request, "mlx_fill", None)
+        if fill_request is not None:
+            generation_args.mlx_fill = fill_request
+        return generate(self, request, generation_args, *a, **kw)
+
+    def is_batchable_w(self, args, *a, **kw):
+        if getattr(args, "mlx_fill", None) is not None:
+            return False
+        return is_batchable(self, args, *a, **kw)
+
+    def tokenize_w(self, tokenizer, request, args, *a, **kw):
+        out = tokenize(self, tokenizer, request, args, *a, **kw)
+        fill_request = getattr(request, "mlx_fill", None)
+        if fill_request is not None:
+            fill_request.prompt_ids = list(out[0])
+        return out
+
+    def serve_single_w(self, request, stream, *a, **kw):
+        args = request[2]
+        fill_request = getattr(args, "mlx_fill", None)
+        token = _current.set((fill_request, args) if fill_request is not None else None)
+        try:
+            return serve_single(self, request, stream, *a, **kw)
+        finally:
+            _current.reset(token)
+
+    def stream_generate_w(*a, **kw):
+        current = _current.get()
+        if current is None or kw.get("draft_model") is not None or "fill" in kw or a:
+            return stream_generate(*a, **kw)
+        _current.set(None)  # one session per request
+        fill_request, args = current
+        try:
+            session = _open_session(fill_request, args, kw)
+        except Exception as e:  # a fill bug must not fail the request
+            log.warning("mlx-fill: request served without fill (%s: %s)", type(e).__name__, e)
+            fill_request.error = f"{type(e).__name__}: {e}"
+            return stream_generate(*a, **kw)
+        fill_request.session = session
+        return _finishing(stream_generate(fill=session, **kw), session)
+
+    install_generate_step()
+    API.handle_completion = _wrap(handle_completion, handle_completion_w)
+    API.generate_response = _wrap(generate_response, generate_response_w)
+    API.completion_usage_response = _wrap(usage_response, usage_response_w)
+    RG.generate = _wrap(generate, generate_w)
+    RG._tokenize = _wrap(tokenize, tokenize_w)
+    RG._serve_single = _wrap(serve_single, serve_single_w)
+    server.stream_generate = _wrap(stream_generate, stream_generate_w)
+    RG._is_batchable = _wrap(is_batchable, is_batchable_w)  # last: the idempotence flag
+    return True
+
+
+def _finishing(responses, session: FillSession):
+    try:
+        yield from responses
+    finally:
+        finish_session(session)

@@ -1,0 +1,158 @@
+"""One place that turns a request into a :class:`FillSession` (or None): modes, sources, refusals.
+
+Modes (``MLX_FILL`` / ``--fill``): ``off`` -> no session; ``strict`` -> the strict source only
+(spans the template/schema and parser state determine); ``echo`` -> strict + echo; ``all`` ->
+strict + echo + suffix + ngram, plus the sources named in ``spec`` / ``MLX_FILL_SPEC``. An OpenAI
+``prediction`` adds a :class:`~mlx_fill.prediction.PredictionSource` (``verify``: lossless) in
+every mode but ``off``.
+
+A request that fill must not touch still gets a session, refused with a counted reason, so the
+reason shows in ``usage.fill.refusals``: ``logprobs`` (forced tokens have no real logprobs),
+``seed`` (a fixed user seed must reproduce the serial sample stream), ``response_format``
+(grammar-constrained output), ``media``. At temperature > 0 ``assert`` proposals are dropped
+(``allow_assert=False``); ``verify`` stays lossless in distribution.
+
+Environment knobs: ``MLX_FILL_MAX_SPAN`` (ids per proposal, default 64), ``MLX_FILL_TRACE`` (a
+JSONL file every fill event is appended to), ``MLX_FILL_PLAN`` (a dispatch plan file, read by
+:func:`~mlx_fill.plan.load_plan`), ``MLX_FILL_SPEC`` (comma-separated extra sources for ``all``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+from .plan import load_plan
+from .prediction import PredictionSource, prediction_text
+from .proposal import FillSession, ProposalSource
+
+MODES = ("off", "strict", "echo", "all")
+DEFAULT_MAX_SPAN = 64
+_MODE_SOURCES = {"strict": (), "echo": ("echo",), "all": ("echo", "suffix", "ngram")}
+
+
+def check_mode(mode: str | None) -> str:
+    """The normalised mode; ValueError for anything but :data:`MODES` (None and '' mean off)."""
+    m = (mode or "off").strip().lower()
+    if m in ("0", "false", "no"):
+        m = "off"
+    if m not in MODES:
+        raise ValueError(f"fill mode must be one of {', '.join(MODES)}; got {mode!r}")
+    return m
+
+
+def env_max_span() -> int:
+    raw = os.environ.get("MLX_FILL_MAX_SPAN")
+    if not raw:
+        return DEFAULT_MAX_SPAN
+    value = int(raw)
+    if value < 1:
+        raise ValueError(f"MLX_FILL_MAX_SPAN must be >= 1, got {raw!r}")
+    return value
+
+
+def spec_names(spec: str | Sequence[str] | None) -> list[str]:
+    """Extra source names from ``spec`` (a list or comma-separated string), else ``MLX_FILL_SPEC``."""
+    if spec is None:
+        spec = os.environ.get("MLX_FILL_SPEC", "")
+    if isinstance(spec, str):
+        spec = spec.split(",")
+    return [s.strip() for s in spec if s and s.strip()]
+
+
+def _strict_source(tokenizer: Any, messages: Any, tools: Any, template_kwargs: Any):
+    """The strict source, or None when the request has nothing strict can determine. Raises
+    ValueError (naming the offending path) for malformed tools or schemas."""
+    if messages is None:
+        return None
+    try:
+        from .strict import strict_source
+    except ImportError:
+        return None
+    return strict_source(tokenizer, messages, tools, template_kwargs or {})
+
+
+def _refusal(*, logprobs: bool, seed: int | None, response_format: Any, media: bool) -> str | None:
+    if logprobs:
+        return "logprobs"
+    if seed is not None:
+        return "seed"
+    if response_format not in (None, {"type": "text"}):
+        return "response_format"
+    if media:
+        return "media"
+    return None
+
+
+def build_session(
+    mode: str,
+    *,
+    model: Any,
+    tokenizer: Any,
+    prompt_ids: Sequence[int],
+    messages: list | None = None,
+    tools: list | None = None,
+    template_kwargs: dict | None = None,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    logprobs: bool = False,
+    response_format: Any = None,
+    media: bool = False,
+    prediction: Any = None,
+    max_span: int | None = None,
+    trace_path: str | os.PathLike | None = None,
+    spec: str | Sequence[str] | None = None,
+    global_tree: Any = None,
+    ledger: Any = None,
+) -> FillSession | None:
+    """The fill session for one request; None when ``mode`` is ``off``.
+
+    ``prompt_ids``: the full rendered prompt (cached prefix included). ``logprobs`` is true when
+    the client asked for logprobs or top_logprobs. ``prediction``: an OpenAI Predicted Outputs
+    object. ``max_span`` / ``trace_path`` default to ``MLX_FILL_MAX_SPAN`` / ``MLX_FILL_TRACE``.
+    Raises ValueError for a bad mode, malformed tools/schemas or a malformed prediction.
+    The caller closes the trace with :func:`finish_session` when generation ends.
+    """
+    mode = check_mode(mode)
+    if mode == "off":
+        return None
+    max_span = max_span if max_span is not None else env_max_span()
+    refusal = _refusal(logprobs=logprobs, seed=seed, response_format=response_format, media=media)
+    eos_ids = sorted(getattr(tokenizer, "eos_token_ids", ()) or ())
+    sources: list[ProposalSource] = []
+    if refusal is None:
+        strict = _strict_source(tokenizer, messages, tools, template_kwargs)
+        if strict is not None:
+            sources.append(strict)
+        if prediction is not None:
+            ids = tokenizer.encode(prediction_text(prediction), add_special_tokens=False)
+            if ids:
+                sources.append(PredictionSource(ids, max_span=max_span))
+        names = list(_MODE_SOURCES[mode])
+        if mode == "all":
+            names += [n for n in spec_names(spec) if n not in names]
+        if names:
+            from .spec.roster import make_sources
+            sources += make_sources(names, plan=load_plan(model), tokenizer=tokenizer,
+                                    prompt_ids=prompt_ids, global_tree=global_tree,
+                                    ledger=ledger, max_span=max_span)
+    trace_path = trace_path if trace_path is not None else os.environ.get("MLX_FILL_TRACE") or None
+    trace = open(trace_path, "a", buffering=1, encoding="utf-8") if trace_path else None
+    session = FillSession(sources, prompt_ids=prompt_ids, eos_ids=eos_ids, max_span=max_span,
+                          allow_assert=temperature == 0, trace=trace)
+    if refusal is not None:
+        session.refuse(refusal)
+    return session
+
+
+def finish_session(session: FillSession | None) -> None:
+    """Close the session's trace file (if any). Idempotent."""
+    if session is not None and session.trace is not None and not session.trace.closed:
+        session.trace.close()
+
+
+def predicted_count(tokenizer: Any, prediction: Any) -> int:
+    """How many ids the prediction's text encodes to (0 without a prediction)."""
+    if prediction is None:
+        return 0
+    return len(tokenizer.encode(prediction_text(prediction), add_special_tokens=False))

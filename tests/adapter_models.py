@@ -1,0 +1,44 @@
+"""Model directories for the adapter tests (real mlx-lm loadable dirs, real qwen3 tokenizer).
+
+``serving_model_dir()`` is the trained ``qwen3-json`` fixture when its weights are in the
+checkout, else a tiny seeded random-weight qwen3 with the full qwen3 vocabulary (its output is
+gibberish, but every plumbing path runs). ``TRAINED`` says which one the tests got.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from mlx_fill import assets
+from mlx_fill.fixtures import TOKENIZER_FILES, FixtureMissing, fixture_path
+from mlx_fill.paths import user_cache_dir
+from mlx_fill.random_models import build, config_for, save
+
+QWEN3_VOCAB = 151936
+
+
+def random_qwen3_dir() -> Path:
+    """A tiny random qwen3 (tied embeddings, full vocab) with the qwen3 tokenizer and template."""
+    dest = user_cache_dir() / "test-models" / "qwen3-random-tiny"
+    if (dest / "model.safetensors").is_file() and all((dest / f).is_file() for f in TOKENIZER_FILES):
+        return dest
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    config = dict(config_for("qwen3"), vocab_size=QWEN3_VOCAB, tie_word_embeddings=True)
+    model, config = build(config, seed=7)
+    save(model, config, tmp)
+    family = assets.family_dir("qwen3")
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(family / name, tmp / name)
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    return dest
+
+
+def serving_model_dir() -> tuple[Path, bool]:
+    """(model dir, trained?): the qwen3-json fixture if present, else the random tiny qwen3."""
+    try:
+        return fixture_path("qwen3-json"), True
+    except FixtureMissing:
+        return random_qwen3_dir(), False
