@@ -94,8 +94,15 @@ def _session_problem(obj) -> str | None:
     messages = obj.get("messages")
     if not isinstance(messages, list) or not messages:
         return "no messages list"
-    if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-        return "a message without a role"
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            return "a message without a role"
+        if not isinstance(m.get("content"), (str, type(None))):
+            return "a message whose content is not a string"
+        calls = m.get("tool_calls") or []
+        if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str)
+                                                  for c in calls):
+            return "a tool call without a name"
     return None
 
 

@@ -72,11 +72,15 @@ def _write_lines(path: Path, lines: list[str], gz: bool = False) -> Path:
 @pytest.mark.parametrize("gz", [False, True])
 def test_load_sessions_skips_and_reports_corrupt_lines(tmp_path, gz):
     lines = [json.dumps(_structured()), "{truncated", "[1, 2]", json.dumps({"messages": []}),
-             json.dumps({"messages": [{"content": "no role"}]}), "", json.dumps(_inline())]
+             json.dumps({"messages": [{"content": "no role"}]}), "",
+             json.dumps({"messages": [{"role": "user", "content": ["parts"]}]}),
+             json.dumps({"messages": [{"role": "assistant", "tool_calls": [{"arguments": {}}]}]}),
+             json.dumps(_inline())]
     sessions, corrupt = replay.load_sessions(_write_lines(tmp_path / "t.jsonl", lines, gz=gz))
     assert [s["session_id"] for s in sessions] == ["s-structured", "s-inline"]
     assert [(c.line, c.reason.split(":")[0]) for c in corrupt] == [
-        (2, "invalid JSON"), (3, "not a JSON object"), (4, "no messages list"), (5, "a message without a role")]
+        (2, "invalid JSON"), (3, "not a JSON object"), (4, "no messages list"), (5, "a message without a role"),
+        (7, "a message whose content is not a string"), (8, "a tool call without a name")]
 
 
 def test_truncated_gzip_keeps_what_was_read(tmp_path):
