@@ -52,9 +52,9 @@ class DraftProposalSource:
             self.source.prefill(list(view.prompt))
             self._seen = len(view.prompt)
             self._prefilled = True
-        tokens = view.tokens
-        feed = tokens[self._seen:]
-        self._seen = len(tokens)
+        n_prompt = len(view.prompt)
+        feed = list(view.emitted[self._seen - n_prompt:])  # O(new tokens), not O(context)
+        self._seen = n_prompt + len(view.emitted)
         n = self._length()
         if n <= 0:
             if feed:

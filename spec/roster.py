@@ -1,0 +1,116 @@
+"""The model-free roster: builds ``echo``, ``ngram`` and ``suffix`` fill sources for a request.
+
+All sources of one request share one :class:`~mlx_fill.echo.EchoIndex` (the index is idempotent
+under several readers of the same token stream). With a ``plan`` each source's round length is
+chosen by its own :class:`~mlx_fill.spec.cost.CostGate` from the plan's cost curve; with
+``plan=None`` every round proposes up to ``max_span`` ids (the corpus study's oracle setting).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Collection, Sequence
+
+from ..echo import EchoDraft, EchoIndex, EchoSource
+from ..ledger import Ledger
+from ..plan import DispatchPlan
+from ..proposal import ProposalSource
+from .base import DraftProposalSource, DraftSource
+from .cost import CostGate
+from .ngram import NgramDraft
+from .suffix import GlobalSuffixTree, SuffixDraft, SuffixParams
+
+NAMES = ("echo", "ngram", "suffix")
+ECHO_ROW = "echo:corroborated"
+
+
+class GatedDraft:
+    """A model-free DraftSource whose declined rounds are drafted anyway and scored as shadow
+    drafts, and whose verified rounds feed the gate's acceptance statistics."""
+
+    def __init__(self, source: DraftSource, gate: CostGate):
+        self.source = source
+        self.gate = gate
+        self.name = source.name
+
+    def prefill(self, prompt: Sequence[int]) -> None:
+        self.source.prefill(prompt)
+
+    def draft(self, feed: Sequence[int], n: int) -> list[int]:
+        self.gate.begin(feed)
+        if n <= 0:
+            self.gate.shadow(self.source.draft(feed, self.gate.max_len))
+            return []
+        return self.source.draft(feed, n)
+
+    def commit(self, drafted: Sequence[int], accepted: int) -> None:
+        self.gate.observe(len(drafted), accepted)
+        self.source.commit(drafted, accepted)
+
+
+def delimiter_ids(delimiters: Collection[int | str], tokenizer: Any) -> frozenset[int]:
+    """Token ids for ``delimiters`` given as ids or as strings that encode to one token."""
+    out: set[int] = set()
+    for d in delimiters:
+        if isinstance(d, int):
+            out.add(d)
+            continue
+        ids = tokenizer.encode(d, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(f"delimiter {d!r} is not a single token ({ids})")
+        out.add(int(ids[0]))
+    return frozenset(out)
+
+
+def make_sources(
+    names: Sequence[str],
+    *,
+    plan: DispatchPlan | None,
+    tokenizer: Any = None,
+    prompt_ids: Sequence[int] = (),
+    delimiters: Collection[int | str] = (),
+    global_tree: GlobalSuffixTree | None = None,
+    ledger: Ledger | None = None,
+    index: EchoIndex | None = None,
+    max_span: int = 32,
+    ngram_k: int = 10,
+) -> list[ProposalSource]:
+    """Fill sources for ``names`` (a subset of :data:`NAMES`, in priority order).
+
+    ``global_tree`` is the server's cross-request suffix store (create it once per server);
+    ``ledger`` gates ``assert`` promotion of corroborated echo spans (row ``echo:corroborated``,
+    only if the ledger lists it as eligible); ``index`` lets a caller reuse a conversation's
+    index across requests (it is synced to ``prompt_ids`` here).
+    """
+    unknown = [n for n in names if n not in NAMES]
+    if unknown:
+        raise ValueError(f"unknown model-free sources {unknown}; known: {list(NAMES)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate source names in {list(names)}")
+    delim = delimiter_ids(delimiters, tokenizer) if delimiters else frozenset()
+    if index is None:
+        index = EchoIndex()
+    index.sync(prompt_ids)
+
+    def gate(max_len: int) -> CostGate | None:
+        return CostGate(plan, max_len) if plan is not None else None
+
+    out: list[ProposalSource] = []
+    for name in names:
+        if name == "echo":
+            promoted = (lambda: ledger.promoted(ECHO_ROW)) if ledger is not None else (lambda: False)
+            out.append(EchoSource(EchoDraft(index, max_span=max_span, delimiters=delim),
+                                  gate=gate(max_span), assert_allowed=promoted,
+                                  record=ledger.record if ledger is not None else None))
+            continue
+        src: DraftSource
+        if name == "ngram":
+            src, cap = NgramDraft(index, k=ngram_k), ngram_k
+        else:
+            src, cap = SuffixDraft(index, global_tree=global_tree,
+                                   params=SuffixParams(max_spec=max_span)), max_span
+        g = gate(cap)
+        if g is None:
+            out.append(DraftProposalSource(src, length=lambda cap=cap: cap))
+        else:
+            out.append(DraftProposalSource(GatedDraft(src, g), length=g.length))
+    return out

@@ -1,0 +1,252 @@
+"""``suffix``: SuffixDecoding-style drafting (Oliaro et al., arXiv 2411.04975) as a DraftSource.
+
+Two sources of evidence, as in the paper: the request itself (prompt + output, the shared
+:class:`~mlx_fill.echo.EchoIndex`) and a cross-request store of earlier responses
+(:class:`GlobalSuffixTree`, one per server, bounded, FIFO eviction).
+
+The suffix tree is kept implicitly, the way a suffix array represents one: the node for a context
+string ``s`` is the set of positions where ``s`` occurred, and a child's count is how many of
+those occurrences continue with that token. Occurrences are gathered from the k-gram buckets of
+the trailing context (nearest ``candidates`` per anchor length) and each is given its match
+length (how many trailing tokens agree, up to ``max_depth``). For every distinct match length
+``L`` the node is the candidates matching at least ``L`` tokens; the draft follows the most
+frequent child while the running product of ``count(child) / count(node)`` stays >= ``min_prob``,
+for at most ``min(max_spec, alpha * L + offset)`` tokens (the paper's adaptive length). The draft
+with the highest score (sum of those probabilities) over all ``L`` and both stores wins.
+Frequencies are therefore estimated over the nearest occurrences, not all of them: recent
+evidence is what an agent repeats, and it keeps every lookup O(candidates * span).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..echo import EchoIndex
+
+_END_BITS = 32
+
+
+@dataclass(frozen=True)
+class SuffixParams:
+    max_spec: int = 32
+    alpha: float = 1.0
+    offset: float = 0.0
+    min_prob: float = 0.1
+    max_depth: int = 64
+    candidates: int = 16
+    anchors: tuple[int, ...] = (8, 4, 2, 1)
+
+
+@dataclass(frozen=True)
+class SuffixDraftResult:
+    ids: tuple[int, ...]
+    score: float
+    match_len: int
+    store: str  # "request" or "global"
+
+
+def _match_len(seq: Sequence[int], end: int, ctx: list[int], depth: int) -> int:
+    """How many tokens ending at ``seq[end]`` equal the tail of ``ctx`` (at most ``depth``)."""
+    n = len(ctx)
+    limit = min(depth, end + 1, n)
+    m = 0
+    step = 8
+    while m + step <= limit and seq[end - m - step + 1:end - m + 1] == ctx[n - m - step:n - m]:
+        m += step
+    while m < limit and seq[end - m] == ctx[n - 1 - m]:
+        m += 1
+    return m
+
+
+def speculate(cands: list[tuple[Sequence[int], int, int]], p: SuffixParams,
+              budget: int) -> tuple[list[int], float, int]:
+    """Best path draft over ``cands`` = (sequence, end, match_len) triples; returns
+    (ids, score, match length of the winning node)."""
+    best: tuple[list[int], float, int] = ([], 0.0, 0)
+    lengths = sorted({m for _, _, m in cands}, reverse=True)
+    for L in lengths:
+        node = [(s, e) for s, e, m in cands if m >= L]
+        limit = min(budget, p.max_spec, int(p.alpha * L + p.offset))
+        ids: list[int] = []
+        prob = 1.0
+        score = 0.0
+        for j in range(1, limit + 1):
+            counts = Counter(s[e + j] for s, e in node if e + j < len(s))
+            if not counts:
+                break
+            tok, c = counts.most_common(1)[0]
+            prob *= c / len(node)
+            if prob < p.min_prob:
+                break
+            ids.append(tok)
+            score += prob
+            node = [(s, e) for s, e in node if e + j < len(s) and s[e + j] == tok]
+        if score > best[1]:
+            best = (ids, score, L)
+    return best
+
+
+class GlobalSuffixTree:
+    """Earlier responses across requests (server lifetime): bounded by ``max_responses`` and
+    ``max_tokens``, oldest response evicted first. Each response is stored with the last
+    ``context_tokens`` ids of its prompt in front, so the opening of a reply has context.
+
+    Responses grow incrementally (``open``/``extend``), each in its own document, so concurrent
+    requests never interleave. Bucket entries of evicted documents are skipped on lookup and
+    dropped by compaction once they outnumber live ones (memory stays O(live tokens)).
+    """
+
+    def __init__(self, *, max_responses: int = 10_000, max_tokens: int = 2_000_000,
+                 ks: Sequence[int] = (1, 2, 4, 8), context_tokens: int = 8):
+        self.max_responses = max_responses
+        self.max_tokens = max_tokens
+        self.ks = tuple(sorted(set(ks)))
+        self.context_tokens = context_tokens
+        self.docs: OrderedDict[int, list[int]] = OrderedDict()
+        self._maps: dict[int, dict] = {k: {} for k in self.ks}
+        self._next_id = 1
+        self._tokens = 0
+        self._entries = 0
+        self._dead = 0
+
+    def __len__(self) -> int:
+        return self._tokens
+
+    def open(self, prompt_tail: Sequence[int]) -> int:
+        """Start a response document; returns its id."""
+        doc_id = self._next_id
+        self._next_id += 1
+        self.docs[doc_id] = []
+        tail = list(prompt_tail[-self.context_tokens:]) if self.context_tokens else []
+        self.extend(doc_id, tail)
+        self._evict()
+        return doc_id
+
+    def extend(self, doc_id: int, tokens: Sequence[int]) -> None:
+        doc = self.docs.get(doc_id)
+        if doc is None:  # evicted while the request was still running
+            return
+        for t in tokens:
+            doc.append(int(t))
+            end = len(doc) - 1
+            for k in self.ks:
+                if end + 1 < k:
+                    break
+                key = doc[end] if k == 1 else tuple(doc[end - k + 1:])
+                bucket = self._maps[k].get(key)
+                if bucket is None:
+                    bucket = self._maps[k][key] = array("q")
+                bucket.append((doc_id << _END_BITS) | end)
+                self._entries += 1
+        self._tokens += len(tokens)
+        self._evict()
+
+    def _evict(self) -> None:
+        while self.docs and (len(self.docs) > self.max_responses or self._tokens > self.max_tokens):
+            if len(self.docs) == 1:
+                break
+            _, doc = self.docs.popitem(last=False)
+            self._tokens -= len(doc)
+            self._dead += sum(max(0, len(doc) - k + 1) for k in self.ks)
+        if self._dead > max(1024, self._entries - self._dead):
+            self._compact()
+
+    def _compact(self) -> None:
+        live = self.docs
+        for k, m in self._maps.items():
+            for key in list(m):
+                kept = array("q", (v for v in m[key] if (v >> _END_BITS) in live))
+                if kept:
+                    m[key] = kept
+                else:
+                    del m[key]
+        self._entries = sum(len(b) for m in self._maps.values() for b in m.values())
+        self._dead = 0
+
+    def candidates(self, ctx: list[int], exclude: int, p: SuffixParams
+                   ) -> list[tuple[Sequence[int], int, int]]:
+        found: dict[int, tuple[Sequence[int], int, int]] = {}
+        n = len(ctx)
+        for k in p.anchors:
+            if k not in self._maps or n < k:
+                continue
+            key = ctx[-1] if k == 1 else tuple(ctx[n - k:])
+            bucket = self._maps[k].get(key)
+            if not bucket:
+                continue
+            taken = 0
+            for i in range(len(bucket) - 1, -1, -1):
+                v = bucket[i]
+                doc_id = v >> _END_BITS
+                if doc_id == exclude or v in found:
+                    continue
+                doc = self.docs.get(doc_id)
+                if doc is None:
+                    continue
+                end = v & ((1 << _END_BITS) - 1)
+                found[v] = (doc, end, _match_len(doc, end, ctx, p.max_depth))
+                taken += 1
+                if taken >= p.candidates:
+                    break
+        return list(found.values())
+
+
+def request_candidates(index: EchoIndex, p: SuffixParams) -> list[tuple[Sequence[int], int, int]]:
+    seq = index.seq
+    found: dict[int, tuple[Sequence[int], int, int]] = {}
+    for k in p.anchors:
+        if k not in index.ks:
+            continue
+        for e in index.nearest(k, p.candidates):
+            if e not in found:
+                found[e] = (seq, e, _match_len(seq, e, seq, p.max_depth))
+    return list(found.values())
+
+
+class SuffixDraft:
+    """SuffixDecoding over the request's :class:`EchoIndex` and an optional server-wide
+    :class:`GlobalSuffixTree`; this request's response is added to the global tree as it is
+    committed (and never matched against itself there)."""
+
+    def __init__(self, index: EchoIndex | None = None, *, global_tree: GlobalSuffixTree | None = None,
+                 name: str = "suffix", params: SuffixParams = SuffixParams()):
+        self.index = index if index is not None else EchoIndex()
+        self.global_tree = global_tree
+        self.name = name
+        self.params = params
+        self._n = 0
+        self._prompt_len = 0
+        self._doc: int | None = None
+        self.last: SuffixDraftResult | None = None
+
+    def prefill(self, prompt: Sequence[int]) -> None:
+        self.index.sync(prompt)
+        self._n = self._prompt_len = len(prompt)
+        if self.global_tree is not None:
+            self._doc = self.global_tree.open(prompt)
+
+    def draft(self, feed: Sequence[int], n: int) -> list[int]:
+        self._n += len(feed)
+        self.index.advance_to(self._n, feed)
+        if self._doc is not None and feed:
+            out_start = max(0, len(feed) - (self._n - self._prompt_len))
+            self.global_tree.extend(self._doc, feed[out_start:])
+        if n <= 0:
+            self.last = None
+            return []
+        p = self.params
+        ids, score, L = speculate(request_candidates(self.index, p), p, n)
+        best = SuffixDraftResult(tuple(ids), score, L, "request")
+        if self.global_tree is not None:
+            gids, gscore, gL = speculate(
+                self.global_tree.candidates(self.index.seq, self._doc or 0, p), p, n)
+            if gscore > score:
+                best = SuffixDraftResult(tuple(gids), gscore, gL, "global")
+        self.last = best
+        return list(best.ids)
+
+    def commit(self, drafted: Sequence[int], accepted: int) -> None:
+        return None
