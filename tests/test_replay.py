@@ -3,6 +3,7 @@ interleaving, and an end-to-end run against a real ``mlx_lm.server`` on loopback
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import shutil
@@ -247,36 +248,43 @@ def _tiny_model_dir(root: Path) -> Path:
     return out
 
 
+@contextlib.contextmanager
+def _serving(command: list[str], url: str, log_path: Path, ready_path: str = "/v1/models"):
+    """Run a server subprocess until the block ends; yields once ``url + ready_path`` answers 200."""
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                if proc.poll() is not None:
+                    pytest.fail(f"{command[:4]} exited: {log_path.read_text()[-2000:]}")
+                try:
+                    if httpx.get(url + ready_path, timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    pytest.fail(f"{command[:4]} did not come up within 120 s")
+                time.sleep(0.3)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("replay-server")
     model_dir = _tiny_model_dir(root)
     port = _free_port()
-    log = open(root / "server.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir),
-                             "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"mlx_lm.server exited: {(root / 'server.log').read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("mlx_lm.server did not come up within 60 s")
-            time.sleep(0.3)
+    command = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir),
+               "--host", "127.0.0.1", "--port", str(port)]
+    with _serving(command, f"http://127.0.0.1:{port}", root / "server.log") as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 @pytest.fixture(scope="module")
@@ -339,3 +347,35 @@ def test_ab_end_to_end(server, sessions_file, tmp_path, capsys):
     assert result["paired"]["agreement"]["a_only"] == result["paired"]["agreement"]["b_only"] == 0
     assert code == (0 if result["verdict"]["pass"] else 1)
     assert (out / "wall_ratio.png").is_file()
+
+
+@pytest.mark.slow
+def test_ab_fill_off_vs_all_on_the_fixture_model(tmp_path, capsys):
+    """Acceptance: ``mlx-fill ab`` between ``mlx-fill serve --fill off`` and ``--fill all`` on the
+    trained qwen3 fixture completes >= 20 paired turns, prints the verdict, and (greedy decoding,
+    lossless fill) both arms produce the same output on every pair."""
+    from mlx_fill import fixtures
+
+    if not TRANSCRIPTS.is_file():
+        pytest.fail(f"transcripts not found at {TRANSCRIPTS}")
+    model_dir = fixtures.fixture_path("qwen3-json")
+    urls = {}
+    with contextlib.ExitStack() as stack:
+        for mode in ("off", "all"):
+            port = _free_port()
+            command = [sys.executable, "-m", "mlx_fill.cli", "serve", "--model", str(model_dir),
+                       "--fill", mode, "--host", "127.0.0.1", "--port", str(port)]
+            urls[mode] = stack.enter_context(
+                _serving(command, f"http://127.0.0.1:{port}", tmp_path / f"serve-{mode}.log", "/health"))
+        out = tmp_path / "ab"
+        code = main(["ab", "--sessions", str(TRANSCRIPTS), "--url-a", urls["off"], "--url-b", urls["all"],
+                     "--source", "tau_bench_gpt4o_airline", "--max-sessions", "10", "--turns", "2",
+                     "--max-tokens", "96", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "verdict:" in printed
+    result = json.loads((out / "report.json").read_text())
+    paired = result["paired"]
+    assert paired["pairs"] >= 20 and paired["left_out_records"] == 0
+    assert paired["identical_outputs"] == paired["pairs"]
+    assert result["arms"]["B"]["fill_reported"] == result["arms"]["B"]["requests"]
+    assert code == (0 if result["verdict"]["pass"] else 1)
