@@ -82,5 +82,6 @@ def prediction_usage(session: FillSession | None, predicted: int) -> dict[str, i
     """OpenAI's ``completion_tokens_details`` for a request with a prediction of ``predicted``
     tokens: accepted = predicted ids the target verified and kept, rejected = the rest."""
     accepted = session.stats.by_origin.get(ORIGIN, 0) if session is not None else 0
+    accepted = min(accepted, predicted)  # a re-anchored prediction can be accepted twice
     return {"accepted_prediction_tokens": accepted,
             "rejected_prediction_tokens": max(0, predicted - accepted)}

@@ -1,0 +1,224 @@
+"""Validation of OpenAI chat-completion request bodies for ``mlx-fill serve``.
+
+:func:`parse_chat_request` turns a decoded JSON body into a :class:`ChatRequest` or raises
+:class:`RequestError` carrying the HTTP status and the offending parameter path: 422 for a value
+of the wrong type, 400 for a well-typed value that is not acceptable (malformed tools or JSON
+schemas, an unknown tool in ``tool_choice``, a malformed ``prediction``, a request-supplied chat
+template). Nothing here touches the model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import jsonschema
+
+from ..prediction import prediction_text
+from ..toolspec import tool_specs
+
+MAX_STOP = 4
+
+
+class RequestError(ValueError):
+    """A client error: ``status`` (400, 413 or 422), ``param`` (the offending path)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+    def body(self) -> dict:
+        kind = "invalid_request_error"
+        return {"error": {"message": str(self), "type": kind, "param": self.param,
+                          "code": {413: "request_too_large", 422: "invalid_type"}.get(self.status)}}
+
+
+@dataclass
+class ChatRequest:
+    """A validated chat completion request (OpenAI field names)."""
+
+    messages: list[dict]
+    model: str | None = None
+    tools: list[dict] | None = None
+    tool_choice: Any = None
+    stream: bool = False
+    include_usage: bool = False
+    stop: list[str] = field(default_factory=list)
+    max_tokens: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    logprobs: bool = False
+    response_format: Any = None
+    prediction: dict | None = None
+    chat_template_kwargs: dict = field(default_factory=dict)
+
+
+def _typed(body: dict, name: str, types: tuple, label: str) -> Any:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) and bool not in types:
+        raise RequestError(422, f"{name}: expected {label}, got a boolean", name)
+    if not isinstance(value, types):
+        raise RequestError(422, f"{name}: expected {label}, got {type(value).__name__}", name)
+    return value
+
+
+def _number(body: dict, name: str, lo: float, hi: float, default: float) -> float:
+    value = _typed(body, name, (int, float), "a number")
+    if value is None:
+        return default
+    if not lo <= value <= hi:
+        raise RequestError(400, f"{name}: must be between {lo} and {hi}, got {value}", name)
+    return float(value)
+
+
+def _messages(value: Any) -> list[dict]:
+    if not isinstance(value, list):
+        raise RequestError(422, "messages: expected an array", "messages")
+    if not value:
+        raise RequestError(400, "messages: must not be empty", "messages")
+    out = []
+    for i, m in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise RequestError(422, f"{where}: expected an object", where)
+        if not isinstance(m.get("role"), str):
+            raise RequestError(422, f"{where}.role: expected a string", f"{where}.role")
+        content = m.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise RequestError(422, f"{where}.content: expected a string or an array", f"{where}.content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise RequestError(400, f"{where}.content[{j}]: only text parts are supported",
+                                       f"{where}.content[{j}]")
+                texts.append(part["text"])
+            m = dict(m, content="".join(texts))
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if not isinstance(calls, list):
+                raise RequestError(422, f"{where}.tool_calls: expected an array", f"{where}.tool_calls")
+            m = dict(m, tool_calls=[_call_for_template(c, f"{where}.tool_calls[{k}]")
+                                    for k, c in enumerate(calls)])
+        out.append(m)
+    return out
+
+
+def _call_for_template(call: Any, where: str) -> dict:
+    """Templates expect ``function.arguments`` as a mapping; OpenAI sends a JSON string."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        raise RequestError(422, f"{where}.function: expected an object", f"{where}.function")
+    fn = dict(call["function"])
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            fn["arguments"] = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as e:
+            raise RequestError(400, f"{where}.function.arguments: invalid JSON ({e})",
+                               f"{where}.function.arguments") from None
+    return dict(call, function=fn)
+
+
+def _tools(value: Any) -> list[dict] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise RequestError(422, "tools: expected an array", "tools")
+    try:
+        tool_specs(value)
+    except ValueError as e:
+        raise RequestError(400, str(e), str(e).split(":", 1)[0]) from None
+    for i, tool in enumerate(value):
+        params = tool["function"].get("parameters")
+        if params is None:
+            continue
+        try:
+            jsonschema.validators.validator_for(params).check_schema(params)
+        except jsonschema.SchemaError as e:
+            path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.path)
+            where = f"tools[{i}].function.parameters{path}"
+            raise RequestError(400, f"{where}: invalid JSON schema ({e.message})", where) from None
+    return value or None
+
+
+def _tool_choice(value: Any, tools: list[dict] | None) -> Any:
+    if value is None or value in ("auto", "none"):
+        return value
+    if value == "required":
+        if not tools:
+            raise RequestError(400, "tool_choice: 'required' needs tools", "tool_choice")
+        return value
+    if isinstance(value, str):
+        raise RequestError(400, f"tool_choice: unknown value {value!r}", "tool_choice")
+    if not isinstance(value, dict):
+        raise RequestError(422, "tool_choice: expected a string or an object", "tool_choice")
+    name = (value.get("function") or {}).get("name") if isinstance(value.get("function"), dict) else None
+    if value.get("type") != "function" or not isinstance(name, str):
+        raise RequestError(400, "tool_choice: expected {'type': 'function', 'function': {'name': str}}",
+                           "tool_choice")
+    if name not in {t["function"]["name"] for t in tools or []}:
+        raise RequestError(400, f"tool_choice.function.name: no tool named {name!r}",
+                           "tool_choice.function.name")
+    return value
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    """A validated :class:`ChatRequest`; :class:`RequestError` for anything a client got wrong."""
+    if not isinstance(body, dict):
+        raise RequestError(422, "request body: expected a JSON object")
+    if "chat_template" in body:
+        raise RequestError(400, "chat_template: templates come only from the model directory",
+                           "chat_template")
+    if body.get("n") not in (None, 1):
+        raise RequestError(400, "n: only n=1 is supported", "n")
+    if "messages" not in body:
+        raise RequestError(400, "messages: required", "messages")
+    tools = _tools(body.get("tools"))
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
+        raise RequestError(422, "stop: expected a string or an array of strings", "stop")
+    if stop and len(stop) > MAX_STOP:
+        raise RequestError(400, f"stop: at most {MAX_STOP} sequences", "stop")
+    max_tokens = _typed(body, "max_completion_tokens", (int,), "an integer")
+    name = "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, name = _typed(body, "max_tokens", (int,), "an integer"), "max_tokens"
+    if max_tokens is not None and max_tokens < 1:
+        raise RequestError(400, f"{name}: must be >= 1", name)
+    options = _typed(body, "stream_options", (dict,), "an object") or {}
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise RequestError(422, "stream_options.include_usage: expected a boolean",
+                           "stream_options.include_usage")
+    prediction = body.get("prediction")
+    if prediction is not None:
+        try:
+            prediction_text(prediction)
+        except ValueError as e:
+            raise RequestError(400, str(e), str(e).split(":", 1)[0]) from None
+    top_logprobs = _typed(body, "top_logprobs", (int,), "an integer")
+    kwargs = _typed(body, "chat_template_kwargs", (dict,), "an object") or {}
+    return ChatRequest(
+        messages=_messages(body["messages"]),
+        model=_typed(body, "model", (str,), "a string"),
+        tools=tools,
+        tool_choice=_tool_choice(body.get("tool_choice"), tools),
+        stream=bool(_typed(body, "stream", (bool,), "a boolean")),
+        include_usage=include_usage,
+        stop=[s for s in stop or [] if s],
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 0.0, 2.0, 0.0),
+        top_p=_number(body, "top_p", 0.0, 1.0, 1.0),
+        seed=_typed(body, "seed", (int,), "an integer"),
+        logprobs=bool(_typed(body, "logprobs", (bool,), "a boolean")) or bool(top_logprobs),
+        response_format=_typed(body, "response_format", (dict,), "an object"),
+        prediction=prediction,
+        chat_template_kwargs=kwargs,
+    )

@@ -1,0 +1,412 @@
+"""``mlx-fill serve``: an OpenAI-compatible endpoint (FastAPI + uvicorn) with fill.
+
+Routes: ``GET /v1/models``, ``POST /v1/chat/completions`` (tools, tool_choice, stream with SSE
+and ``stream_options.include_usage``, stop, max_tokens, temperature, top_p, prediction),
+``GET /health`` (also reports MLX active/peak memory). Errors are OpenAI-shaped
+(``{"error": {message, type, param, code}}``): 400 for malformed tools/schemas/predictions, 413
+for bodies over ``--max-request-bytes``, 422 for values of the wrong type; bad input never
+yields a 500.
+
+One worker thread owns the model (MLX work never runs on two threads). Prompts are rendered with
+the model directory's own chat template (requests cannot supply one) through transformers'
+``ImmutableSandboxedEnvironment``. mlx-lm's ``LRUPromptCache`` keeps the KV cache of each
+finished turn under prompt + generated ids, so the next turn of a conversation only prefills
+its new suffix; the fill loop's invariant (cache == prompt + yielded ids, also when a client
+disconnects mid-span) keeps those entries exact. A client that disconnects from a stream cancels
+its generation at the next token. Binds 127.0.0.1 unless ``--host`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .openai_request import ChatRequest, RequestError, parse_chat_request
+
+DEFAULT_MAX_TOKENS = 512
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+
+
+@dataclass
+class Outcome:
+    """One finished generation."""
+
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    usage_extra: dict = field(default_factory=dict)
+
+
+class Engine:
+    """The model, its tokenizer, the prompt cache and the fill configuration. Not thread-safe:
+    :class:`App` calls it from one worker thread only."""
+
+    def __init__(self, model_path: str, *, fill: str = "strict", draft_model: str | None = None,
+                 prompt_cache_size: int = 8, max_tokens: int = DEFAULT_MAX_TOKENS):
+        import mlx_lm
+        from mlx_lm.models.cache import LRUPromptCache
+
+        from ..session import check_mode
+        self.model_path = model_path
+        self.fill = check_mode(fill)
+        self.model, self.tokenizer = mlx_lm.load(model_path)
+        self.draft = None
+        if draft_model is not None:
+            from ..spec.draft import check_same_tokenizer
+            self.draft, draft_tokenizer = mlx_lm.load(draft_model)
+            check_same_tokenizer(draft_tokenizer, self.tokenizer)
+        self.prompt_cache = LRUPromptCache(prompt_cache_size)
+        self.max_tokens = max_tokens
+        self.global_tree = None
+        if self.fill == "all":
+            from ..spec.suffix import GlobalSuffixTree
+            self.global_tree = GlobalSuffixTree()
+
+    def render(self, req: ChatRequest) -> list[int]:
+        tools = None if req.tool_choice == "none" else req.tools
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                req.messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                **req.chat_template_kwargs)
+        except Exception as e:  # template errors are the request's (e.g. a role it rejects)
+            raise RequestError(400, f"messages: the model's chat template rejected the request "
+                                    f"({type(e).__name__}: {e})", "messages") from None
+        return list(ids)
+
+    def _session(self, req: ChatRequest, prompt_ids: list[int]):
+        from ..session import build_session
+        session = build_session(
+            self.fill, model=self.model, tokenizer=self.tokenizer, prompt_ids=prompt_ids,
+            messages=req.messages, tools=req.tools, template_kwargs=req.chat_template_kwargs,
+            temperature=req.temperature, seed=req.seed, logprobs=req.logprobs,
+            response_format=req.response_format, prediction=req.prediction,
+            global_tree=self.global_tree)
+        if session is not None and self.draft is not None and session.refused is None:
+            from ..spec.base import DraftProposalSource
+            from ..spec.draft import DraftModelSource
+            session.sources.append(DraftProposalSource(DraftModelSource(self.draft),
+                                                       length=lambda: DRAFT_TOKENS))
+        return session
+
+    def _cache_for(self, prompt_ids: list[int]):
+        from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+        cache, rest = self.prompt_cache.fetch_nearest_cache(self.model_path, prompt_ids)
+        if cache is not None and not rest:  # exact hit: re-feed the last id for its logits
+            if can_trim_prompt_cache(cache) and trim_prompt_cache(cache, 1) == 1:
+                rest = prompt_ids[-1:]
+            else:
+                cache = None
+        if cache is None:
+            return make_prompt_cache(self.model), list(prompt_ids)
+        return cache, list(rest)
+
+    def generate(self, req: ChatRequest, cancelled: threading.Event,
+                 on_text: Callable[[str], None] | None = None) -> Outcome | None:
+        """Run one request; ``on_text`` receives content deltas as they become final (tool-call
+        text and text that may still turn into a marker or stop string are held back).
+        Returns None when cancelled before it started."""
+        if cancelled.is_set():
+            return None
+        import mlx.core as mx
+        from mlx_lm.sample_utils import make_sampler
+
+        from ..prediction import prediction_usage
+        from ..session import finish_session, predicted_count
+        from .mlx_lm import generate_step
+
+        prompt_ids = self.render(req)
+        try:
+            session = self._session(req, prompt_ids)
+        except ValueError as e:
+            raise RequestError(400, str(e), str(e).split(":", 1)[0]) from None
+        cache, rest = self._cache_for(prompt_ids)
+        max_tokens = req.max_tokens or self.max_tokens
+        sampler = make_sampler(temp=req.temperature, top_p=req.top_p)
+        if req.seed is not None:
+            mx.random.seed(req.seed)
+        splitter = OutputSplitter(self.tokenizer, req.stop, on_text)
+        detok = self.tokenizer.detokenizer
+        eos = set(self.tokenizer.eos_token_ids)
+        tokens: list[int] = []
+        finish = "length"
+        steps = generate_step(mx.array(rest), self.model, fill=session, max_tokens=max_tokens,
+                              sampler=sampler, prompt_cache=cache)
+        try:
+            for token, _ in steps:
+                tokens.append(token)
+                if cancelled.is_set():
+                    finish = "cancelled"
+                    break
+                if token in eos:
+                    finish = "stop"
+                    break
+                detok.add_token(token)
+                if splitter.feed(detok.last_segment):
+                    finish = "stop"
+                    break
+        finally:
+            steps.close()  # the cache now holds prompt + every yielded id
+            finish_session(session)
+            self.prompt_cache.insert_cache(self.model_path, prompt_ids + tokens, cache)
+        if finish == "length":
+            detok.finalize()
+            splitter.feed(detok.last_segment)
+        extra: dict[str, Any] = {}
+        if session is not None:
+            extra["fill"] = session.stats.as_dict()
+        if req.prediction is not None:
+            extra["completion_tokens_details"] = prediction_usage(
+                session, predicted_count(self.tokenizer, req.prediction))
+        text = splitter.finish()
+        return Outcome(text, tokens, finish, len(prompt_ids), len(prompt_ids) - len(rest), extra)
+
+
+DRAFT_TOKENS = 4
+
+
+class OutputSplitter:
+    """Accumulates decoded text, cuts it at the first stop string, and streams the part that is
+    final: text before a tool-call start marker, minus any tail that could still begin a marker
+    or a stop string."""
+
+    def __init__(self, tokenizer: Any, stop: list[str], on_text: Callable[[str], None] | None):
+        self.text = ""
+        self.stop = stop
+        self.start = getattr(tokenizer, "tool_call_start", None) or None
+        self.on_text = on_text
+        self.sent = 0
+        self.stopped = False
+
+    def feed(self, segment: str) -> bool:
+        """Add decoded text; True when a stop string was reached."""
+        self.text += segment
+        for s in self.stop:
+            i = self.text.find(s)
+            if i >= 0:
+                self.text = self.text[:i]
+                self.stopped = True
+        self._flush(final=self.stopped)
+        return self.stopped
+
+    def _flush(self, final: bool) -> None:
+        if self.on_text is None:
+            return
+        end = len(self.text)
+        if self.start and self.start in self.text:
+            end = self.text.index(self.start)
+        elif not final:
+            for marker in [m for m in (self.start, *self.stop) if m]:
+                for k in range(min(len(marker) - 1, end), 0, -1):
+                    if self.text.endswith(marker[:k]):
+                        end = min(end, len(self.text) - k)
+                        break
+        if end > self.sent:
+            self.on_text(self.text[self.sent:end])
+            self.sent = end
+
+    def finish(self) -> str:
+        self._flush(final=True)
+        return self.text
+
+
+def split_output(tokenizer: Any, text: str, tools: list | None) -> tuple[str, str, list[dict]]:
+    """(content, reasoning, tool_calls) of a finished completion, tool calls parsed by the
+    tokenizer's mlx-lm tool parser; an unparsable call stays in the content."""
+    reasoning = ""
+    start, end = getattr(tokenizer, "think_start", None), getattr(tokenizer, "think_end", None)
+    if getattr(tokenizer, "has_thinking", False) and end and end in text:
+        head, text = text.split(end, 1)
+        reasoning = head.split(start, 1)[-1] if start else head
+        reasoning, text = reasoning.strip("\n"), text.lstrip("\n")
+    call_start = getattr(tokenizer, "tool_call_start", None)
+    call_end = getattr(tokenizer, "tool_call_end", None)
+    parser = getattr(tokenizer, "tool_parser", None)
+    if not (tools and call_start and parser):
+        return text, reasoning, []
+    content, calls, rest = [], [], text
+    while call_start in rest:
+        before, rest = rest.split(call_start, 1)
+        content.append(before)
+        body, sep, rest = rest.partition(call_end) if call_end else (rest, "", "")
+        try:
+            parsed = parser(body.strip(), tools)
+        except (ValueError, json.JSONDecodeError):
+            content.append(call_start + body + sep)
+            continue
+        for call in parsed if isinstance(parsed, list) else [parsed]:
+            calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                          "function": {"name": call["name"],
+                                       "arguments": json.dumps(call["arguments"], ensure_ascii=False)}})
+    content.append(rest)
+    return "".join(content).strip() if calls else "".join(content), reasoning, calls
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(RequestError(status, message, param).body(), status_code=status)
+
+
+def create_app(engine: Engine, *, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
+    """The FastAPI application serving ``engine``."""
+
+    app = FastAPI(title="mlx-fill", docs_url=None, redoc_url=None)
+    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-fill-gen")
+    model_id = Path(engine.model_path).name or engine.model_path
+    created = int(time.time())
+
+    @app.exception_handler(RequestError)
+    async def _request_error(_: Request, e: RequestError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception):
+        return JSONResponse({"error": {"message": f"internal error: {type(e).__name__}: {e}",
+                                       "type": "server_error", "param": None, "code": None}},
+                            status_code=500)
+
+    @app.get("/health")
+    async def health():
+        import mlx.core as mx
+        return {"status": "ok", "model": model_id, "fill": engine.fill,
+                "active_memory": mx.get_active_memory(), "peak_memory": mx.get_peak_memory()}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
+                                            "owned_by": "mlx-fill"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_request_bytes:
+            return _error(413, f"request body exceeds {max_request_bytes} bytes")
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > max_request_bytes:
+                return _error(413, f"request body exceeds {max_request_bytes} bytes")
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return _error(400, f"request body: invalid JSON ({e})")
+        req = parse_chat_request(body)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        name = req.model or model_id
+        loop = asyncio.get_running_loop()
+        cancelled = threading.Event()
+        if not req.stream:
+            try:
+                out = await loop.run_in_executor(worker, engine.generate, req, cancelled, None)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+            content, reasoning, calls = split_output(engine.tokenizer, out.text, req.tools)
+            message: dict[str, Any] = {"role": "assistant", "content": content or None}
+            if reasoning:
+                message["reasoning"] = reasoning
+            if calls:
+                message["tool_calls"] = calls
+            return {"id": rid, "object": "chat.completion", "created": int(time.time()),
+                    "model": name, "choices": [{"index": 0, "message": message, "logprobs": None,
+                                                "finish_reason": _finish(out, calls)}],
+                    "usage": _usage(out)}
+
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def on_text(delta: str) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, ("text", delta))
+
+        def run() -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, ("done", engine.generate(req, cancelled, on_text)))
+            except BaseException as e:  # delivered to the client as an error event
+                loop.call_soon_threadsafe(queue.put_nowait, ("error", e))
+
+        def chunk(delta: dict, finish: str | None = None, **extra) -> str:
+            return "data: " + json.dumps({"id": rid, "object": "chat.completion.chunk",
+                                          "created": int(time.time()), "model": name,
+                                          "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                                       "finish_reason": finish}], **extra}) + "\n\n"
+
+        async def events():
+            loop.run_in_executor(worker, run)
+            try:
+                yield chunk({"role": "assistant", "content": ""})
+                while True:
+                    kind, value = await queue.get()
+                    if kind == "text":
+                        yield chunk({"content": value})
+                        continue
+                    if kind == "error":
+                        err = value if isinstance(value, RequestError) else RequestError(
+                            500, f"{type(value).__name__}: {value}")
+                        yield "data: " + json.dumps(err.body()) + "\n\n"
+                        break
+                    out: Outcome = value
+                    content, reasoning, calls = split_output(engine.tokenizer, out.text, req.tools)
+                    delta: dict[str, Any] = {}
+                    if reasoning:
+                        delta["reasoning"] = reasoning
+                    if calls:
+                        delta["tool_calls"] = [dict(c, index=i) for i, c in enumerate(calls)]
+                    yield chunk(delta, _finish(out, calls))
+                    if req.include_usage:
+                        yield "data: " + json.dumps({"id": rid, "object": "chat.completion.chunk",
+                                                     "created": int(time.time()), "model": name,
+                                                     "choices": [], "usage": _usage(out)}) + "\n\n"
+                    break
+                yield "data: [DONE]\n\n"
+            finally:
+                cancelled.set()  # a disconnected client stops its generation at the next token
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def _finish(out: Outcome, calls: list) -> str:
+    if calls and out.finish_reason == "stop":
+        return "tool_calls"
+    return "length" if out.finish_reason == "cancelled" else out.finish_reason
+
+
+def _usage(out: Outcome) -> dict:
+    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": len(out.tokens),
+            "total_tokens": out.prompt_tokens + len(out.tokens),
+            "prompt_tokens_details": {"cached_tokens": out.cached_tokens}, **out.usage_extra}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="mlx-lm model directory (or hub id)")
+    parser.add_argument("--fill", default="strict", choices=("strict", "echo", "all", "off"))
+    parser.add_argument("--draft-model", default=None,
+                        help="a smaller model with the same tokenizer, used as a verify source")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                        help="completion length when a request gives none")
+    parser.add_argument("--prompt-cache-size", type=int, default=8,
+                        help="KV caches kept for reuse across turns")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
+    parser.add_argument("--log-level", default="warning")
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+    engine = Engine(args.model, fill=args.fill, draft_model=args.draft_model,
+                    prompt_cache_size=args.prompt_cache_size, max_tokens=args.max_tokens)
+    app = create_app(engine, max_request_bytes=args.max_request_bytes)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
