@@ -223,30 +223,44 @@ class TurnGuard:
         self._parsed: CallPrefix | None = None
 
     def feed(self, text: str) -> None:
-        for ch in text:
-            self._step(ch)
+        i = 0
+        while i < len(text):
+            if self.role is Role.CALL:
+                i = self._feed_call(text, i)
+            else:
+                self._step(text[i])
+                i += 1
 
     def _ends(self, marker: str) -> bool:
         return bool(marker) and self._tail.endswith(marker)
 
+    def _feed_call(self, text: str, i: int) -> int:
+        """Consume call-body text from ``text[i:]`` up to and including the end marker, in one
+        piece (a long argument value costs O(its length), not O(length^2))."""
+        m = self.markers
+        scan = self._tail + text[i:]
+        end = scan.find(m.call_end)
+        stop = len(scan) if end < 0 else end + len(m.call_end)
+        if m.call_start in scan[:stop]:
+            self.declined = True               # a start marker inside a call body
+        chunk = text[i: i + stop - len(self._tail)]
+        self.body += chunk
+        self._tail = scan[:stop][-self._window:]
+        if end >= 0:
+            self.last_body = self.body[: -len(m.call_end)]
+            self.role, self.body, self.declined = Role.CONTENT, "", False
+            self._line = m.call_end
+            self.calls_ended += 1
+        return i + len(chunk)
+
     def _step(self, ch: str) -> None:
+        """One character outside a call body: reasoning or content."""
         self._tail = (self._tail + ch)[-self._window:]
         m = self.markers
-        if self.role is Role.CALL:
-            self.body += ch
-            if self._ends(m.call_end):
-                self.last_body = self.body[: -len(m.call_end)]
-                self.role, self.body, self.declined = Role.CONTENT, "", False
-                self._line = m.call_end
-                self.calls_ended += 1
-            elif self._ends(m.call_start):
-                self.declined = True          # a start marker inside a call body
-            return
         if self.role is Role.REASONING:
             if self._ends(m.think_end):
                 self.role, self._line = Role.CONTENT, m.think_end
             return
-        # content
         self._line = "" if ch == "\n" else self._line + ch
         if self._ends(_FENCE) and self._line.strip() == _FENCE:
             self._in_fence = not self._in_fence
@@ -255,6 +269,7 @@ class TurnGuard:
         elif (not self._in_fence and self._ends(m.call_start)
               and self._line[: -len(m.call_start)].strip() == ""):
             self.role, self.body, self.declined = Role.CALL, "", False
+            self._tail, self._parsed_len = "", -1
 
     def call_prefix(self) -> CallPrefix | None:
         """The parsed current call body, or None when it is not at a complete delimiter."""
