@@ -42,3 +42,62 @@ def serving_model_dir() -> tuple[Path, bool]:
         return fixture_path("qwen3-json"), True
     except FixtureMissing:
         return random_qwen3_dir(), False
+
+
+# --- real server subprocesses (loopback only) ---------------------------------------------
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(argv: list[str], port: int, *, env: dict[str, str] | None = None,
+                   log: Path, ready_path: str = "/v1/models", timeout: float = 120.0):
+    """Start ``argv`` (a server listening on 127.0.0.1:``port``), wait until ``ready_path``
+    answers, yield the base URL, then stop it. Its stdout+stderr go to ``log``."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_FILL")}
+    full_env.update(env or {})
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=full_env)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+                try:
+                    if httpx.get(base + ready_path, timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"server not ready after {timeout}s:\n{log.read_text()[-3000:]}")
+                time.sleep(0.3)
+            yield base
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"], "additionalProperties": False}}}]

@@ -1,0 +1,94 @@
+"""``MLX_FILL=strict`` inside an unmodified ``mlx_lm.server`` subprocess, queried with the
+official ``openai`` client, against the same server without ``MLX_FILL``."""
+
+from __future__ import annotations
+
+import re
+
+import openai
+import pytest
+
+from adapter_models import BIN, TOOLS, free_port, running_server, serving_model_dir
+
+# The serial lane (generate_step) reports prompt progress from 0; the batched lane never does.
+PROGRESS = re.compile(r"Prompt processing progress: 0/")
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    model, trained = serving_model_dir()
+    logs = tmp_path_factory.mktemp("logs")
+    p_fill, p_stock = free_port(), free_port()
+    cmd = lambda p: [str(BIN / "mlx_lm.server"), "--model", str(model), "--port", str(p)]
+    with running_server(cmd(p_fill), p_fill, env={"MLX_FILL": "strict"}, log=logs / "fill.log") as a, \
+            running_server(cmd(p_stock), p_stock, log=logs / "stock.log") as b:
+        yield {"fill": openai.OpenAI(base_url=a + "/v1", api_key="x", max_retries=0),
+               "stock": openai.OpenAI(base_url=b + "/v1", api_key="x", max_retries=0),
+               "fill_log": logs / "fill.log", "trained": trained}
+
+
+def ask(client, content: str, **kw):
+    return client.chat.completions.create(
+        model="default_model", messages=[{"role": "user", "content": content}],
+        temperature=0, max_tokens=kw.pop("max_tokens", 24), **kw)
+
+
+def serial_requests(log) -> int:
+    return len(PROGRESS.findall(log.read_text()))
+
+
+def test_tool_request_identical_to_stock_and_reports_fill(servers):
+    a = ask(servers["fill"], "What is the weather in Paris?", tools=TOOLS)
+    b = ask(servers["stock"], "What is the weather in Paris?", tools=TOOLS)
+    ma, mb = a.choices[0].message, b.choices[0].message
+    assert ma.content == mb.content
+    assert [(c.function.name, c.function.arguments) for c in ma.tool_calls or []] == \
+           [(c.function.name, c.function.arguments) for c in mb.tool_calls or []]
+    assert a.choices[0].finish_reason == b.choices[0].finish_reason
+    fill = a.usage.model_extra["fill"]
+    assert 0 < fill["emitted"] <= a.usage.completion_tokens  # the fill loop served it
+    assert fill["refusals"] == {} and fill["source_errors"] == {}
+    assert "fill" not in (b.usage.model_extra or {})
+    if servers["trained"]:
+        assert ma.tool_calls and fill["injected"] > 0
+
+
+def test_lanes_tools_serial_prose_batched(servers):
+    log = servers["fill_log"]
+    before = serial_requests(log)
+    ask(servers["fill"], "Tell me a story.")
+    assert serial_requests(log) == before, "a plain prose request left the batched lane"
+    r = ask(servers["fill"], "Tell me a story.")
+    assert "fill" not in (r.usage.model_extra or {})
+    ask(servers["fill"], "Weather in Oslo?", tools=TOOLS)
+    assert serial_requests(log) > before, "a tool request did not take the serial fill lane"
+
+
+def test_prediction_is_lossless_and_accepted(servers):
+    ref = ask(servers["stock"], "Say hello.", max_tokens=40).choices[0].message.content
+    head = ask(servers["stock"], "Say hello.", max_tokens=20).choices[0].message.content
+    r = ask(servers["fill"], "Say hello.", max_tokens=40, prediction={"type": "content", "content": head})
+    assert r.choices[0].message.content == ref
+    details = r.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 0
+    assert r.usage.model_extra["fill"]["verify_accepted"] > 0
+
+
+def test_streaming_with_usage(servers):
+    plain = ask(servers["fill"], "Weather in Rome?", tools=TOOLS)
+    chunks = list(ask(servers["fill"], "Weather in Rome?", tools=TOOLS, stream=True,
+                      stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == (plain.choices[0].message.content or "")
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert len(usage) == 1 and usage[0].model_extra["fill"]["emitted"] > 0
+
+
+def test_malformed_tools_fail_open_per_request(servers):
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "nonsense"}}}}}]
+    a = ask(servers["fill"], "hi", tools=bad)
+    b = ask(servers["stock"], "hi", tools=bad)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    fill = a.usage.model_extra["fill"]
+    assert fill["refusals"] == {"invalid_request": 1} and fill["injected"] == 0
