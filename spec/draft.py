@@ -21,6 +21,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..plan import DispatchPlan, load_plan
 from ..primitive import Checkpoint, append, checkpoint, rewind
+from .base import DraftProposalSource
 
 PROBE = "Hello, world! <tool_call>{\"name\": \"read_file\", \"arguments\": {\"path\": \"/tmp/x.py\"}}"
 
@@ -137,3 +138,15 @@ class DraftModelSource:
         self._known = list(drafted[:accepted])
         self._round = None
         self._drafted = []
+
+
+def make_draft_source(draft_model: Any, *, num_draft_tokens: int = 3,
+                      plan: DispatchPlan | None = None, tokenizer: Any = None,
+                      target_tokenizer: Any = None) -> DraftProposalSource:
+    """The ``draft`` fill source for one request: ``num_draft_tokens`` drafts per round
+    (mlx_lm.server's default 3), tokenizer pair checked as in :class:`DraftModelSource`."""
+    if num_draft_tokens < 1:
+        raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+    src = DraftModelSource(draft_model, plan=plan, tokenizer=tokenizer,
+                           target_tokenizer=target_tokenizer)
+    return DraftProposalSource(src, length=lambda: num_draft_tokens)

@@ -35,6 +35,7 @@ from mlx_lm.models.cache import KVCache
 
 from ..plan import DispatchPlan, unqualified
 from ..primitive import Checkpoint, cache_offset, checkpoint, rewind
+from .base import DraftProposalSource
 
 PREFILL_CHUNK = 512
 
@@ -322,3 +323,12 @@ class MTPSource:
         self._built = self._round_base + keep
         self._round = None
 
+
+
+def make_mtp_source(target: Any, head: MTPHead, *, num_draft_tokens: int = 2,
+                    plan: DispatchPlan | None = None) -> DraftProposalSource:
+    """The ``mtp`` fill source for one request (load ``head`` once per model with
+    :func:`load_mtp_head`); ``num_draft_tokens`` defaults to 2, Qwen's MTP block size - 1."""
+    if num_draft_tokens < 1:
+        raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+    return DraftProposalSource(MTPSource(target, head, plan=plan), length=lambda: num_draft_tokens)

@@ -40,8 +40,8 @@ from mlx_fill.plan import DispatchPlan
 from mlx_fill.primitive import append
 from mlx_fill.proposal import FillSession
 from mlx_fill.random_models import build, config_for
-from mlx_fill.spec.base import DraftProposalSource
-from mlx_fill.spec.draft import DraftModelSource, TokenizerMismatch, check_same_tokenizer
+from mlx_fill.spec.draft import (DraftModelSource, TokenizerMismatch, check_same_tokenizer,
+                                 make_draft_source)
 
 PLAN = DispatchPlan(key=None, max_chunk=16, qualified=True)
 
@@ -86,7 +86,7 @@ def plain(model, prompt, n):
 
 
 def fill_draft(model, draft, prompt, n, k):
-    rec = Recorder(DraftProposalSource(DraftModelSource(draft, plan=PLAN), length=lambda: k))
+    rec = Recorder(make_draft_source(draft, num_draft_tokens=k, plan=PLAN))
     fill = FillSession([rec], plan=PLAN, max_span=64)
     out = [t for t, _ in generate_step(mx.array(prompt), model, fill=fill, max_tokens=n)]
     return out, rec.rounds, fill.stats

@@ -23,8 +23,8 @@ from mlx_fill.plan import DispatchPlan
 from mlx_fill.primitive import append
 from mlx_fill.proposal import FillSession
 from mlx_fill.random_models import build, config_for, save
-from mlx_fill.spec.base import DraftProposalSource
-from mlx_fill.spec.mtp import HiddenTap, MTPHead, MTPSource, has_mtp, load_mtp_head
+from mlx_fill.spec.mtp import (HiddenTap, MTPHead, MTPSource, has_mtp, load_mtp_head,
+                               make_mtp_source)
 
 PLAN = DispatchPlan(key=None, max_chunk=16, qualified=True)
 
@@ -95,10 +95,10 @@ def plain(model, prompt, n):
 
 
 def run_mtp(target, head, prompt, n, k):
-    src = MTPSource(target, head, plan=PLAN)
-    fill = FillSession([DraftProposalSource(src, length=lambda: k)], plan=PLAN)
+    source = make_mtp_source(target, head, num_draft_tokens=k, plan=PLAN)
+    fill = FillSession([source], plan=PLAN)
     out = [t for t, _ in generate_step(mx.array(prompt), target, fill=fill, max_tokens=n)]
-    return out, fill.stats, src
+    return out, fill.stats, source.source
 
 
 def test_loader_finds_the_tensors_mlx_lm_drops(checkpoint_dir, target, head, tmp_path):
