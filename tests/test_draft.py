@@ -188,3 +188,47 @@ def test_tokenizer_pair_checked_at_construction():
         DraftModelSource(DRAFTS["qwen3"], tokenizer=glm, target_tokenizer=qwen)
     with pytest.raises(ValueError, match="both"):
         DraftModelSource(DRAFTS["qwen3"], tokenizer=qwen)
+
+
+def agent_prompts(tokenizer) -> list[list[int]]:
+    """Rendered multi-turn tool conversations (the fixture family's real chat template)."""
+    files = ["/src/app.py", "/src/util/io.py", "/tests/test_app.py"]
+    out = []
+    for i, path in enumerate(files):
+        messages = [
+            {"role": "system", "content": "You are a coding agent. Call tools to inspect files."},
+            {"role": "user", "content": f"Open {path} and tell me what main() returns."},
+            {"role": "assistant", "content": '<tool_call>\n{"name": "read_file", "arguments": '
+                                             f'{{"path": "{files[i - 1]}"}}}}\n</tool_call>'},
+            {"role": "tool", "content": f"def main():\n    return {i}\n"},
+            {"role": "user", "content": f"Now read {path} as well."},
+        ]
+        out.append(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                      tokenize=True)))
+    return out
+
+
+def test_fixture_pair_matches_mlx_lm_and_greedy():
+    """``qwen3-json`` + ``qwen3-draft`` (trained fixtures, real tokenizer): the fill loop's draft
+    speculation, mlx-lm's speculative decoding and plain greedy agree token for token, and the
+    accept/reject trace matches mlx-lm's round for round (alignment: module docstring)."""
+    from mlx_lm import load
+
+    from mlx_fill.fixtures import FixtureMissing, fixture_path
+    try:
+        target_dir, draft_dir = fixture_path("qwen3-json"), fixture_path("qwen3-draft")
+    except FixtureMissing as e:
+        pytest.skip(f"trained fixtures not in this checkout: {e}")
+    target, tok = load(str(target_dir))
+    draft, draft_tok = load(str(draft_dir))
+    DraftModelSource(draft, tokenizer=draft_tok, target_tokenizer=tok)
+    n, k, accepted = 32, 3, 0
+    for prompt in agent_prompts(tok)[:2]:
+        ref = plain(target, prompt, n)
+        ours, our_rounds, stats = fill_draft(target, draft, prompt, n, k)
+        theirs, their_rounds = mlx_lm_rounds(target, draft, prompt + ref[:1], n - 1, k)
+        assert ours == ref
+        assert theirs == ref[1:]
+        assert our_rounds == their_rounds
+        accepted += stats.verify_accepted
+    assert accepted > 0
