@@ -45,7 +45,8 @@ HEAD_VALUES: tuple = ("Paris", "/tmp/x", "-1", " lead", "\nx", "x\n", "a.", '{"k
                       "über", "7", "", "`x`", "\\d", "  ", 7, -2.5, True, None, ["a"], {"k": "v"})
 # Values for the last argument of close probes: plain text, so the value's rendered text is the
 # value itself in every syntax and its end can be located exactly.
-CLOSE_VALUES: tuple = ("Paris", "ok.", "a-b", "x y", "7", "/tmp", "über", "end!", "x\ny")
+CLOSE_VALUES: tuple = ("Paris", "ok.", "a-b", "x y", "7", "/tmp", "über", "end!", "x\ny", "sp ",
+                       "q?", "a)", "tab\t", "日本")
 EXTRA_KEY = "zq_extra"
 CONTENT_PROBE = "Hello."
 MIN_SPAN = 2
