@@ -197,6 +197,19 @@ def _mtp_name(key: str) -> str | None:
     return ".".join(parts[parts.index("mtp") + 1:]) if "mtp" in parts else None
 
 
+def _unfuse_experts(weights: dict[str, mx.array]) -> None:
+    """HF Qwen3.5-MoE layout (``mlp.experts.gate_up_proj`` fused, ``mlp.experts.down_proj``) to
+    mlx-lm's ``mlp.switch_mlp.{gate,up,down}_proj.weight``, in place (as mlx-lm's sanitize does
+    for the decoder layers)."""
+    for key in [k for k in weights if k.endswith(".mlp.experts.gate_up_proj")]:
+        prefix = key[: -len(".experts.gate_up_proj")]
+        gate_up = weights.pop(key)
+        mid = gate_up.shape[-2] // 2
+        weights[f"{prefix}.switch_mlp.gate_proj.weight"] = gate_up[..., :mid, :]
+        weights[f"{prefix}.switch_mlp.up_proj.weight"] = gate_up[..., mid:, :]
+        weights[f"{prefix}.switch_mlp.down_proj.weight"] = weights.pop(f"{prefix}.experts.down_proj")
+
+
 def has_mtp(model_path: str | Path) -> bool:
     """Whether the checkpoint at ``model_path`` carries ``mtp.*`` tensors."""
     return any(_mtp_name(k) for f in Path(model_path).glob("*.safetensors")
@@ -206,8 +219,9 @@ def has_mtp(model_path: str | Path) -> bool:
 def load_mtp_head(model_path: str | Path, target: Any) -> MTPHead:
     """Build the MTP head of the checkpoint at ``model_path`` for the loaded ``target``.
 
+    MoE heads are read in mlx-lm's stacked layout or HF's fused ``experts.gate_up_proj`` one.
     Raises ValueError when the checkpoint carries no ``mtp.*`` tensors or they do not match
-    the head's layout (e.g. per-expert MoE tensors not yet stacked by a converter).
+    the head's layout.
     """
     path = Path(model_path)
     files = sorted(path.glob("*.safetensors"))
@@ -227,6 +241,7 @@ def load_mtp_head(model_path: str | Path, target: Any) -> MTPHead:
             weights[name] = value
     if not weights:
         raise ValueError(f"{path} carries no mtp.* tensors")
+    _unfuse_experts(weights)
     layer_ids = {int(n.split(".")[1]) for n in weights if n.startswith("layers.")}
     head = MTPHead(_text_model(target).args, num_layers=max(layer_ids) + 1 if layer_ids else 0)
     config = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}

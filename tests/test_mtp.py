@@ -192,3 +192,32 @@ def test_missing_hidden_state_is_a_clear_error(target, head):
     src.prefill(prompts(1)[0])
     with pytest.raises(KeyError, match="not captured"):
         src.draft([5], 3)
+
+
+def test_moe_head_from_hf_fused_expert_layout(tmp_path):
+    """A Qwen3.5-MoE head written in HF's fused-expert layout loads into mlx-lm's switch layout
+    and drafts losslessly on its MoE hybrid target."""
+    config = dict(config_for("qwen3_5"), num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    model, config = build(config)
+    save(model, config, tmp_path)
+    mx.random.seed(3)
+    head = MTPHead(model.language_model.args)
+    tensors = {}
+    for k, v in tree_flatten(head.parameters()):
+        if ".switch_mlp." in k:
+            continue
+        tensors[f"mtp.{k}"] = v
+    sw = head.layers[0].mlp.switch_mlp
+    tensors["mtp.layers.0.mlp.experts.gate_up_proj"] = mx.concatenate(
+        [sw.gate_proj.weight, sw.up_proj.weight], axis=-2)
+    tensors["mtp.layers.0.mlp.experts.down_proj"] = sw.down_proj.weight
+    mx.save_safetensors(str(tmp_path / "model-mtp.safetensors"), tensors)
+    target, _ = load_model(tmp_path)
+    loaded = load_mtp_head(tmp_path, target)
+    expected = dict(tree_flatten(head.parameters()))
+    for k, v in tree_flatten(loaded.parameters()):
+        assert mx.array_equal(v, expected[k]).item(), k
+    prompt = prompts(1, seed=9)[0]
+    out, stats, _ = run_mtp(target, loaded, prompt, 12, 2)
+    assert out == plain(target, prompt, 12) and stats.events > 0
