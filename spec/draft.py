@@ -95,11 +95,12 @@ class DraftModelSource:
 
     def draft(self, feed: Sequence[int], n: int) -> list[int]:
         """Greedy drafts for the ``n`` slots after the last fed id (``n <= 0``: only record
-        ``feed``; its forward is deferred to the next drafting round)."""
+        ``feed``; its forward is deferred to the next drafting round). A previous round that
+        got no :meth:`commit` (the session dropped it) counts as fully rejected."""
         if self._cache is None:
             raise ValueError("draft() before prefill()")
-        if self._round is not None:
-            raise ValueError("draft() twice without commit() in between")
+        if self._round is not None:  # the session dropped the round (e.g. cut to nothing at EOS)
+            self.commit(self._drafted, 0)
         feed = [int(t) for t in feed]
         while self._known and feed:
             if feed[0] != self._known[0]:

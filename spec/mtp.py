@@ -308,8 +308,10 @@ class MTPSource:
         self.tap.release_below(self._built)
 
     def draft(self, feed: Sequence[int], n: int) -> list[int]:
-        if self._round is not None:
-            raise ValueError("draft() twice without commit() in between")
+        """Greedy drafts for the ``n`` slots after the last fed id (module docstring for the
+        rows); a previous round that got no :meth:`commit` counts as fully rejected."""
+        if self._round is not None:  # the session dropped the round (e.g. cut to nothing at EOS)
+            self.commit((), 0)
         self._ctx.extend(int(t) for t in feed)
         size = len(self._ctx)
         if n <= 0 or size < 2:

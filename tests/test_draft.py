@@ -148,8 +148,10 @@ def test_mlx_lm_refuses_hybrid_speculation():
 
 
 def test_draft_cache_tracks_committed_ids():
-    """After every round the draft cache holds exactly the committed ids minus the pending
-    tail: equal, array for array, to a fresh draft cache prefilled with those ids."""
+    """After every committed round the draft cache holds exactly the committed ids minus the
+    pending tail: equal to a fresh draft cache prefilled with those ids. Every third round is
+    dropped without commit (as the session does when EOS cuts a proposal to nothing); the next
+    draft() must take it back."""
     draft = DRAFTS["qwen3"]
     src = DraftModelSource(draft, plan=PLAN)
     prompt = prompts(1)[0]
@@ -157,12 +159,15 @@ def test_draft_cache_tracks_committed_ids():
     committed = list(prompt)
     rng = random.Random(5)
     feed: list[int] = []
-    for _ in range(6):
+    for i in range(8):
         d = src.draft(feed, 4)
-        accepted = rng.randrange(0, 5)
-        src.commit(d, accepted)
+        accepted = rng.randrange(0, 5) if i % 3 else 0
+        if i % 3:
+            src.commit(d, accepted)  # else: the session dropped the round without feedback
         feed = d[:accepted] + [rng.randrange(512)]
         committed += feed
+        if not i % 3:
+            continue
         fresh = make_prompt_cache(draft)
         # the ids before this round's feed, plus the accepted drafts the draft model forwarded
         held = len(committed) - len(feed) + min(accepted, 3)
@@ -170,6 +175,20 @@ def test_draft_cache_tracks_committed_ids():
         ours, ref = cache_content(src._cache), cache_content(fresh)
         assert [a.shape for a in ours] == [b.shape for b in ref]
         assert all(mx.allclose(a, b, atol=1e-5).item() for a, b in zip(ours, ref))
+
+
+def test_rounds_cut_to_nothing_at_eos_keep_the_source_armed():
+    """The session drops a proposal whose first id is EOS without feedback; the source must
+    treat that round as rejected and keep drafting (no source error, output unchanged)."""
+    target, draft = TARGETS["qwen3"], DRAFTS["qwen3"]
+    prompt = prompts(1, seed=4)[0]
+    ref = plain(target, prompt, 32)
+    source = make_draft_source(draft, num_draft_tokens=3, plan=PLAN)
+    eos = frozenset(range(0, 512, 2))
+    fill = FillSession([source], plan=PLAN, eos_ids=eos)
+    out = [t for t, _ in generate_step(mx.array(prompt), target, fill=fill, max_tokens=32)]
+    assert out == ref
+    assert not fill.stats.source_errors and fill.stats.verify_accepted > 0
 
 
 def test_commit_rejects_a_foreign_round():

@@ -221,3 +221,16 @@ def test_moe_head_from_hf_fused_expert_layout(tmp_path):
     prompt = prompts(1, seed=9)[0]
     out, stats, _ = run_mtp(target, loaded, prompt, 12, 2)
     assert out == plain(target, prompt, 12) and stats.events > 0
+
+
+def test_rounds_cut_to_nothing_at_eos_keep_the_source_armed(bigram):
+    """The session drops a proposal whose first id is EOS without feedback; the head must treat
+    that round as rejected and keep drafting (no source error, output unchanged)."""
+    target, head = bigram
+    prompt = prompts(1, seed=11)[0]
+    ref = plain(target, prompt, 24)
+    source = make_mtp_source(target, head, num_draft_tokens=3, plan=PLAN)
+    fill = FillSession([source], plan=PLAN, eos_ids=frozenset(range(0, 512, 2)))
+    out = [t for t, _ in generate_step(mx.array(prompt), target, fill=fill, max_tokens=24)]
+    assert out == ref
+    assert not fill.stats.source_errors and fill.stats.events > 0
