@@ -168,3 +168,18 @@ def test_soak_sequential_and_concurrent_identical_steady_memory(server):
     assert sequential == concurrent
     assert all(sequential[i] == sequential[i % 5] for i in range(50))
     assert mem1 <= mem0 * 1.05 and mem2 <= mem0 * 1.05, (mem0, mem1, mem2)
+
+
+def test_draft_model_source_is_lossless():
+    """``--draft-model``: a draft model as a verify source never changes the output (here the
+    model drafts for itself, so every drafted id is accepted)."""
+    from mlx_fill.adapters.openai_request import parse_chat_request
+    from mlx_fill.adapters.serve import Engine
+
+    model, _ = serving_model_dir()
+    req = lambda: parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 24})
+    with_draft = Engine(str(model), fill="strict", draft_model=str(model)).generate(req(), threading.Event())
+    plain = Engine(str(model), fill="off").generate(req(), threading.Event())
+    assert with_draft.tokens == plain.tokens
+    assert with_draft.usage_extra["fill"]["by_origin"].get("draft", 0) > 0
+    assert "fill" not in plain.usage_extra
