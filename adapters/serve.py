@@ -113,13 +113,21 @@ class Engine:
             return make_prompt_cache(self.model), list(prompt_ids)
         return cache, list(rest)
 
-    def generate(self, req: ChatRequest, cancelled: threading.Event,
+    def prepare(self, req: ChatRequest) -> "Prepared":
+        """Render the prompt and build the fill session; RequestError (400) when the template or
+        the fill sources reject the request. Runs on the worker thread, before any response."""
+        prompt_ids = self.render(req)
+        try:
+            session = self._session(req, prompt_ids)
+        except ValueError as e:
+            raise RequestError(400, str(e), str(e).split(":", 1)[0]) from None
+        return Prepared(req, prompt_ids, session)
+
+    def generate(self, prepared: "Prepared", cancelled: threading.Event,
                  on_text: Callable[[str], None] | None = None) -> Outcome | None:
-        """Run one request; ``on_text`` receives content deltas as they become final (tool-call
-        text and text that may still turn into a marker or stop string are held back).
-        Returns None when cancelled before it started."""
-        if cancelled.is_set():
-            return None
+        """Run one prepared request; ``on_text`` receives content deltas as they become final
+        (tool-call text and text that may still turn into a marker or stop string are held
+        back). Returns None when cancelled before it started."""
         import mlx.core as mx
         from mlx_lm.sample_utils import make_sampler
 
@@ -127,11 +135,10 @@ class Engine:
         from ..session import finish_session, predicted_count
         from .mlx_lm import generate_step
 
-        prompt_ids = self.render(req)
-        try:
-            session = self._session(req, prompt_ids)
-        except ValueError as e:
-            raise RequestError(400, str(e), str(e).split(":", 1)[0]) from None
+        req, prompt_ids, session = prepared.req, prepared.prompt_ids, prepared.session
+        if cancelled.is_set():
+            finish_session(session)
+            return None
         cache, rest = self._cache_for(prompt_ids)
         max_tokens = req.max_tokens or self.max_tokens
         sampler = make_sampler(temp=req.temperature, top_p=req.top_p)
@@ -175,6 +182,15 @@ class Engine:
 
 
 DRAFT_TOKENS = 4
+
+
+@dataclass
+class Prepared:
+    """A request whose prompt is rendered and whose fill session (None: fill off) is built."""
+
+    req: ChatRequest
+    prompt_ids: list[int]
+    session: Any
 
 
 class OutputSplitter:
@@ -306,12 +322,16 @@ def create_app(engine: Engine, *, max_request_bytes: int = DEFAULT_MAX_REQUEST_B
         name = req.model or model_id
         loop = asyncio.get_running_loop()
         cancelled = threading.Event()
+        prepared = await loop.run_in_executor(worker, engine.prepare, req)
         if not req.stream:
-            try:
-                out = await loop.run_in_executor(worker, engine.generate, req, cancelled, None)
-            except asyncio.CancelledError:
-                cancelled.set()
-                raise
+            future = loop.run_in_executor(worker, engine.generate, prepared, cancelled, None)
+            while not future.done():
+                await asyncio.wait({future}, timeout=0.25)
+                if not future.done() and await request.is_disconnected():
+                    cancelled.set()  # the client is gone: stop at the next token
+            out = await future
+            if out is None:
+                return _error(499, "client closed the request")
             content, reasoning, calls = split_output(engine.tokenizer, out.text, req.tools)
             message: dict[str, Any] = {"role": "assistant", "content": content or None}
             if reasoning:
@@ -330,7 +350,8 @@ def create_app(engine: Engine, *, max_request_bytes: int = DEFAULT_MAX_REQUEST_B
 
         def run() -> None:
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, ("done", engine.generate(req, cancelled, on_text)))
+                out = engine.generate(prepared, cancelled, on_text)
+                loop.call_soon_threadsafe(queue.put_nowait, ("done", out))
             except BaseException as e:  # delivered to the client as an error event
                 loop.call_soon_threadsafe(queue.put_nowait, ("error", e))
 
@@ -353,6 +374,8 @@ def create_app(engine: Engine, *, max_request_bytes: int = DEFAULT_MAX_REQUEST_B
                         err = value if isinstance(value, RequestError) else RequestError(
                             500, f"{type(value).__name__}: {value}")
                         yield "data: " + json.dumps(err.body()) + "\n\n"
+                        break
+                    if value is None:
                         break
                     out: Outcome = value
                     content, reasoning, calls = split_output(engine.tokenizer, out.text, req.tools)

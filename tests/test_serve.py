@@ -114,6 +114,8 @@ BAD = [
     (400, "chat_template", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 7*7 }}"}),
     (400, "temperature", {"messages": [{"role": "user", "content": "x"}], "temperature": 9}),
     (400, "messages", {"messages": []}),
+    (400, "tools[0]", {"messages": [{"role": "user", "content": "x"}], "stream": True,
+                       "tools": [{"type": "function", "function": {"name": 3}}]}),
 ]
 
 
@@ -178,8 +180,9 @@ def test_draft_model_source_is_lossless():
 
     model, _ = serving_model_dir()
     req = lambda: parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 24})
-    with_draft = Engine(str(model), fill="strict", draft_model=str(model)).generate(req(), threading.Event())
-    plain = Engine(str(model), fill="off").generate(req(), threading.Event())
+    drafting, stock = Engine(str(model), fill="strict", draft_model=str(model)), Engine(str(model), fill="off")
+    with_draft = drafting.generate(drafting.prepare(req()), threading.Event())
+    plain = stock.generate(stock.prepare(req()), threading.Event())
     assert with_draft.tokens == plain.tokens
     assert with_draft.usage_extra["fill"]["by_origin"].get("draft", 0) > 0
     assert "fill" not in plain.usage_extra
