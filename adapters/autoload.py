@@ -40,8 +40,9 @@ def warn_once(message: str) -> None:
 def _patch(name: str, module) -> None:
     """Apply the patch for ``name`` to the executed ``module``; fail open on any mismatch."""
     try:
-        from ..session import check_mode
+        from ..session import check_env, check_mode
         mode = check_mode(os.environ.get(ENV))
+        check_env()
         version = getattr(sys.modules.get("mlx_lm"), "__version__", "")
         if not version.startswith(SUPPORTED):
             raise RuntimeError(f"mlx-lm {version or '?'} is not a supported version {SUPPORTED}")

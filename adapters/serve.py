@@ -59,9 +59,10 @@ class Engine:
         import mlx_lm
         from mlx_lm.models.cache import LRUPromptCache
 
-        from ..session import check_mode
+        from ..session import check_env, check_mode
         self.model_path = model_path
         self.fill = check_mode(fill)
+        check_env()
         self.model, self.tokenizer = mlx_lm.load(model_path)
         self.draft = None
         if draft_model is not None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..proposal import FillSession
-from ..session import build_session, finish_session, predicted_count
+from ..session import build_session, check_env, finish_session, predicted_count
 from ..prediction import prediction_usage
 
 ROUTED_KEYS = ("tools", "tool_choice", "prediction")
@@ -137,6 +137,7 @@ def apply(server: Any, mode: str) -> bool:
     if getattr(server.ResponseGenerator._is_batchable, "__mlx_fill__", False):
         return False
     _check(server)
+    check_env()
     from .mlx_lm import install_generate_step
     API, RG = server.APIHandler, server.ResponseGenerator
     handle_completion, generate_response = API.handle_completion, API.generate_response

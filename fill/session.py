@@ -60,6 +60,16 @@ def spec_names(spec: str | Sequence[str] | None) -> list[str]:
     return [s.strip() for s in spec if s and s.strip()]
 
 
+def check_env() -> None:
+    """Validate the environment knobs once (at patch / server start): ValueError naming the
+    variable, instead of every request failing later."""
+    env_max_span()
+    from .spec.roster import NAMES
+    unknown = [n for n in spec_names(None) if n not in NAMES]
+    if unknown:
+        raise ValueError(f"MLX_FILL_SPEC: unknown sources {unknown}; known: {list(NAMES)}")
+
+
 def _strict_source(tokenizer: Any, messages: Any, tools: Any, template_kwargs: Any):
     """The strict source, or None when the request has nothing strict can determine. Raises
     ValueError (naming the offending path) for malformed tools or schemas."""

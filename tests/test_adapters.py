@@ -177,7 +177,10 @@ def test_hook_fails_open_with_one_warning(monkeypatch):
     assert not hasattr(NotAServer.ResponseGenerator._is_batchable, "__mlx_fill__")
 
 
-def test_bad_mode_fails_open_in_server_process():
-    r = _python(PATCHED, MLX_FILL="turbo")
+@pytest.mark.parametrize("env", [{"MLX_FILL": "turbo"},
+                                 {"MLX_FILL": "all", "MLX_FILL_SPEC": "echo,warp"}],
+                         ids=["bad-mode", "bad-spec"])
+def test_bad_configuration_fails_open_in_server_process(env):
+    r = _python(PATCHED, **env)
     assert json.loads(r.stdout) == [False, "mlx_lm.generate"]
     assert r.stderr.count("mlx-fill: not activated") == 1
