@@ -5,8 +5,10 @@ Two layers establish that:
 
 * :class:`TurnGuard` follows the role of the stream incrementally (O(new chars) per call):
   reasoning (inside ``<think>``), content, fenced code in content, or the body of a tool call.
-  A call opens only on the COMPLETE start marker written in content, at the start of a line,
-  outside fenced code and outside reasoning. Anything else (a ``<tool_call>`` quoted in prose,
+  A call opens only on the COMPLETE start marker written in content, at the start of a line
+  (or right after closed reasoning or a previous call; after text only for templates that
+  write calls inline, and then never quoted or in inline code), outside fenced code and
+  outside reasoning. Anything else (a ``<tool_call>`` quoted in prose,
   inside a code fence, mentioned while reasoning, or nested inside another call's body) does
   not open a call. A malformed or ambiguous call (nested start marker, duplicate keys) is
   declined: no row fires until that call has ended.
@@ -183,12 +185,18 @@ class Role(str, Enum):
 
 @dataclass(frozen=True)
 class Markers:
-    """Role-changing markers of a tokenizer/template (empty strings when absent)."""
+    """Role-changing markers of a tokenizer/template (empty strings when absent).
+
+    ``inline_calls``: the template writes a call right after content text on the same line
+    (GLM-4.7-Flash), so a start marker after text opens a call unless it is quoted or inside
+    inline code; otherwise a call opens only at the start of a line.
+    """
 
     call_start: str
     call_end: str
     think_start: str = ""
     think_end: str = ""
+    inline_calls: bool = False
 
 
 _FENCE = "```"
@@ -249,7 +257,7 @@ class TurnGuard:
         if end >= 0:
             self.last_body = self.body[: -len(m.call_end)]
             self.role, self.body, self.declined = Role.CONTENT, "", False
-            self._line = m.call_end
+            self._line = ""                    # a call may follow a call directly
             self.calls_ended += 1
         return i + len(chunk)
 
@@ -259,17 +267,24 @@ class TurnGuard:
         m = self.markers
         if self.role is Role.REASONING:
             if self._ends(m.think_end):
-                self.role, self._line = Role.CONTENT, m.think_end
+                self.role, self._line = Role.CONTENT, ""   # a call may follow reasoning directly
             return
         self._line = "" if ch == "\n" else self._line + ch
         if self._ends(_FENCE) and self._line.strip() == _FENCE:
             self._in_fence = not self._in_fence
         elif not self._in_fence and self._ends(m.think_start):
             self.role = Role.REASONING
-        elif (not self._in_fence and self._ends(m.call_start)
-              and self._line[: -len(m.call_start)].strip() == ""):
+        elif not self._in_fence and self._ends(m.call_start) and self._opens_here():
             self.role, self.body, self.declined = Role.CALL, "", False
             self._tail, self._parsed_len = "", -1
+
+    def _opens_here(self) -> bool:
+        """Is the start marker that just completed in a structural position?"""
+        before = self._line[: -len(self.markers.call_start)]
+        if before.strip() == "":
+            return True
+        return (self.markers.inline_calls and before.count("`") % 2 == 0
+                and not before.rstrip().endswith(('"', "'", "`")))
 
     def call_prefix(self) -> CallPrefix | None:
         """The parsed current call body, or None when it is not at a complete delimiter."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import jinja2
@@ -49,6 +49,7 @@ CLOSE_VALUES: tuple = ("Paris", "ok.", "a-b", "x y", "7", "/tmp", "über", "end!
                        "q?", "a)", "tab\t", "日本")
 EXTRA_KEY = "zq_extra"
 CONTENT_PROBE = "Hello."
+REASONING_PROBE = "Thinking."
 MIN_SPAN = 2
 
 
@@ -124,7 +125,14 @@ class _Prober:
         self.primer = _render(tokenizer, self.messages, tools, kwargs, True)
 
     def reply(self, message: dict, tool: str | None) -> Rendered:
+        """The probe's reply. A template whose generation prompt opens reasoning but that drops
+        an empty think block from a rendered turn (GLM-4.7-Flash) is probed with a reasoning
+        placeholder, so the rendered turn extends the generation prompt."""
         full = _render(self.tokenizer, [*self.messages, message], self.tools, self.kwargs, False)
+        if not full.startswith(self.primer) and "reasoning_content" not in message:
+            message = {**message, "reasoning_content": REASONING_PROBE}
+            full = _render(self.tokenizer, [*self.messages, message], self.tools, self.kwargs,
+                           False)
         if not full.startswith(self.primer):
             raise TemplateError("the rendered assistant turn does not extend the generation prompt")
         text = full[len(self.primer):]
@@ -351,6 +359,9 @@ def compile_plan(tokenizer, messages: list[dict], tools: list[dict] | None,
         content = prober.reply({"role": "assistant", "content": CONTENT_PROBE}, None)
         if markers.call_start in content.text:
             return None
+        mixed = prober.reply({**_head_messages(specs[0])[0], "content": CONTENT_PROBE}, None)
+        before_call = mixed.text[: mixed.text.find(markers.call_start)]
+        markers = replace(markers, inline_calls=before_call.endswith(CONTENT_PROBE))
         first = specs[0]
         ref = bodies[0]
         syntax = detect_syntax(ref.text, first.name, tuple(_head_messages(first)[0]["tool_calls"][0]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from mlx_lm.tokenizer_utils import load as load_wrapper
 
@@ -161,3 +163,29 @@ def test_plan_cache_is_keyed_on_exact_identity_and_reused_across_conversations()
     assert identity_key(tok, tools(), None) != identity_key(tok, tools("single"), None)
     assert identity_key(tok, tools(), None) != identity_key(tok, tools(), {"enable_thinking": False})
     assert plan_for(tok, USER, tools("single")) is not first
+
+
+def _extra_templates() -> list[tuple[str, Path]]:
+    out = []
+    for root in search_roots():
+        for family, pattern in (("qwen3", "qwen3/extra_templates/*.jinja"),
+                                ("qwen3.5", "qwen3.5/extra_templates/*.jinja"),
+                                ("glm4.x", "glm4.x/*.jinja")):
+            out += [(family, p) for p in sorted(root.glob(pattern))]
+        if out:
+            return out
+    return out
+
+
+@pytest.mark.parametrize("family,template", _extra_templates(), ids=lambda v: getattr(v, "name", v))
+def test_other_template_revisions_compile_through_the_same_diff(family, template):
+    """No template-specific code: every shipped revision compiles rows and fills contained."""
+    tok = tokenizer(family)
+    kwargs = {"chat_template": template.read_text()}
+    source = strict_source(tok, USER, tools(), kwargs)
+    assert source is not None
+    reply = {"role": "assistant", "content": "ok", "reasoning_content": "Let me see.",
+             "tool_calls": [call("get_weather", {"city": "Paris"}), call("bash", {"command": "ls"})]}
+    ids = reply_ids(tok, USER, tools(), reply, kwargs)
+    fires = teacher_force(source, ids, frozenset(tok.eos_token_ids))
+    assert len(fires) >= 2 and contained(ids, fires)
