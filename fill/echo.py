@@ -223,6 +223,12 @@ class EchoDraft:
     def commit(self, drafted: Sequence[int], accepted: int) -> None:
         return None
 
+    def confidence(self) -> tuple:
+        """Key of the last draft for calibrated scoring: (anchor, corroboration up to 3,
+        ended at a delimiter)."""
+        s = self.last_span
+        return (s.anchor, min(s.corroboration, 3), s.at_delimiter) if s else ()
+
 
 class EchoSource:
     """The echo tier as a fill :class:`~mlx_fill.proposal.ProposalSource`.

@@ -85,6 +85,8 @@ class Row:
     by_tool: dict[str, Counts] = field(default_factory=lambda: defaultdict(Counts))
     session: FillSession | None = None
     ptr: int = 0
+    emitted: list[int] = field(default_factory=list)
+    acceptance: dict = field(default_factory=dict)
 
 
 def _make_session(row: Row, plan: DispatchPlan | None, prompt: list[int], index: EchoIndex,
@@ -97,7 +99,8 @@ def _make_session(row: Row, plan: DispatchPlan | None, prompt: list[int], index:
         sources = [DraftProposalSource(src, length=lambda: 10)]
     else:
         sources = make_sources(row.names, plan=plan, prompt_ids=prompt, index=index,
-                               global_tree=row.global_tree, max_span=max_span)
+                               global_tree=row.global_tree, max_span=max_span,
+                               combine=row.name == "all", acceptance=row.acceptance)
     return FillSession(sources, max_span=max_span)
 
 
@@ -133,6 +136,7 @@ def study_session(rendered, rows: list[Row], plan: DispatchPlan | None, eos: fro
             t.tokens += 1
             t.cost += 1.0
             row.ptr = 1
+            row.emitted = out[:1]
             live.append(row)
         while live:
             row = min(live, key=lambda r: r.ptr)
@@ -141,7 +145,7 @@ def study_session(rendered, rows: list[Row], plan: DispatchPlan | None, eos: fro
                 live.remove(row)
                 continue
             c = row.by_source[rendered.source]
-            view = DecodeView(prompt, out[:ptr], eos)
+            view = DecodeView(prompt, row.emitted, eos)
             p = row.session.propose(view)
             if p is None:
                 step, cost, acc, prop = 1, 1.0, 0, 0
@@ -176,6 +180,7 @@ def study_session(rendered, rows: list[Row], plan: DispatchPlan | None, eos: fro
                 row.by_tool[labels[j]].tokens += 1
             tool.tokens += 1
             row.ptr = ptr + step
+            row.emitted.extend(out[ptr:ptr + step])
         for row in rows:
             row.session = None
 

@@ -20,6 +20,12 @@ Occurrence = Literal["first", "last"]
 def prompt_lookup(index: EchoIndex, *, n_min: int = 1, n_max: int = 3, k: int = 10,
                   occurrence: Occurrence = "last") -> list[int]:
     """The draft for the current end of ``index`` (empty when no n-gram recurs)."""
+    return prompt_lookup_n(index, n_min=n_min, n_max=n_max, k=k, occurrence=occurrence)[0]
+
+
+def prompt_lookup_n(index: EchoIndex, *, n_min: int, n_max: int, k: int,
+                    occurrence: Occurrence) -> tuple[list[int], int]:
+    """(draft, matched n-gram length); n is 0 when nothing matched."""
     seq = index.seq
     last = len(seq) - 1
     for n in range(n_max, n_min - 1, -1):
@@ -33,8 +39,8 @@ def prompt_lookup(index: EchoIndex, *, n_min: int = 1, n_max: int = 3, k: int = 
             bucket[-2] if bucket[-1] == last else bucket[-1])
         draft = seq[end + 1:end + 1 + k]
         if draft:
-            return draft
-    return []
+            return draft, n
+    return [], 0
 
 
 class NgramDraft:
@@ -55,6 +61,7 @@ class NgramDraft:
         self.n_min, self.n_max, self.k = n_min, n_max, k
         self.occurrence: Occurrence = occurrence
         self._n = 0
+        self.last_n = 0
 
     def prefill(self, prompt: Sequence[int]) -> None:
         self.index.sync(prompt)
@@ -64,9 +71,15 @@ class NgramDraft:
         self._n += len(feed)
         self.index.advance_to(self._n, feed)
         if n <= 0:
+            self.last_n = 0
             return []
-        return prompt_lookup(self.index, n_min=self.n_min, n_max=self.n_max,
-                             k=min(n, self.k), occurrence=self.occurrence)
+        ids, self.last_n = prompt_lookup_n(self.index, n_min=self.n_min, n_max=self.n_max,
+                                           k=min(n, self.k), occurrence=self.occurrence)
+        return ids
 
     def commit(self, drafted: Sequence[int], accepted: int) -> None:
         return None
+
+    def confidence(self) -> int:
+        """Key of the last draft for calibrated scoring: the matched n-gram length."""
+        return self.last_n

@@ -15,7 +15,8 @@ from ..ledger import Ledger
 from ..plan import DispatchPlan
 from ..proposal import ProposalSource
 from .base import DraftProposalSource, DraftSource
-from .cost import CostGate
+from .combine import BestOf
+from .cost import AcceptanceByPosition, CostGate
 from .ngram import NgramDraft
 from .suffix import GlobalSuffixTree, SuffixDraft, SuffixParams
 
@@ -73,13 +74,19 @@ def make_sources(
     index: EchoIndex | None = None,
     max_span: int = 32,
     ngram_k: int = 10,
+    combine: bool = False,
+    acceptance: dict | None = None,
 ) -> list[ProposalSource]:
     """Fill sources for ``names`` (a subset of :data:`NAMES`, in priority order).
 
     ``global_tree`` is the server's cross-request suffix store (create it once per server);
     ``ledger`` gates ``assert`` promotion of corroborated echo spans (row ``echo:corroborated``,
     only if the ledger lists it as eligible); ``index`` lets a caller reuse a conversation's
-    index across requests (it is synced to ``prompt_ids`` here).
+    index across requests (it is synced to ``prompt_ids`` here). ``combine=True`` returns one
+    :class:`~mlx_fill.spec.combine.BestOf` source choosing among the named sources each round
+    by calibrated expected acceptance (echo then proposes ``verify`` only). ``acceptance`` is a
+    server-lifetime dict that keeps each source's acceptance statistics across requests (the
+    cost gates and the combiner's calibration); without it every request starts from the prior.
     """
     unknown = [n for n in names if n not in NAMES]
     if unknown:
@@ -91,15 +98,34 @@ def make_sources(
         index = EchoIndex()
     index.sync(prompt_ids)
 
-    def gate(max_len: int) -> CostGate | None:
-        return CostGate(plan, max_len) if plan is not None else None
+    if combine:
+        members: list[Any] = []
+        for name in names:
+            if name == "echo":
+                members.append(EchoDraft(index, max_span=max_span, delimiters=delim))
+            elif name == "ngram":
+                members.append(NgramDraft(index, k=max_span))
+            else:
+                members.append(SuffixDraft(index, global_tree=global_tree,
+                                           params=SuffixParams(max_spec=max_span)))
+        return [BestOf(members, plan=plan, max_len=max_span, stats=acceptance)]
+
+    def gate(max_len: int, name: str) -> CostGate | None:
+        if plan is None:
+            return None
+        if acceptance is None:
+            return CostGate(plan, max_len)
+        key = (name, "gate")
+        if key not in acceptance:
+            acceptance[key] = AcceptanceByPosition(max_len=max_len)
+        return CostGate(plan, max_len, stats=acceptance[key])
 
     out: list[ProposalSource] = []
     for name in names:
         if name == "echo":
             promoted = (lambda: ledger.promoted(ECHO_ROW)) if ledger is not None else (lambda: False)
             out.append(EchoSource(EchoDraft(index, max_span=max_span, delimiters=delim),
-                                  gate=gate(max_span), assert_allowed=promoted,
+                                  gate=gate(max_span, name), assert_allowed=promoted,
                                   record=ledger.record if ledger is not None else None))
             continue
         src: DraftSource
@@ -108,7 +134,7 @@ def make_sources(
         else:
             src, cap = SuffixDraft(index, global_tree=global_tree,
                                    params=SuffixParams(max_spec=max_span)), max_span
-        g = gate(cap)
+        g = gate(cap, name)
         if g is None:
             out.append(DraftProposalSource(src, length=lambda cap=cap: cap))
         else:

@@ -7,7 +7,8 @@ Two sources of evidence, as in the paper: the request itself (prompt + output, t
 The suffix tree is kept implicitly, the way a suffix array represents one: the node for a context
 string ``s`` is the set of positions where ``s`` occurred, and a child's count is how many of
 those occurrences continue with that token. Occurrences are gathered from the k-gram buckets of
-the trailing context (nearest ``candidates`` per anchor length) and each is given its match
+the trailing context (nearest ``candidates``, longest anchor first; shorter anchors only while
+fewer than ``candidates`` were found) and each is given its match
 length (how many trailing tokens agree, up to ``max_depth``). For every distinct match length
 ``L`` the node is the candidates matching at least ``L`` tokens; the draft follows the most
 frequent child while the running product of ``count(child) / count(node)`` stays >= ``min_prob``,
@@ -36,7 +37,7 @@ class SuffixParams:
     offset: float = 0.0
     min_prob: float = 0.1
     max_depth: int = 64
-    candidates: int = 16
+    candidates: int = 8
     anchors: tuple[int, ...] = (8, 4, 2, 1)
 
 
@@ -48,17 +49,44 @@ class SuffixDraftResult:
     store: str  # "request" or "global"
 
 
-def _match_len(seq: Sequence[int], end: int, ctx: list[int], depth: int) -> int:
-    """How many tokens ending at ``seq[end]`` equal the tail of ``ctx`` (at most ``depth``)."""
+def _match_len(seq: Sequence[int], end: int, ctx: list[int], depth: int, known: int = 0) -> int:
+    """How many tokens ending at ``seq[end]`` equal the tail of ``ctx`` (at most ``depth``);
+    the caller guarantees the first ``known`` agree."""
     n = len(ctx)
-    limit = min(depth, end + 1, n)
-    m = 0
-    step = 8
-    while m + step <= limit and seq[end - m - step + 1:end - m + 1] == ctx[n - m - step:n - m]:
-        m += step
+    limit = depth if depth < end + 1 else end + 1
+    if n < limit:
+        limit = n
+    m = known if known < limit else limit
+    while m + 8 <= limit and seq[end - m - 7:end - m + 1] == ctx[n - m - 8:n - m]:
+        m += 8
     while m < limit and seq[end - m] == ctx[n - 1 - m]:
         m += 1
     return m
+
+
+def _walk(node: list[tuple[Sequence[int], int]], limit: int, min_prob: float
+          ) -> tuple[list[int], float]:
+    """Follow the most frequent child from ``node`` (occurrence ends) while the running
+    probability stays >= ``min_prob``; returns (ids, score)."""
+    ids: list[int] = []
+    prob = 1.0
+    score = 0.0
+    for j in range(1, limit + 1):
+        toks = [s[e + j] for s, e in node if e + j < len(s)]
+        if not toks:
+            break
+        tok = toks[0]
+        c = toks.count(tok)
+        if c != len(toks):
+            tok, c = Counter(toks).most_common(1)[0]
+        prob *= c / len(node)
+        if prob < min_prob:
+            break
+        ids.append(tok)
+        score += prob
+        if c != len(node):
+            node = [(s, e) for s, e in node if e + j < len(s) and s[e + j] == tok]
+    return ids, score
 
 
 def speculate(cands: list[tuple[Sequence[int], int, int]], p: SuffixParams,
@@ -66,24 +94,18 @@ def speculate(cands: list[tuple[Sequence[int], int, int]], p: SuffixParams,
     """Best path draft over ``cands`` = (sequence, end, match_len) triples; returns
     (ids, score, match length of the winning node)."""
     best: tuple[list[int], float, int] = ([], 0.0, 0)
-    lengths = sorted({m for _, _, m in cands}, reverse=True)
-    for L in lengths:
-        node = [(s, e) for s, e, m in cands if m >= L]
+    if not cands:
+        return best
+    ordered = sorted(cands, key=lambda c: -c[2])
+    i = 0
+    while i < len(ordered):
+        L = ordered[i][2]
+        while i < len(ordered) and ordered[i][2] == L:
+            i += 1
+        if L <= 0:
+            break
         limit = min(budget, p.max_spec, int(p.alpha * L + p.offset))
-        ids: list[int] = []
-        prob = 1.0
-        score = 0.0
-        for j in range(1, limit + 1):
-            counts = Counter(s[e + j] for s, e in node if e + j < len(s))
-            if not counts:
-                break
-            tok, c = counts.most_common(1)[0]
-            prob *= c / len(node)
-            if prob < p.min_prob:
-                break
-            ids.append(tok)
-            score += prob
-            node = [(s, e) for s, e in node if e + j < len(s) and s[e + j] == tok]
+        ids, score = _walk([(s, e) for s, e, _ in ordered[:i]], limit, p.min_prob)
         if score > best[1]:
             best = (ids, score, L)
     return best
@@ -187,10 +209,12 @@ class GlobalSuffixTree:
                 if doc is None:
                     continue
                 end = v & ((1 << _END_BITS) - 1)
-                found[v] = (doc, end, _match_len(doc, end, ctx, p.max_depth))
+                found[v] = (doc, end, _match_len(doc, end, ctx, p.max_depth, k))
                 taken += 1
                 if taken >= p.candidates:
                     break
+            if len(found) >= p.candidates:
+                break
         return list(found.values())
 
 
@@ -202,7 +226,9 @@ def request_candidates(index: EchoIndex, p: SuffixParams) -> list[tuple[Sequence
             continue
         for e in index.nearest(k, p.candidates):
             if e not in found:
-                found[e] = (seq, e, _match_len(seq, e, seq, p.max_depth))
+                found[e] = (seq, e, _match_len(seq, e, seq, p.max_depth, k))
+        if len(found) >= p.candidates:
+            break
     return list(found.values())
 
 
@@ -250,3 +276,11 @@ class SuffixDraft:
 
     def commit(self, drafted: Sequence[int], accepted: int) -> None:
         return None
+
+    def confidence(self) -> tuple:
+        """Key of the last draft for calibrated scoring: (store, match-length bucket,
+        score bucket)."""
+        r = self.last
+        if r is None:
+            return ()
+        return (r.store, min(r.match_len.bit_length(), 6), min(int(r.score), 8))
