@@ -4,7 +4,8 @@
 :class:`RequestError` carrying the HTTP status and the offending parameter path: 422 for a value
 of the wrong type, 400 for a well-typed value that is not acceptable (malformed tools or JSON
 schemas, an unknown tool in ``tool_choice``, a malformed ``prediction``, a request-supplied chat
-template). Nothing here touches the model.
+template, and ``logprobs`` or a ``response_format`` other than text, which the endpoint does not
+implement). Nothing here touches the model.
 """
 
 from __future__ import annotations
@@ -50,8 +51,6 @@ class ChatRequest:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
-    logprobs: bool = False
-    response_format: Any = None
     prediction: dict | None = None
     chat_template_kwargs: dict = field(default_factory=dict)
 
@@ -203,7 +202,11 @@ def parse_chat_request(body: Any) -> ChatRequest:
             prediction_text(prediction)
         except ValueError as e:
             raise RequestError(400, str(e), str(e).split(":", 1)[0]) from None
-    top_logprobs = _typed(body, "top_logprobs", (int,), "an integer")
+    if _typed(body, "logprobs", (bool,), "a boolean") or _typed(body, "top_logprobs", (int,), "an integer"):
+        raise RequestError(400, "logprobs: not supported by mlx-fill serve", "logprobs")
+    response_format = _typed(body, "response_format", (dict,), "an object")
+    if response_format not in (None, {"type": "text"}):
+        raise RequestError(400, "response_format: only {'type': 'text'} is supported", "response_format")
     kwargs = _typed(body, "chat_template_kwargs", (dict,), "an object") or {}
     return ChatRequest(
         messages=_messages(body["messages"]),
@@ -217,8 +220,6 @@ def parse_chat_request(body: Any) -> ChatRequest:
         temperature=_number(body, "temperature", 0.0, 2.0, 0.0),
         top_p=_number(body, "top_p", 0.0, 1.0, 1.0),
         seed=_typed(body, "seed", (int,), "an integer"),
-        logprobs=bool(_typed(body, "logprobs", (bool,), "a boolean")) or bool(top_logprobs),
-        response_format=_typed(body, "response_format", (dict,), "an object"),
         prediction=prediction,
         chat_template_kwargs=kwargs,
     )

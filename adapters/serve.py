@@ -92,8 +92,7 @@ class Engine:
         session = build_session(
             self.fill, model=self.model, tokenizer=self.tokenizer, prompt_ids=prompt_ids,
             messages=req.messages, tools=req.tools, template_kwargs=req.chat_template_kwargs,
-            temperature=req.temperature, seed=req.seed, logprobs=req.logprobs,
-            response_format=req.response_format, prediction=req.prediction,
+            temperature=req.temperature, seed=req.seed, prediction=req.prediction,
             global_tree=self.global_tree)
         if session is not None and self.draft is not None and session.refused is None:
             from ..spec.base import DraftProposalSource

@@ -114,6 +114,9 @@ BAD = [
     (400, "chat_template", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 7*7 }}"}),
     (400, "temperature", {"messages": [{"role": "user", "content": "x"}], "temperature": 9}),
     (400, "messages", {"messages": []}),
+    (400, "logprobs", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}),
+    (400, "response_format", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}),
     (400, "tools[0]", {"messages": [{"role": "user", "content": "x"}], "stream": True,
                        "tools": [{"type": "function", "function": {"name": 3}}]}),
 ]
