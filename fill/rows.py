@@ -96,7 +96,6 @@ class Rendered:
     text: str
     ids: tuple[int, ...]
     offsets: tuple[int, ...]          # byte offset where each id starts; offsets[-1]=len
-    tool: str | None
 
 
 class TemplateError(ValueError):
@@ -124,7 +123,7 @@ class _Prober:
         self.table = token_bytes(tokenizer)
         self.primer = _render(tokenizer, self.messages, tools, kwargs, True)
 
-    def reply(self, message: dict, tool: str | None) -> Rendered:
+    def reply(self, message: dict) -> Rendered:
         """The probe's reply. A template whose generation prompt opens reasoning but that drops
         an empty think block from a rendered turn (GLM-4.7-Flash) is probed with a reasoning
         placeholder, so the rendered turn extends the generation prompt."""
@@ -144,7 +143,23 @@ class _Prober:
         offsets.append(pos)
         if ids_bytes(self.table, ids) != text.encode("utf-8"):
             raise TemplateError("token bytes do not reproduce the rendered text")
-        return Rendered(text, ids, tuple(offsets), tool)
+        return Rendered(text, ids, tuple(offsets))
+
+    def calls(self, calls: list[tuple[str, dict]], markers: Markers) -> list[_Body]:
+        """Bodies of ``calls`` rendered as one assistant turn (one render for many probes)."""
+        msg = {"role": "assistant", "content": "",
+               "tool_calls": [_call(name, args) for name, args in calls]}
+        return _bodies(self.reply(msg), markers, [name for name, _ in calls])
+
+    def probe(self, calls: list[tuple[str, dict]], markers: Markers) -> list[_Body]:
+        """Bodies of ``calls``, batched into one turn when the template renders each call of
+        a turn exactly as it renders that call alone (checked on the first and last call);
+        otherwise one render per call."""
+        batch = self.calls(calls, markers)
+        ends = {0, len(calls) - 1}
+        if all(self.calls([calls[i]], markers)[0] == batch[i] for i in ends):
+            return batch
+        return [self.calls([c], markers)[0] for c in calls]
 
 
 def initial_role(tokenizer, messages, tools, kwargs, markers: Markers) -> Role:
@@ -177,25 +192,31 @@ class _Body:
     tool: str
 
 
-def _body(r: Rendered, markers: Markers) -> _Body:
+def _bodies(r: Rendered, markers: Markers, tools: list[str]) -> list[_Body]:
+    """The call bodies of a rendered turn, in order, one per tool name."""
     raw = r.text.encode("utf-8")
-    start = raw.find(markers.call_start.encode())
-    if start < 0:
-        raise TemplateError("the rendered call has no start marker")
-    s_end = start + len(markers.call_start.encode())
-    end = raw.find(markers.call_end.encode(), s_end)
-    if end < 0:
-        raise TemplateError("the rendered call has no end marker")
-    e_end = end + len(markers.call_end.encode())
-    offs = r.offsets
-    if s_end not in offs or e_end not in offs:
-        raise TemplateError("call markers are not token boundaries")
-    j, k = offs.index(s_end), offs.index(e_end)
-    j0 = max(i for i in range(len(r.ids)) if offs[i] <= start)
-    return _Body(r.ids[j0:j], r.ids[j:k], raw[s_end:end].decode("utf-8"), r.tool or "")
+    index = {off: i for i, off in enumerate(r.offsets)}
+    start_m, end_m = markers.call_start.encode(), markers.call_end.encode()
+    out, pos = [], 0
+    for tool in tools:
+        start = raw.find(start_m, pos)
+        if start < 0:
+            raise TemplateError("the rendered call has no start marker")
+        s_end = start + len(start_m)
+        end = raw.find(end_m, s_end)
+        if end < 0:
+            raise TemplateError("the rendered call has no end marker")
+        e_end = end + len(end_m)
+        if s_end not in index or e_end not in index:
+            raise TemplateError("call markers are not token boundaries")
+        j, k = index[s_end], index[e_end]
+        j0 = max(i for i in range(j) if r.offsets[i] <= start)
+        out.append(_Body(r.ids[j0:j], r.ids[j:k], raw[s_end:end].decode("utf-8"), tool))
+        pos = e_end
+    return out
 
 
-def _head_messages(spec: ToolSpec) -> list[dict]:
+def _head_probes(spec: ToolSpec) -> list[tuple[str, dict]]:
     """Probe calls covering every legal way this tool's call can begin."""
     if spec.sole_key is not None:
         argsets = [{spec.sole_key: v} for v in HEAD_VALUES]
@@ -205,8 +226,19 @@ def _head_messages(spec: ToolSpec) -> list[dict]:
             argsets.append({EXTRA_KEY: "x"})
         if not spec.required:
             argsets.append({})
-    return [{"role": "assistant", "content": "", "tool_calls": [_call(spec.name, a)]}
-            for a in argsets]
+    return [(spec.name, a) for a in argsets]
+
+
+def _close_probes(spec: ToolSpec) -> list[tuple[str, dict, str]]:
+    """Complete calls of a closable tool, last value varied: (name, args, last value)."""
+    if spec.open or not spec.properties:
+        return []
+    out = []
+    for v in CLOSE_VALUES:
+        args = {k: "x" for k in spec.properties[:-1]}
+        args[spec.properties[-1]] = v
+        out.append((spec.name, args, v))
+    return out
 
 
 def _decode(table, ids: Sequence[int]) -> str | None:
@@ -288,36 +320,33 @@ def _close_rows(prober: _Prober, markers: Markers, specs: list[ToolSpec], syntax
                 eos: set[int]) -> dict[str, Row]:
     table = prober.table
     found: dict[str, set[tuple[tuple[int, ...], tuple[int, ...]]]] = defaultdict(set)
-    for spec in specs:
-        if spec.open or not spec.properties:
+    probes = [p for spec in specs for p in _close_probes(spec)]
+    if not probes:
+        return {}
+    bodies = prober.probe([(name, args) for name, args, _ in probes], markers)
+    for (_, _, v), body in zip(probes, bodies):
+        raw = body.text.encode("utf-8")
+        v_end = raw.rfind(v.encode("utf-8"))
+        if v_end < 0:
             continue
-        for v in CLOSE_VALUES:
-            args = {k: "x" for k in spec.properties[:-1]}
-            args[spec.properties[-1]] = v
-            msg = {"role": "assistant", "content": "", "tool_calls": [_call(spec.name, args)]}
-            body = _body(prober.reply(msg, spec.name), markers)
-            raw = body.text.encode("utf-8")
-            v_end = raw.rfind(v.encode("utf-8"))
-            if v_end < 0:
+        v_end += len(v.encode("utf-8"))
+        offs, pos = [], 0
+        for t in body.ids:
+            offs.append(pos)
+            pos += len(table[t])
+        for i, off in enumerate(offs):
+            if off <= v_end:
                 continue
-            v_end += len(v.encode("utf-8"))
-            offs, pos = [], 0
-            for t in body.ids:
-                offs.append(pos)
-                pos += len(table[t])
-            for i, off in enumerate(offs):
-                if off <= v_end:
-                    continue
-                try:
-                    key = raw[v_end:off].decode("utf-8")
-                    prefix = raw[:off].decode("utf-8")
-                except UnicodeDecodeError:
-                    continue
-                state = syntax.parse(prefix)
-                if state is None or state.value_end != len(raw[:v_end].decode("utf-8")):
-                    continue
-                inside = tuple(t for t, o in zip(body.ids[:i], offs[:i]) if o >= v_end)
-                found[key].add((inside, body.ids[i:]))
+            try:
+                key = raw[v_end:off].decode("utf-8")
+                prefix = raw[:off].decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            state = syntax.parse(prefix)
+            if state is None or state.value_end != len(raw[:v_end].decode("utf-8")):
+                continue
+            inside = tuple(t for t, o in zip(body.ids[:i], offs[:i]) if o >= v_end)
+            found[key].add((inside, body.ids[i:]))
     rows: dict[str, Row] = {}
     for key, options in found.items():
         spans = {s for _, s in options}
@@ -352,20 +381,17 @@ def compile_plan(tokenizer, messages: list[dict], tools: list[dict] | None,
     eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
     try:
         prober = _Prober(tokenizer, messages, tools, kwargs)
-        bodies = []
-        for spec in specs:
-            for msg in _head_messages(spec):
-                bodies.append(_body(prober.reply(msg, spec.name), markers))
-        content = prober.reply({"role": "assistant", "content": CONTENT_PROBE}, None)
+        probes = [p for spec in specs for p in _head_probes(spec)]
+        bodies = prober.probe(probes, markers)
+        content = prober.reply({"role": "assistant", "content": CONTENT_PROBE})
         if markers.call_start in content.text:
             return None
-        mixed = prober.reply({**_head_messages(specs[0])[0], "content": CONTENT_PROBE}, None)
+        mixed = prober.reply({"role": "assistant", "content": CONTENT_PROBE,
+                              "tool_calls": [_call(*probes[0])]})
         before_call = mixed.text[: mixed.text.find(markers.call_start)]
         markers = replace(markers, inline_calls=before_call.endswith(CONTENT_PROBE))
-        first = specs[0]
         ref = bodies[0]
-        syntax = detect_syntax(ref.text, first.name, tuple(_head_messages(first)[0]["tool_calls"][0]
-                                                          ["function"]["arguments"]))
+        syntax = detect_syntax(ref.text, probes[0][0], tuple(probes[0][1]))
         head = _head_rows(bodies, prober.table, eos)
         close = _close_rows(prober, markers, specs, syntax, eos) if syntax.grammar_file else {}
     except (TemplateError, jinja2.TemplateError):
@@ -382,7 +408,7 @@ def reference_body(tokenizer, messages: list[dict], tools: list[dict], kwargs: d
     spec = next(iter(plan.tools.values()))
     try:
         prober = _Prober(tokenizer, messages, tools, kwargs)
-        return _body(prober.reply(_head_messages(spec)[0], spec.name), plan.markers).ids
+        return prober.calls(_head_probes(spec)[:1], plan.markers)[0].ids
     except (TemplateError, jinja2.TemplateError):
         return None
 
