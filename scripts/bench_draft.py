@@ -11,7 +11,8 @@ Pairs: the trained fixtures ``qwen3-json`` + ``qwen3-draft`` when they are in th
 qwen3 with a noisy copy of itself as drafter; a hybrid qwen3_5 with an MTP head constructed to
 agree with a mostly-bigram target). Random pairs measure the mechanism, not a real speedup.
 
-    python scripts/bench_draft.py [--tokens 64] [--lengths 2 3 4] [--json out.json]
+    python scripts/bench_draft.py [--tokens 64] [--lengths 2 3 4] [--mode exact|fast]
+        [--mtp-target DIR [--mtp-head DIR]] [--json out.json]
 """
 
 from __future__ import annotations
@@ -161,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lengths", type=int, nargs="+", default=[2, 3, 4])
     ap.add_argument("--mode", choices=["exact", "fast"], default="exact",
                     help="dispatch plan mode for the fill arms (default: this machine's exact plan)")
+    ap.add_argument("--mtp-target", type=Path,
+                    help="a qwen3_5 model dir with tokenizer (e.g. the qwen35-xml fixture)")
+    ap.add_argument("--mtp-head", type=Path,
+                    help="dir holding its mtp.* tensors (scripts/train_mtp.py; default: the target)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     rows: list[dict] = []
@@ -185,13 +190,20 @@ def main(argv: list[str] | None = None) -> int:
             arms[f"mlx-lm speculative k={k}"] = mlx_lm_arm(target, draft, k, args.tokens)
         rows += measure(name, target, prompts, args.tokens, plan, arms)
 
-    target, head = bigram_mtp_pair()
-    plan = load_plan(target, args.mode)
-    arms = {f"mtp k={k}": fill_arm(target, lambda k=k: make_mtp_source(target, head,
-                                                                         num_draft_tokens=k),
-                                   args.tokens, plan) for k in args.lengths}
-    rows += measure("random qwen3_5 (hybrid) + bigram MTP head", target,
-                    random_prompts(args.prompts), args.tokens, plan, arms)
+    mtp_pairs = [("random qwen3_5 (hybrid) + bigram MTP head", *bigram_mtp_pair(),
+                  random_prompts(args.prompts))]
+    if args.mtp_target is not None:
+        from mlx_lm import load
+        target, tok = load(str(args.mtp_target))
+        head = load_mtp_head(args.mtp_head or args.mtp_target, target)
+        mtp_pairs.append((f"{args.mtp_target.name} + MTP head from {args.mtp_head or 'itself'}",
+                          target, head, agent_prompts(tok, args.prompts)))
+    for name, target, head, prompts in mtp_pairs:
+        plan = load_plan(target, args.mode)
+        arms = {f"mtp k={k}": fill_arm(target, lambda k=k: make_mtp_source(target, head,
+                                                                             num_draft_tokens=k),
+                                       args.tokens, plan) for k in args.lengths}
+        rows += measure(name, target, prompts, args.tokens, plan, arms)
 
     print("| pair | arm | plan | tokens/forward | drafted | accepted | wall s | speed vs plain "
           "| identical |")

@@ -1,0 +1,167 @@
+"""Train an MTP head for a Qwen3.5-style target by self-distillation, written as ``mtp.*`` tensors.
+
+The target is frozen. For every training sequence ``s`` the target runs once (teacher forcing):
+its pre-final-norm hidden states ``H`` (captured by :class:`mlx_fill.spec.mtp.HiddenTap`) and its
+greedy predictions ``y`` (``y[p]`` = the target's argmax for the slot after ``s[p]``). The head is
+trained on the two ways :class:`~mlx_fill.spec.mtp.MTPSource` uses it:
+
+* step 1, row ``p`` = ``(embed(s[p+1]), H[p])`` -> label ``y[p+1]`` (predict-ahead);
+* step 2 (chained), row ``p`` = ``(embed(s[p+2]), out1[p])`` -> label ``y[p+2]``, where ``out1``
+  is the head's own pre-norm output of step 1 (weight ``--chain-weight``).
+
+Labels are the target's own predictions, not the corpus tokens, so the head learns what
+verification will accept. Corpora: ``fixture`` (the conversations a fixture was trained on,
+``scripts/fixture_data.py``) or ``self`` (random prompts plus the target's greedy continuations).
+
+    python scripts/train_mtp.py --make-random DIR            # tiny random qwen3_5 + self corpus
+    python scripts/train_mtp.py DIR --corpus fixture --fixture qwen35-xml
+writes ``DIR/model-mtp.safetensors`` (mlx-lm's loader ignores it; ``load_mtp_head(DIR, target)``
+reads it). Prints the held-out step-1 / step-2 agreement with the target before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load_model
+
+from mlx_fill.random_models import build, config_for, save
+from mlx_fill.spec.mtp import HiddenTap, MTPHead
+
+HEAD_FILE = "model-mtp.safetensors"
+
+
+def self_corpus(target, count: int, prompt_len: int, gen_len: int, seed: int) -> list[list[int]]:
+    """Random prompts followed by the target's own greedy continuation."""
+    vocab = target.language_model.args.vocab_size
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
+        cont = [t for t, _ in generate_step(mx.array(prompt), target, max_tokens=gen_len)]
+        out.append(prompt + cont)
+    return out
+
+
+def fixture_corpus(model_dir: Path, fixture: str, limit: int) -> list[list[int]]:
+    """The training conversations of ``fixture`` (prompt + assistant turn ids)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import train_fixture
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    examples = train_fixture.training_examples(train_fixture.SPECS[fixture], tokenizer)
+    rng = random.Random(0)
+    rng.shuffle(examples)
+    return [list(e.prompt_ids) + list(e.target_ids) for e in examples[:limit]]
+
+
+def teacher(target, tap: HiddenTap, seq: list[int]) -> tuple[mx.array, mx.array]:
+    """(pre-norm hidden ``[T, H]``, greedy predictions ``[T]``) of the target over ``seq``."""
+    logits = target(mx.array(seq)[None], cache=make_prompt_cache(target))[0]
+    hidden = tap.rows(0, len(seq))
+    labels = mx.argmax(logits, axis=-1)
+    mx.eval(hidden, labels)
+    return hidden, labels
+
+
+def head_logits(target, head: MTPHead, x: mx.array) -> mx.array:
+    lm = target.language_model
+    y = head.norm(x)
+    return lm.model.embed_tokens.as_linear(y) if lm.args.tie_word_embeddings else lm.lm_head(y)
+
+
+def losses(head: MTPHead, target, seq: mx.array, hidden: mx.array, labels: mx.array):
+    """(step-1 loss, step-2 loss, step-1 hits, step-2 hits, rows) for one sequence."""
+    embed = target.language_model.model.embed_tokens
+    out1 = head(embed(seq[1:])[None], hidden[:-1][None], [None])
+    l1 = head_logits(target, head, out1)[0]
+    out2 = head(embed(seq[2:])[None], out1[:, :-1], [None])
+    l2 = head_logits(target, head, out2)[0]
+    y1, y2 = labels[1:], labels[2:]
+    ce1 = nn.losses.cross_entropy(l1, y1, reduction="mean")
+    ce2 = nn.losses.cross_entropy(l2, y2, reduction="mean")
+    hits1 = (mx.argmax(l1, axis=-1) == y1).sum()
+    hits2 = (mx.argmax(l2, axis=-1) == y2).sum()
+    return ce1, ce2, hits1, hits2, y1.size, y2.size
+
+
+def agreement(head, target, data) -> tuple[float, float]:
+    h1 = h2 = n1 = n2 = 0
+    for seq, hidden, labels in data:
+        _, _, a, b, c, d = losses(head, target, seq, hidden, labels)
+        h1, h2, n1, n2 = h1 + a.item(), h2 + b.item(), n1 + c, n2 + d
+    return h1 / n1, h2 / n2
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("checkpoint", nargs="?", type=Path, help="a qwen3_5 model dir")
+    ap.add_argument("--make-random", type=Path, help="create a tiny random qwen3_5 here and use it")
+    ap.add_argument("--corpus", choices=["self", "fixture"], default="self")
+    ap.add_argument("--fixture", default="qwen35-xml")
+    ap.add_argument("--sequences", type=int, default=160)
+    ap.add_argument("--held-out", type=int, default=16)
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--chain-weight", type=float, default=0.5)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if (args.checkpoint is None) == (args.make_random is None):
+        ap.error("give a checkpoint dir or --make-random DIR")
+    path = args.checkpoint
+    if args.make_random is not None:
+        model, config = build(config_for("qwen3_5"))
+        path = save(model, config, args.make_random)
+    target, _ = load_model(path)
+    target.freeze()
+    tap = HiddenTap.install(target)
+
+    total = args.sequences + args.held_out
+    seqs = (self_corpus(target, total, 24, 40, args.seed) if args.corpus == "self"
+            else fixture_corpus(path, args.fixture, total))
+    data = [(mx.array(s), *teacher(target, tap, s)) for s in seqs if len(s) >= 4]
+    train, held = data[args.held_out:], data[:args.held_out]
+
+    mx.random.seed(args.seed)
+    head = MTPHead(target.language_model.args)
+    head.set_dtype(target.language_model.model.embed_tokens.weight.dtype)
+    print(f"untrained head: held-out agreement step1/step2 = {agreement(head, target, held)}")
+    opt = optim.Adam(learning_rate=args.lr)
+
+    def loss_fn(head, seq, hidden, labels):
+        ce1, ce2, *_ = losses(head, target, seq, hidden, labels)
+        return ce1 + args.chain_weight * ce2
+
+    step = nn.value_and_grad(head, loss_fn)
+    rng = random.Random(args.seed)
+    t0 = time.time()
+    for epoch in range(args.epochs):
+        rng.shuffle(train)
+        total_loss = 0.0
+        for seq, hidden, labels in train:
+            loss, grads = step(head, seq, hidden, labels)
+            opt.update(head, grads)
+            mx.eval(head.parameters(), opt.state)
+            total_loss += loss.item()
+        print(f"epoch {epoch + 1}: loss {total_loss / len(train):.3f} "
+              f"({time.time() - t0:.0f}s)")
+    print(f"trained head: held-out agreement step1/step2 = {agreement(head, target, held)}")
+    out = path / HEAD_FILE
+    mx.save_safetensors(str(out), {f"mtp.{k}": v for k, v in tree_flatten(head.parameters())})
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
