@@ -123,8 +123,9 @@ def measure(name: str, target: Any, prompts: list[list[int]], tokens: int, plan:
             for k, v in counts.items():
                 totals[k] = totals.get(k, 0) + v
         row = {"pair": name, "arm": arm, "emitted": emitted, "wall_s": round(wall, 3),
-               "speed_vs_plain": round(plain_s / wall, 3), "identical": identical,
-               "plan": f"{plan.mode}/{plan.max_chunk}{'' if plan.qualified else ' unqualified'}"}
+               "speed_vs_plain": round(plain_s / wall, 3), "identical": identical}
+        if not arm.startswith("mlx-lm"):
+            row["plan"] = f"{plan.mode}/{plan.max_chunk}{'' if plan.qualified else ' unqualified'}"
         if totals.get("forwards"):
             row["tokens_per_forward"] = round(emitted / totals["forwards"], 3)
         row.update({k: int(v) for k, v in totals.items()})
