@@ -55,7 +55,11 @@ def check_same_tokenizer(draft_tokenizer: Any, target_tokenizer: Any) -> None:
 
 
 class DraftModelSource:
-    """A draft model as a :class:`~mlx_fill.spec.base.DraftSource` (greedy drafts).
+    """A draft model as a :class:`~mlx_fill.spec.base.DraftSource`.
+
+    Drafts are the argmax of the draft model's raw logits. mlx-lm drafts through the request's
+    sampler and logits processors; at temperature 0 without processors the two coincide, and
+    either way every emitted token is the target's own sample (the verifier decides).
 
     ``tokenizer`` / ``target_tokenizer``: pass both to have the pair checked at construction
     (:class:`TokenizerMismatch` on any difference); passing only one is an error. Passing
