@@ -294,9 +294,10 @@ class MTPSource:
         return int(mx.argmax(_lm_head(self.target, self.head.norm(out[:, -1:])), axis=-1).item())
 
     def _build_true_rows(self, stop: int) -> None:
-        """Rows for positions ``_built..stop-1`` from committed ids and captured hidden states;
-        starts at the first captured position when earlier ones were never seen (e.g. a
-        prompt-cache hit): RoPE attention only sees relative positions, so that is exact."""
+        """Rows for positions ``_built..stop-1`` from committed ids and captured hidden states.
+        When the target never forwarded the earliest positions in this request (a prompt-cache
+        hit) the rows start at the first captured one: RoPE scores depend on relative positions
+        only, so the head just sees a shorter context."""
         first = self.tap.first()
         if first is not None and first > self._built:
             self._built = min(first, stop)
