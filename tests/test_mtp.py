@@ -234,3 +234,21 @@ def test_rounds_cut_to_nothing_at_eos_keep_the_source_armed(bigram):
     out = [t for t, _ in generate_step(mx.array(prompt), target, fill=fill, max_tokens=24)]
     assert out == ref
     assert not fill.stats.source_errors and fill.stats.events > 0
+
+
+def test_prompt_cache_hit_starts_rows_at_the_first_captured_position(bigram):
+    """A request whose prompt prefix came from a reused cache (its hidden states never seen by
+    the tap) still drafts, from the first captured position on, and stays lossless."""
+    target, head = bigram
+    prompt = prompts(1, seed=13, length=32)[0]
+    ref = plain(target, prompt, 20)
+    cache = make_prompt_cache(target)
+    append(target, cache, prompt[:16], plan=PLAN, logits="none")
+    HiddenTap.install(target).release_below(16)
+    source = make_mtp_source(target, head, num_draft_tokens=2, plan=PLAN)
+    fill = FillSession([source], plan=PLAN, prompt_ids=prompt)
+    out = [t for t, _ in generate_step(mx.array(prompt[16:]), target, prompt_cache=cache,
+                                       fill=fill, max_tokens=20)]
+    assert out == ref
+    assert not fill.stats.source_errors and fill.stats.verify_accepted > 0
+    assert source.source._cache[0].offset < len(prompt) + len(out) - 16
