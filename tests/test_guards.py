@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from mlx_fill.guards import SYNTAXES, Markers, Role, TurnGuard, detect_syntax
 from mlx_fill.strict import strict_source
-from strict_helpers import FAMILIES, call, reply_ids, teacher_force, tokenizer, tools
+from strict_helpers import FAMILIES, call, contained, reply_ids, teacher_force, tokenizer, tools
 
 XML = SYNTAXES["xml"]
 JSON = SYNTAXES["hermes-json"]
@@ -177,5 +177,28 @@ def test_no_fire_outside_structural_states(family):
         lead = lead[: lead.index("x")]                   # the template's primer (e.g. </think>)
         ids = tok.encode(lead + content, add_special_tokens=False)
         assert teacher_force(source, ids, eos) == []
+
+    check()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3.5", "glm4.x"])
+def test_real_calls_after_random_prose_fill_contained(family):
+    """The positive side of the property: prose (with quoted/fenced/reasoning markup) followed
+    by a real rendered call fills, and every span is the stream's own next ids."""
+    tok = tokenizer(family)
+    msgs = [{"role": "user", "content": "hi"}]
+    eos = frozenset(tok.eos_token_ids)
+
+    @settings(max_examples=15, deadline=None)
+    @given(st.lists(_unstructured_markup(family), max_size=2), PROSE,
+           st.sampled_from(["get_weather", "get_time", "bash"]), st.text(min_size=1, max_size=12))
+    def check(parts, prose, name, value):
+        key = {"get_weather": "city", "get_time": "tz", "bash": "command"}[name]
+        reply = {"role": "assistant", "content": "".join(parts) + "".join(prose) + "ok",
+                 "tool_calls": [call(name, {key: value})]}
+        ids = reply_ids(tok, msgs, tools(), reply)
+        fires = teacher_force(strict_source(tok, msgs, tools()), ids, eos)
+        assert contained(ids, fires)
+        assert any(o == f"strict:name:{name}" for _, _, o in fires)
 
     check()
