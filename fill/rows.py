@@ -91,7 +91,7 @@ class RowPlan:
 
 @dataclass(frozen=True)
 class Rendered:
-    """One probe: reply text after the generation prompt, its ids, and the call body bounds."""
+    """One probe: the reply text after the generation prompt, its ids, and byte offsets."""
 
     text: str
     ids: tuple[int, ...]
@@ -167,7 +167,8 @@ def initial_role(tokenizer, messages, tools, kwargs, markers: Markers) -> Role:
     with_gen = _render(tokenizer, messages, tools, kwargs, True)
     without = _render(tokenizer, messages, tools, kwargs, False)
     gen = with_gen[len(without):] if with_gen.startswith(without) else with_gen[-64:]
-    if markers.think_start and gen.rfind(markers.think_start) > gen.rfind(markers.think_end or "\0"):
+    opened = gen.rfind(markers.think_start) if markers.think_start else -1
+    if opened >= 0 and opened > gen.rfind(markers.think_end or "\0"):
         return Role.REASONING
     return Role.CONTENT
 

@@ -42,7 +42,7 @@ def reply_ids(tok, messages, tool_list, reply: dict, kwargs: dict | None = None)
     return ids
 
 
-def teacher_force(source, ids: list[int], eos=frozenset()) -> list[tuple[int, tuple[int, ...], str]]:
+def teacher_force(source, ids: list[int], eos=frozenset()) -> list[tuple[int, tuple, str]]:
     """Drive ``source`` over ``ids`` as the decode loop would; (position, span, origin) per fire.
 
     A contained span is appended whole; a span that is not the stream's next ids fails the

@@ -28,7 +28,8 @@ def test_xml_prefix_parses_only_after_a_complete_parameter_delimiter():
     assert XML.parse(head + 'printf "</parameterization>"') is None
     # the value keeps </parameterization> and ends only at the real delimiter
     done = XML.parse(head + 'printf "%s" "</parameterization>"\n</parameter>\n')
-    assert done is not None and done.value_end == len(head) + len('printf "%s" "</parameterization>"')
+    value = 'printf "%s" "</parameterization>"'
+    assert done is not None and done.value_end == len(head) + len(value)
     assert XML.parse(head + "x\n</parameter>\n</function>\n").closed
 
 

@@ -81,7 +81,8 @@ def test_thinking_newline_merge_still_compiles_rows():
     full rendering are not an extension of the primer ids, yet rows compile (text boundary)."""
     tok = tokenizer("qwen3.5")
     msgs = USER
-    primer = tok.apply_chat_template(msgs, tools=tools(), tokenize=False, add_generation_prompt=True)
+    primer = tok.apply_chat_template(msgs, tools=tools(), tokenize=False,
+                                     add_generation_prompt=True)
     full = tok.apply_chat_template([*msgs, _call_reply("bash", {"command": "ls"})], tools=tools(),
                                    tokenize=False, add_generation_prompt=False)
     p_ids = tok.encode(primer, add_special_tokens=False)
@@ -128,13 +129,15 @@ def test_ref_parameters_resolve_to_a_certain_sole_key():
 @pytest.mark.parametrize("bad,path", [
     ([{"type": "function", "function": {"name": "a"}}, "nope"], "tools[1]"),
     ([{"type": "function", "function": {"name": ""}}], "tools[0].function.name"),
-    ([{"type": "function", "function": {"name": "a"}}, {"type": "function", "function": {"name": "b"}},
+    ([{"type": "function", "function": {"name": "a"}},
+      {"type": "function", "function": {"name": "b"}},
       {"type": "function", "function": {"name": "c", "parameters": {
           "type": "object", "properties": {"x": {"type": 5}}}}}],
      "tools[2].function.parameters.properties.x"),
     ([{"type": "function", "function": {"name": "a", "parameters": {"$ref": "#/$defs/missing"}}}],
      "tools[0].function.parameters.$ref"),
-    ([{"type": "function", "function": {"name": "a"}}, {"type": "function", "function": {"name": "a"}}],
+    ([{"type": "function", "function": {"name": "a"}},
+      {"type": "function", "function": {"name": "a"}}],
      "tools[1].function.name"),
 ])
 def test_malformed_tools_raise_with_the_offending_path(bad, path):
@@ -161,7 +164,8 @@ def test_plan_cache_is_keyed_on_exact_identity_and_reused_across_conversations()
              {"role": "user", "content": "and now?"}]
     assert plan_for(tok, multi, tools()) is first
     assert identity_key(tok, tools(), None) != identity_key(tok, tools("single"), None)
-    assert identity_key(tok, tools(), None) != identity_key(tok, tools(), {"enable_thinking": False})
+    no_think = {"enable_thinking": False}
+    assert identity_key(tok, tools(), None) != identity_key(tok, tools(), no_think)
     assert plan_for(tok, USER, tools("single")) is not first
 
 
@@ -185,7 +189,8 @@ def test_other_template_revisions_compile_through_the_same_diff(family, template
     source = strict_source(tok, USER, tools(), kwargs)
     assert source is not None
     reply = {"role": "assistant", "content": "ok", "reasoning_content": "Let me see.",
-             "tool_calls": [call("get_weather", {"city": "Paris"}), call("bash", {"command": "ls"})]}
+             "tool_calls": [call("get_weather", {"city": "Paris"}),
+                            call("bash", {"command": "ls"})]}
     ids = reply_ids(tok, USER, tools(), reply, kwargs)
     fires = teacher_force(source, ids, frozenset(tok.eos_token_ids))
     assert len(fires) >= 2 and contained(ids, fires)
