@@ -52,7 +52,7 @@ def _patch(name: str, module) -> None:
         else:
             from .server_patch import apply
             apply(module, mode)
-    except Exception as e:  # fail open: the server must start unpatched rather than not at all
+    except Exception as e:  # noqa: BLE001 -- fail open: the server must start unpatched rather than not at all
         warn_once(f"not activated ({type(e).__name__}: {e})")
 
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from ..loop import generate_step
 from ..proposal import FillSession
 
-__all__ = ["generate_step", "stream_generate", "install_generate_step"]
+__all__ = ["generate_step", "install_generate_step", "stream_generate"]
 
 
 def install_generate_step() -> bool:

@@ -24,10 +24,11 @@ import json
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -82,7 +83,7 @@ class Engine:
             ids = self.tokenizer.apply_chat_template(
                 req.messages, tools=tools, add_generation_prompt=True, tokenize=True,
                 **req.chat_template_kwargs)
-        except Exception as e:  # template errors are the request's (e.g. a role it rejects)
+        except Exception as e:  # noqa: BLE001 -- template errors are the request's (e.g. a role it rejects)
             raise RequestError(400, f"messages: the model's chat template rejected the request "
                                     f"({type(e).__name__}: {e})", "messages") from None
         return list(ids)
@@ -101,8 +102,21 @@ class Engine:
                                                        length=lambda: DRAFT_TOKENS))
         return session
 
+    def _thinking_open(self, prompt_ids: list[int]) -> bool:
+        """The prompt leaves a reasoning block open (the output starts inside it)."""
+        start = getattr(self.tokenizer, "think_start_id", None)
+        end = getattr(self.tokenizer, "think_end_id", None)
+        if not getattr(self.tokenizer, "has_thinking", False) or start is None or start not in prompt_ids:
+            return False
+        last = len(prompt_ids) - 1 - prompt_ids[::-1].index(start)
+        return end not in prompt_ids[last:]
+
     def _cache_for(self, prompt_ids: list[int]):
-        from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+        from mlx_lm.models.cache import (
+            can_trim_prompt_cache,
+            make_prompt_cache,
+            trim_prompt_cache,
+        )
         cache, rest = self.prompt_cache.fetch_nearest_cache(self.model_path, prompt_ids)
         if cache is not None and not rest:  # exact hit: re-feed the last id for its logits
             if can_trim_prompt_cache(cache) and trim_prompt_cache(cache, 1) == 1:
@@ -113,7 +127,7 @@ class Engine:
             return make_prompt_cache(self.model), list(prompt_ids)
         return cache, list(rest)
 
-    def prepare(self, req: ChatRequest) -> "Prepared":
+    def prepare(self, req: ChatRequest) -> Prepared:
         """Render the prompt and build the fill session; RequestError (400) when the template or
         the fill sources reject the request. Runs on the worker thread, before any response."""
         prompt_ids = self.render(req)
@@ -123,7 +137,7 @@ class Engine:
             raise RequestError(400, str(e), str(e).split(":", 1)[0]) from None
         return Prepared(req, prompt_ids, session)
 
-    def generate(self, prepared: "Prepared", cancelled: threading.Event,
+    def generate(self, prepared: Prepared, cancelled: threading.Event,
                  on_text: Callable[[str], None] | None = None) -> Outcome | None:
         """Run one prepared request; ``on_text`` receives content deltas as they become final
         (tool-call text and text that may still turn into a marker or stop string are held
@@ -144,7 +158,8 @@ class Engine:
         sampler = make_sampler(temp=req.temperature, top_p=req.top_p)
         if req.seed is not None:
             mx.random.seed(req.seed)
-        splitter = OutputSplitter(self.tokenizer, req.stop, on_text)
+        splitter = OutputSplitter(self.tokenizer, req.stop, on_text,
+                                  thinking_open=self._thinking_open(prompt_ids))
         detok = self.tokenizer.detokenizer
         eos = set(self.tokenizer.eos_token_ids)
         tokens: list[int] = []
@@ -195,15 +210,22 @@ class Prepared:
 
 class OutputSplitter:
     """Accumulates decoded text, cuts it at the first stop string, and streams the part that is
-    final: text before a tool-call start marker, minus any tail that could still begin a marker
-    or a stop string."""
+    final content: after a reasoning block (``<think>...</think>`` when the tokenizer has one,
+    opened by the output or left open by the prompt), before a tool-call start marker, minus any
+    tail that could still begin a marker or a stop string. :func:`split_output` splits the
+    finished text the same way, so streamed content equals non-streamed content."""
 
-    def __init__(self, tokenizer: Any, stop: list[str], on_text: Callable[[str], None] | None):
+    def __init__(self, tokenizer: Any, stop: list[str], on_text: Callable[[str], None] | None,
+                 *, thinking_open: bool = False):
         self.text = ""
         self.stop = stop
         self.start = getattr(tokenizer, "tool_call_start", None) or None
+        thinking = getattr(tokenizer, "has_thinking", False)
+        self.think_start = getattr(tokenizer, "think_start", None) if thinking else None
+        self.think_end = getattr(tokenizer, "think_end", None) if thinking else None
+        self.thinking_open = thinking_open and self.think_end is not None
         self.on_text = on_text
-        self.sent = 0
+        self.sent: int | None = None
         self.stopped = False
 
     def feed(self, segment: str) -> bool:
@@ -217,12 +239,34 @@ class OutputSplitter:
         self._flush(final=self.stopped)
         return self.stopped
 
+    def _body_start(self, final: bool) -> int | None:
+        """Where content begins in ``text``; None while that is not known yet."""
+        if self.think_end is None:
+            return 0
+        if self.think_end in self.text:
+            head, tail = self.text.split(self.think_end, 1)
+            if not tail.strip("\n") and not final:
+                return None  # split_output drops the newlines after the block
+            return len(head) + len(self.think_end) + len(tail) - len(tail.lstrip("\n"))
+        if final:
+            return 0  # an unclosed block stays content, as in split_output
+        if self.thinking_open:
+            return None
+        lead = self.text.lstrip()
+        if self.think_start and (lead.startswith(self.think_start) or self.think_start.startswith(lead)):
+            return None
+        return 0
+
     def _flush(self, final: bool) -> None:
         if self.on_text is None:
             return
+        if self.sent is None:
+            self.sent = self._body_start(final)
+            if self.sent is None:
+                return
         end = len(self.text)
-        if self.start and self.start in self.text:
-            end = self.text.index(self.start)
+        if self.start and self.start in self.text[self.sent:]:
+            end = self.text.index(self.start, self.sent)
         elif not final:
             for marker in [m for m in (self.start, *self.stop) if m]:
                 for k in range(min(len(marker) - 1, end), 0, -1):
@@ -267,7 +311,7 @@ def split_output(tokenizer: Any, text: str, tools: list | None) -> tuple[str, st
                           "function": {"name": call["name"],
                                        "arguments": json.dumps(call["arguments"], ensure_ascii=False)}})
     content.append(rest)
-    return "".join(content).strip() if calls else "".join(content), reasoning, calls
+    return "".join(content), reasoning, calls
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -352,7 +396,7 @@ def create_app(engine: Engine, *, max_request_bytes: int = DEFAULT_MAX_REQUEST_B
             try:
                 out = engine.generate(prepared, cancelled, on_text)
                 loop.call_soon_threadsafe(queue.put_nowait, ("done", out))
-            except BaseException as e:  # delivered to the client as an error event
+            except BaseException as e:  # noqa: BLE001 -- delivered to the client as an error event
                 loop.call_soon_threadsafe(queue.put_nowait, ("error", e))
 
         def chunk(delta: dict, finish: str | None = None, **extra) -> str:
@@ -362,12 +406,14 @@ def create_app(engine: Engine, *, max_request_bytes: int = DEFAULT_MAX_REQUEST_B
                                                        "finish_reason": finish}], **extra}) + "\n\n"
 
         async def events():
+            streamed = ""
             loop.run_in_executor(worker, run)
             try:
                 yield chunk({"role": "assistant", "content": ""})
                 while True:
                     kind, value = await queue.get()
                     if kind == "text":
+                        streamed += value
                         yield chunk({"content": value})
                         continue
                     if kind == "error":
@@ -380,6 +426,8 @@ def create_app(engine: Engine, *, max_request_bytes: int = DEFAULT_MAX_REQUEST_B
                     out: Outcome = value
                     content, reasoning, calls = split_output(engine.tokenizer, out.text, req.tools)
                     delta: dict[str, Any] = {}
+                    if content.startswith(streamed) and len(content) > len(streamed):
+                        delta["content"] = content[len(streamed):]  # held back, never a call
                     if reasoning:
                         delta["reasoning"] = reasoning
                     if calls:

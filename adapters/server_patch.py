@@ -24,12 +24,13 @@ from __future__ import annotations
 import contextvars
 import inspect
 import logging
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
+from ..prediction import prediction_usage
 from ..proposal import FillSession
 from ..session import build_session, check_env, finish_session, predicted_count
-from ..prediction import prediction_usage
 
 ROUTED_KEYS = ("tools", "tool_choice", "prediction")
 log = logging.getLogger("mlx_fill")
@@ -89,7 +90,7 @@ def _check(server: Any) -> None:
         if names != params:
             raise RuntimeError(f"mlx_lm.server.{cls_name}.{method}{names} does not start with {params}")
     if not callable(getattr(server, "stream_generate", None)):
-        raise RuntimeError("mlx_lm.server.stream_generate is missing")
+        raise TypeError("mlx_lm.server.stream_generate is missing or not callable")
 
 
 def _wrap(original: Callable, wrapper: Callable) -> Callable:
@@ -193,7 +194,7 @@ def apply(server: Any, mode: str) -> bool:
         fill_request, args = current
         try:
             session = _open_session(fill_request, args, kw)
-        except Exception as e:  # a fill bug must not fail the request
+        except Exception as e:  # noqa: BLE001 -- a fill bug must not fail the request
             log.warning("mlx-fill: request served without fill (%s: %s)", type(e).__name__, e)
             fill_request.error = f"{type(e).__name__}: {e}"
             return stream_generate(*a, **kw)

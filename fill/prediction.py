@@ -9,7 +9,8 @@ prediction at or after the cursor (edits keep their order), else anywhere.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .proposal import DecodeView, FillSession, Proposal
 
@@ -21,7 +22,7 @@ def prediction_text(prediction: Any) -> str:
     """The text of an OpenAI ``prediction`` object (``{"type": "content", "content": str |
     [{"type": "text", "text": str}, ...]}``). Raises ValueError naming the offending path."""
     if not isinstance(prediction, dict):
-        raise ValueError("prediction: expected an object")
+        raise ValueError("prediction: expected an object")  # noqa: TRY004 -- a client error
     if prediction.get("type") != "content":
         raise ValueError(f"prediction.type: expected 'content', got {prediction.get('type')!r}")
     content = prediction.get("content")

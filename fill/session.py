@@ -20,7 +20,8 @@ JSONL file every fill event is appended to), ``MLX_FILL_PLAN`` (a dispatch plan 
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .plan import load_plan
 from .prediction import PredictionSource, prediction_text
@@ -147,7 +148,8 @@ def build_session(
                                     prompt_ids=prompt_ids, global_tree=global_tree,
                                     ledger=ledger, max_span=max_span)
     trace_path = trace_path if trace_path is not None else os.environ.get("MLX_FILL_TRACE") or None
-    trace = open(trace_path, "a", buffering=1, encoding="utf-8") if trace_path else None
+    trace = (open(trace_path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 -- closed by finish_session
+             if trace_path else None)
     session = FillSession(sources, prompt_ids=prompt_ids, eos_ids=eos_ids, max_span=max_span,
                           allow_assert=temperature == 0, trace=trace)
     if refusal is not None:

@@ -9,20 +9,17 @@ import sys
 import warnings
 from pathlib import Path
 
-import mlx.core as mx
 import pytest
-from mlx_lm import load
-from mlx_lm.generate import GenerationResponse
-from mlx_lm.generate import stream_generate as stock_stream_generate
-
+from adapter_models import TOOLS, random_qwen3_dir
 from mlx_fill.adapters import autoload
 from mlx_fill.adapters.mlx_lm import stream_generate
 from mlx_fill.echo import EchoSource
 from mlx_fill.prediction import PredictionSource, prediction_text, prediction_usage
 from mlx_fill.proposal import DecodeView, FillStats
 from mlx_fill.session import build_session, check_mode
-
-from adapter_models import TOOLS, random_qwen3_dir
+from mlx_lm import load
+from mlx_lm.generate import GenerationResponse
+from mlx_lm.generate import stream_generate as stock_stream_generate
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -130,7 +127,7 @@ def test_prediction_source_follows_and_reanchors():
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:
     knobs = ("MLX_FILL", "MLX_FILL_MAX_SPAN", "MLX_FILL_TRACE", "MLX_FILL_PLAN", "MLX_FILL_SPEC")
     full = {k: v for k, v in os.environ.items() if k not in knobs}
-    return subprocess.run([sys.executable, *code.split("\0")], capture_output=True, text=True,
+    return subprocess.run([sys.executable, *code.split("\0")], capture_output=True, text=True, check=False,
                           env={**full, **env}, timeout=120)
 
 
@@ -141,7 +138,7 @@ PATCHED = ("-c\0import sys, json, mlx_lm.server as s; g = sys.modules['mlx_lm.ge
 
 def test_hook_installed_and_inert_when_unset():
     purelib = Path(subprocess.run([sys.executable, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                  capture_output=True, text=True).stdout.strip())
+                                  capture_output=True, text=True, check=True).stdout.strip())
     for name in ("mlx_fill.pth", "mlx_fill.start"):
         assert (purelib / name).read_text() == (REPO / "adapters" / "hooks" / name).read_text(), name
     unset = _python("-X\0importtime\0-c\0pass")
