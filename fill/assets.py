@@ -190,13 +190,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .assets_fetch import FetchFailed
+
     try:
         if args.action == "fetch":
             for folder in fetch(args.families or list(FAMILIES), args.dest):
                 print(folder)
         else:
             print(family_dir(args.family))
-    except (AssetsMissing, HashMismatch, ValueError) as err:
+    except (AssetsMissing, HashMismatch, FetchFailed, ValueError) as err:
         print(f"mlx-fill assets: {err}", file=sys.stderr)
         return 1
     return 0

