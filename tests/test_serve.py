@@ -111,6 +111,7 @@ def test_prompt_cache_reused_across_turns(server):
             {"role": "user", "content": "And Porto?"}]
     second = chat(server, turn, tools=TOOLS)
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+    assert second.usage.model_extra["fill"]["emitted"] > 0  # fill runs on top of the cache hit
 
 
 BAD = [
@@ -175,6 +176,10 @@ def _soak(server, n_requests: int, workers: int) -> list[str]:
         return chat(server, f"Weather report number {i % 5}", tools=TOOLS, max_tokens=16).choices[0].message.content
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(one, range(n_requests)))
+
+
+def test_concurrent_requests_match_sequential(server):
+    assert _soak(server, 8, 4) == _soak(server, 8, 1)
 
 
 @pytest.mark.slow
