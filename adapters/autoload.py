@@ -80,8 +80,13 @@ class _Finder:
     def find_spec(self, name, path=None, target=None):
         if name not in WATCHED:
             return None
-        from importlib.machinery import PathFinder
-        spec = PathFinder.find_spec(name, path)
+        spec = None
+        for finder in sys.meta_path:  # whoever would have found it (site-packages, editable, ...)
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         spec.loader = _Loader(name, spec.loader)
