@@ -171,6 +171,7 @@ def echo_span(
             continue
         ids: list[int] = []
         live = occ
+        agreed = 0
         branch = at_delim = False
         for j in range(1, max_span + 1):
             live = [e for e in live if e + j < n]
@@ -181,11 +182,12 @@ def echo_span(
                 branch = True
                 break
             ids.append(tok)
+            agreed = len(live)
             if tok in delimiters:
                 at_delim = True
                 break
         if ids:
-            return EchoSpan(tuple(ids), k, len(live), branch, at_delim)
+            return EchoSpan(tuple(ids), k, agreed, branch, at_delim)
     return None
 
 

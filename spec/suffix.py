@@ -39,6 +39,8 @@ class SuffixParams:
     max_depth: int = 64
     candidates: int = 8
     anchors: tuple[int, ...] = (8, 4, 2, 1)
+    global_anchors: tuple[int, ...] = (8, 4, 2)
+    max_nodes: int = 4
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,9 @@ def speculate(cands: list[tuple[Sequence[int], int, int]], p: SuffixParams,
         return best
     ordered = sorted(cands, key=lambda c: -c[2])
     i = 0
-    while i < len(ordered):
+    tried = 0
+    while i < len(ordered) and tried < p.max_nodes:
+        tried += 1
         L = ordered[i][2]
         while i < len(ordered) and ordered[i][2] == L:
             i += 1
@@ -192,7 +196,7 @@ class GlobalSuffixTree:
                    ) -> list[tuple[Sequence[int], int, int]]:
         found: dict[int, tuple[Sequence[int], int, int]] = {}
         n = len(ctx)
-        for k in p.anchors:
+        for k in p.global_anchors:
             if k not in self._maps or n < k:
                 continue
             key = ctx[-1] if k == 1 else tuple(ctx[n - k:])
