@@ -1,0 +1,264 @@
+"""Training/eval conversations for the fixture models, from the real agent transcripts.
+
+Sources (``../shared/transcripts/dev.jsonl.gz``): pi (read/bash/edit/write, one long session),
+tau-bench airline (structured calls, schemas from the session's ``tools``, compacted and limited to
+the tools the session calls plus ``transfer_to_human_agents``), mini-swe-agent (bash
+blocks parsed out of the text, turned into structured ``bash`` calls). Each assistant turn becomes
+one example: the session's system prompt and first user message (both truncated) plus as many
+preceding turns as fit the token budget, rendered through the family's REAL chat template with the
+``tools`` array. The target is the rendered assistant turn up to and including the first stop
+token. Long tool results, messages and argument strings are truncated so sequences stay short.
+
+Split: whole sessions are held back for eval (pi has one session: its last ~12% of turns are held
+back). Everything is deterministic for a given seed.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+SOURCES = ("pi_mono", "tau_bench_gpt4o_airline", "mini_swe_agent_gemini3pro")
+MAX_RESULT_CHARS = 320
+MAX_MESSAGE_CHARS = 360
+MAX_SYSTEM_CHARS = 240
+MAX_THOUGHT_CHARS = 200
+MAX_TARGET_TOKENS = 160
+
+BASH_TOOL = {"type": "function", "function": {
+    "name": "bash", "description": "Run one bash command in the repository shell and return its output.",
+    "parameters": {"type": "object", "properties": {"command": {"type": "string", "description": "The command to run."}},
+                   "required": ["command"]}}}
+_PI_DESCRIPTIONS = {
+    "read": "Read the contents of a file.", "bash": "Execute a bash command in the current working directory.",
+    "edit": "Edit a file by replacing exact text.", "write": "Write content to a file, creating it if needed.",
+}
+
+
+@dataclass
+class Session:
+    source: str
+    session_id: str
+    tools: list[dict]
+    messages: list[dict]  # OpenAI chat messages (tool_calls in {"type","function":{name,arguments}} form)
+
+
+@dataclass
+class Example:
+    source: str
+    session_id: str
+    prompt_ids: list[int]
+    target_ids: list[int]
+    expected_calls: list[dict] = field(default_factory=list)  # [{"name", "arguments"}], [] = prose
+    tools: list[dict] = field(default_factory=list)
+
+
+def transcripts_path() -> Path:
+    if os.environ.get("MLX_FILL_TRANSCRIPTS"):
+        return Path(os.environ["MLX_FILL_TRANSCRIPTS"])
+    return Path(__file__).resolve().parents[1].parent / "shared" / "transcripts"
+
+
+def _cut(text: str, limit: int) -> str:
+    text = text or ""
+    return text if len(text) <= limit else text[:limit].rstrip() + " …"
+
+
+def _cut_arguments(arguments: dict) -> dict:
+    return {k: (_cut(v, MAX_MESSAGE_CHARS) if isinstance(v, str) else v) for k, v in arguments.items()}
+
+
+def _json_type(value) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, (list, tuple)):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return "string"
+
+
+def _synthesized_tools(messages: list[dict], descriptions: dict[str, str]) -> list[dict]:
+    """Schemas built from the observed argument keys/types (sessions without a tools array)."""
+    seen: dict[str, dict[str, str]] = {}
+    counts: dict[str, dict[str, int]] = {}
+    calls: dict[str, int] = {}
+    for message in messages:
+        for call in message.get("tool_calls") or []:
+            props = seen.setdefault(call["name"], {})
+            calls[call["name"]] = calls.get(call["name"], 0) + 1
+            for key, value in call["arguments"].items():
+                props.setdefault(key, _json_type(value))
+                counts.setdefault(call["name"], {}).setdefault(key, 0)
+                counts[call["name"]][key] += 1
+    tools = []
+    for name in sorted(seen):
+        required = [k for k, n in counts.get(name, {}).items() if n == calls[name]]
+        tools.append({"type": "function", "function": {
+            "name": name, "description": descriptions.get(name, f"The {name} tool."),
+            "parameters": {"type": "object", "properties": {k: {"type": t} for k, t in seen[name].items()},
+                           "required": required}}})
+    return tools
+
+
+def _compact_tool(tool: dict) -> dict:
+    """Tool schema with the first sentence of each description and no parameter descriptions."""
+    function = tool["function"]
+
+    def strip(schema):
+        if isinstance(schema, dict):
+            return {k: strip(v) for k, v in schema.items() if k != "description"}
+        if isinstance(schema, list):
+            return [strip(v) for v in schema]
+        return schema
+
+    description = re.split(r"(?<=\.)\s", function.get("description", ""), maxsplit=1)[0]
+    return {"type": "function", "function": {"name": function["name"], "description": description,
+                                              "parameters": strip(function.get("parameters", {}))}}
+
+
+_BASH_BLOCK = re.compile(r"```(?:bash|sh)?\s*\n.*?```", re.DOTALL)
+
+
+def _normalize(row: dict) -> Session:
+    source = row["source"]
+    messages = []
+    for raw in row["messages"]:
+        role = raw["role"]
+        if role == "system":
+            messages.append({"role": "system", "content": _cut(raw["content"], MAX_SYSTEM_CHARS)})
+        elif role == "user":
+            messages.append({"role": "user", "content": _cut(raw["content"], MAX_MESSAGE_CHARS)})
+        elif role == "tool":
+            messages.append({"role": "tool", "content": _cut(raw["content"], MAX_RESULT_CHARS)})
+        elif role == "assistant":
+            content = raw.get("content") or ""
+            calls = raw.get("tool_calls") or []
+            if raw.get("inline_tool_calls"):
+                content = _BASH_BLOCK.sub("", content).replace("THOUGHT:", "").strip()
+                content = _cut(content, MAX_THOUGHT_CHARS)
+            else:
+                content = _cut(content, MAX_MESSAGE_CHARS)
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [
+                    {"type": "function", "function": {"name": c["name"], "arguments": _cut_arguments(c["arguments"])}}
+                    for c in calls
+                ]
+            messages.append(message)
+    if source == "tau_bench_gpt4o_airline":
+        # the full airline schema set is ~1.4k tokens: keep the tools this session calls
+        used = {c["function"]["name"] for m in messages for c in m.get("tool_calls", [])}
+        used.add("transfer_to_human_agents")
+        tools = [_compact_tool(t) for t in row["tools"] if t["function"]["name"] in used]
+    elif source == "mini_swe_agent_gemini3pro":
+        tools = [BASH_TOOL]
+    else:
+        flat = [{"tool_calls": [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                                for c in m.get("tool_calls", [])]} for m in messages]
+        tools = _synthesized_tools(flat, _PI_DESCRIPTIONS)
+    # consecutive user messages (pi's slash commands) merge into one turn
+    merged: list[dict] = []
+    for message in messages:
+        if merged and message["role"] == "user" and merged[-1]["role"] == "user":
+            merged[-1] = {"role": "user", "content": merged[-1]["content"] + "\n" + message["content"]}
+        else:
+            merged.append(message)
+    return Session(source, row["session_id"], tools, merged)
+
+
+def load_sessions() -> list[Session]:
+    path = transcripts_path() / "dev.jsonl.gz"
+    with gzip.open(path, "rt", encoding="utf-8") as fh:
+        rows = [json.loads(line) for line in fh]
+    return [_normalize(row) for row in rows if row["source"] in SOURCES]
+
+
+def split_sessions(sessions: list[Session], seed: int) -> tuple[list[Session], list[Session]]:
+    """(train, eval): ~12% of sessions per source held back; pi's single session split by turns."""
+    rng = np.random.Generator(np.random.PCG64(seed))
+    train, held = [], []
+    for source in SOURCES:
+        group = [s for s in sessions if s.source == source]
+        if len(group) == 1:
+            session = group[0]
+            cut = int(len(session.messages) * 0.88)
+            while cut < len(session.messages) and session.messages[cut]["role"] != "user":
+                cut += 1
+            head = session.messages[:cut]
+            tail = [m for m in head if m["role"] in ("system",)][:1] + session.messages[cut:]
+            train.append(Session(source, session.session_id, session.tools, head))
+            held.append(Session(source, session.session_id + "#tail", session.tools, tail))
+            continue
+        order = rng.permutation(len(group))
+        n_held = max(1, round(len(group) * 0.12))
+        held += [group[i] for i in order[:n_held]]
+        train += [group[i] for i in order[n_held:]]
+    return train, held
+
+
+class Renderer:
+    """Renders windows of a session through the family template and cuts prompt/target ids."""
+
+    def __init__(self, tokenizer, stop_ids: set[int], max_tokens: int):
+        self.tokenizer = tokenizer
+        self.stop_ids = stop_ids
+        self.max_tokens = max_tokens
+
+    def _render(self, messages, tools, add_generation_prompt):
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def example(self, session: Session, index: int) -> Example | None:
+        """The example for the assistant turn at ``messages[index]``: header (system + first user
+        message) + the longest run of turns before it that fits; None when nothing fits."""
+        messages = session.messages
+        first_user = next((k for k, m in enumerate(messages) if m["role"] == "user"), None)
+        if first_user is None or index <= first_user:
+            return None
+        header = ([messages[0]] if messages[0]["role"] == "system" else []) + [messages[first_user]]
+        budget = self.max_tokens - MAX_TARGET_TOKENS
+        start, estimate = index, sum(_approx_tokens(m) for m in header) + 400
+        while start - 1 > first_user and estimate + _approx_tokens(messages[start - 1]) < budget:
+            start -= 1
+            estimate += _approx_tokens(messages[start])
+        while True:
+            while start < index and messages[start]["role"] == "tool":
+                start += 1
+            window = header + messages[start:index]
+            prompt = self._encode(self._render(window, session.tools, True))
+            if len(prompt) <= budget:
+                break
+            if start == index:
+                return None
+            start += 1
+        turn = messages[index]
+        follower = messages[index + 1] if index + 1 < len(messages) else {"role": "user", "content": "ok"}
+        full = self._encode(self._render(window + [turn, follower], session.tools, False))
+        if full[: len(prompt)] != prompt:
+            return None
+        rest = full[len(prompt):]
+        stop = next((k for k, t in enumerate(rest) if t in self.stop_ids), None)
+        if stop is None or stop + 1 > MAX_TARGET_TOKENS:
+            return None
+        expected = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                    for c in turn.get("tool_calls", [])]
+        return Example(session.source, session.session_id, prompt, rest[: stop + 1], expected, session.tools)
+
+
+def _approx_tokens(message: dict) -> int:
+    return len(json.dumps(message, ensure_ascii=False)) // 3 + 6

@@ -1,0 +1,383 @@
+"""Train / evaluate the tiny tool-calling fixture models (mlx-lm's own model classes).
+
+    python scripts/train_fixture.py NAME          # train, write fixtures/models/NAME/
+    python scripts/train_fixture.py --eval NAME   # greedy eval on held-back conversations,
+                                                  # results into fixtures/models/README.md
+
+Training is deterministic for a seed: model init via ``mx.random.seed``, data order and the
+embedding initialization via numpy PCG64. Only the vocabulary rows the training corpus uses are
+trained (restricted softmax over those rows); every other row keeps the seeded initialization
+(``mlx_fill.fixtures.seeded_embedding``) and is re-created, not committed. Loss is on assistant
+tokens only. See ``fixture_data`` for how conversations are built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fixture_data  # noqa: E402
+
+from mlx_fill import assets, fixtures  # noqa: E402
+
+INIT_STD = 0.02
+EVAL_CALLS = {"tau_bench_gpt4o_airline": 25, "mini_swe_agent_gemini3pro": 20, "pi_mono": 15}
+EVAL_PROSE = 20
+README = fixtures.FIXTURES_DIR / "README.md"
+TABLE_BEGIN, TABLE_END = "<!-- eval-table:begin -->", "<!-- eval-table:end -->"
+
+
+@dataclass(frozen=True)
+class Spec:
+    family: str
+    model_type: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    steps: int
+    batch_tokens: int = 4096
+    max_tokens: int = 512
+    lr: float = 4e-3
+    seed: int = 0
+    train_cap: tuple = (("mini_swe_agent_gemini3pro", 2400),)
+
+
+SPECS = {
+    "qwen3-json": Spec("qwen3", "qwen3", 64, 4, 2, 1, 192, steps=160),
+    "qwen35-xml": Spec("qwen3.5", "qwen3_5", 64, 4, 2, 1, 192, steps=100),
+    "glm-xml": Spec("glm4.x", "glm4", 64, 4, 2, 1, 192, steps=100),
+    "qwen3-draft": Spec("qwen3", "qwen3", 48, 2, 2, 1, 128, steps=160),
+}
+
+
+def model_config(spec: Spec, vocab_size: int, eos_ids: list[int]) -> dict:
+    head_dim = spec.hidden // spec.heads
+    common = {
+        "hidden_size": spec.hidden, "num_hidden_layers": spec.layers, "intermediate_size": spec.intermediate,
+        "num_attention_heads": spec.heads, "num_key_value_heads": spec.kv_heads, "head_dim": head_dim,
+        "rms_norm_eps": 1e-6, "vocab_size": vocab_size, "max_position_embeddings": 4096,
+        "tie_word_embeddings": True,
+    }
+    if spec.model_type == "qwen3":
+        return {"model_type": "qwen3", **common, "rope_theta": 1000000.0, "eos_token_id": eos_ids}
+    if spec.model_type == "glm4":
+        return {"model_type": "glm4", **common, "attention_bias": False, "partial_rotary_factor": 0.5,
+                "rope_theta": 10000.0, "eos_token_id": eos_ids}
+    if spec.model_type == "qwen3_5":
+        text = {**common, "model_type": "qwen3_5_text", "full_attention_interval": 2,
+                "linear_num_value_heads": 2, "linear_num_key_heads": 1, "linear_key_head_dim": 32,
+                "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4,
+                "rope_parameters": {"type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                                    "mrope_section": [11, 11, 10]}}
+        return {"model_type": "qwen3_5", "text_config": text, "tie_word_embeddings": True, "eos_token_id": eos_ids}
+    raise ValueError(spec.model_type)
+
+
+def build_model(config: dict):
+    import importlib
+
+    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    return arch.Model(arch.ModelArgs.from_dict(config))
+
+
+def stop_ids(tokenizer, family: str) -> list[int]:
+    ids = set(tokenizer.eos_token_ids)
+    if family == "glm4.x":
+        from mlx_fill.assets_glm import GLM_STOP_TOKENS
+
+        ids |= {tokenizer.convert_tokens_to_ids(t) for t in GLM_STOP_TOKENS}
+    return sorted(ids)
+
+
+def examples_for(sessions, tokenizer, family: str, max_tokens: int):
+    renderer = fixture_data.Renderer(tokenizer._tokenizer, set(stop_ids(tokenizer, family)), max_tokens)
+    out = []
+    for session in sessions:
+        for index, message in enumerate(session.messages):
+            if message["role"] == "assistant":
+                example = renderer.example(session, index)
+                if example is not None:
+                    out.append(example)
+    return out
+
+
+def training_examples(spec: Spec, tokenizer):
+    sessions = fixture_data.load_sessions()
+    train_sessions, _ = fixture_data.split_sessions(sessions, spec.seed)
+    rng = np.random.Generator(np.random.PCG64(spec.seed))
+    caps = dict(spec.train_cap)
+    chosen = []
+    for source in fixture_data.SOURCES:
+        group = [s for s in train_sessions if s.source == source]
+        examples = examples_for(group, tokenizer, spec.family, spec.max_tokens)
+        if source in caps and len(examples) > caps[source]:
+            keep = np.sort(rng.permutation(len(examples))[: caps[source]])
+            examples = [examples[i] for i in keep]
+        chosen += examples
+    return chosen
+
+
+def eval_examples(spec: Spec, tokenizer):
+    sessions = fixture_data.load_sessions()
+    _, held = fixture_data.split_sessions(sessions, spec.seed)
+    rng = np.random.Generator(np.random.PCG64(spec.seed + 1))
+    examples = examples_for(held, tokenizer, spec.family, spec.max_tokens)
+    calls, prose = [], []
+    for source, count in EVAL_CALLS.items():
+        group = [e for e in examples if e.source == source and e.expected_calls]
+        calls += [group[i] for i in np.sort(rng.permutation(len(group))[:count])]
+    group = [e for e in examples if not e.expected_calls]
+    prose = [group[i] for i in np.sort(rng.permutation(len(group))[:EVAL_PROSE])]
+    return calls, prose
+
+
+def batches(examples, batch_tokens: int, rng):
+    """Length-bucketed batches (lists of example indices), shuffled."""
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i].prompt_ids) + len(examples[i].target_ids))
+    out, current, width = [], [], 0
+    for i in order:
+        length = len(examples[i].prompt_ids) + len(examples[i].target_ids)
+        if current and max(width, length) * (len(current) + 1) > batch_tokens:
+            out.append(current)
+            current, width = [], 0
+        current.append(i)
+        width = max(width, length)
+    if current:
+        out.append(current)
+    return [out[i] for i in rng.permutation(len(out))]
+
+
+def pack(examples, indices, remap: np.ndarray):
+    """(inputs, flat positions of target tokens, their labels, weights); the position count is
+    padded to a multiple of 128 with weight-0 entries to bound the number of distinct shapes."""
+    length = max(len(examples[i].prompt_ids) + len(examples[i].target_ids) for i in indices) - 1
+    length = int(math.ceil(length / 64) * 64)
+    inputs = np.zeros((len(indices), length), np.int32)
+    positions, labels = [], []
+    for row, i in enumerate(indices):
+        ids = remap[np.array(examples[i].prompt_ids + examples[i].target_ids)]
+        n_prompt = len(examples[i].prompt_ids)
+        inputs[row, : len(ids) - 1] = ids[:-1]
+        positions += [row * length + p for p in range(n_prompt - 1, len(ids) - 1)]
+        labels += ids[n_prompt:].tolist()
+    count = int(math.ceil(len(positions) / 128) * 128)
+    weights = np.zeros(count, np.float32)
+    weights[: len(positions)] = 1.0
+    positions += [0] * (count - len(positions))
+    labels += [0] * (count - len(labels))
+    return mx.array(inputs), mx.array(np.array(positions, np.int32)), mx.array(np.array(labels, np.int32)), mx.array(weights)
+
+
+def backbone(model):
+    """The decoder stack (returns final-normed hidden states) and its tied embedding."""
+    inner = model.language_model.model if hasattr(model, "language_model") else model.model
+    return inner, inner.embed_tokens
+
+
+def embedding_path(model) -> str:
+    keys = [k for k, _ in tree_flatten(model.parameters()) if k.endswith("embed_tokens.weight")]
+    if len(keys) != 1:
+        raise RuntimeError(f"expected one embedding, found {keys}")
+    return keys[0]
+
+
+def train(name: str) -> None:
+    spec = SPECS[name]
+    tokenizer = assets.load_tokenizer(spec.family)
+    vocab_size = len(tokenizer._tokenizer)
+    started = time.time()
+    examples = training_examples(spec, tokenizer)
+    used = set()
+    for e in examples:
+        used.update(e.prompt_ids)
+        used.update(e.target_ids)
+    used.update(tokenizer._tokenizer.convert_tokens_to_ids(t) for t in tokenizer._tokenizer.get_added_vocab())
+    ids = np.array(sorted(used), dtype=np.int64)
+    remap = np.full(vocab_size, -1, np.int64)
+    remap[ids] = np.arange(len(ids))
+    print(f"{name}: {len(examples)} examples, {sum(len(e.target_ids) for e in examples)} target tokens, "
+          f"{len(ids)} vocab rows, data {time.time() - started:.0f}s", flush=True)
+
+    config = model_config(spec, vocab_size, stop_ids(tokenizer, spec.family))
+    restricted = json.loads(json.dumps(config))
+    restricted.get("text_config", restricted)["vocab_size"] = len(ids)
+    mx.random.seed(spec.seed)
+    model = build_model(restricted)
+    embed_key = embedding_path(model)
+    full_init = fixtures.seeded_embedding(vocab_size, spec.hidden, spec.seed, INIT_STD)
+    model.load_weights([(embed_key, mx.array(full_init[ids]))], strict=False)
+    del full_init
+    mx.eval(model.parameters())
+
+    warmup = min(30, spec.steps // 5)
+    schedule = optim.join_schedules(
+        [optim.linear_schedule(1e-5, spec.lr, warmup),
+         optim.cosine_decay(spec.lr, spec.steps - warmup, spec.lr * 0.05)], [warmup]
+    )
+    optimizer = optim.AdamW(learning_rate=schedule, weight_decay=0.01)
+
+    inner, embed = backbone(model)
+
+    def loss_fn(model, inputs, positions, labels, weights):
+        # logits only where the loss is taken: the restricted softmax over trained rows
+        hidden = inner(inputs).reshape(-1, spec.hidden)[positions]
+        logits = embed.as_linear(hidden).astype(mx.float32)
+        losses = nn.losses.cross_entropy(logits, labels, reduction="none")
+        return (losses * weights).sum() / weights.sum()
+
+    grad_fn = nn.value_and_grad(model, loss_fn)
+    state = [model.state, optimizer.state]
+
+    def step(inputs, positions, labels, weights):
+        loss, grads = grad_fn(model, inputs, positions, labels, weights)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        optimizer.update(model, grads)
+        return loss
+
+    rng = np.random.Generator(np.random.PCG64(spec.seed))
+    plan: list = []
+    done, smoothed, t0 = 0, None, time.time()
+    while done < spec.steps:
+        if not plan:
+            plan = batches(examples, spec.batch_tokens, rng)
+        loss = step(*pack(examples, plan.pop(), remap))
+        mx.eval(state)
+        done += 1
+        smoothed = loss.item() if smoothed is None else 0.95 * smoothed + 0.05 * loss.item()
+        if done % 25 == 0 or done == spec.steps:
+            print(f"step {done}/{spec.steps} loss {smoothed:.3f} {time.time() - t0:.0f}s", flush=True)
+    minutes = (time.time() - started) / 60
+    save(name, spec, model, embed_key, ids, config, minutes, smoothed, len(examples))
+
+
+def save(name, spec, model, embed_key, ids, config, minutes, final_loss, n_examples) -> None:
+    out = fixtures.committed_dir(name)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = dict(tree_flatten(model.parameters()))
+    rows = weights.pop(embed_key)
+    weights = {k: v.astype(mx.float16) if v.ndim > 1 else v for k, v in weights.items()}
+    weights["rows.ids"] = mx.array(ids.astype(np.int32))
+    weights["rows.weight"] = rows.astype(mx.float16)
+    mx.save_safetensors(str(out / "trained.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    n_params = sum(v.size for k, v in tree_flatten(model.parameters()) if k != embed_key)
+    meta = {
+        "family": spec.family, "embedding_key": embed_key, "init_seed": spec.seed, "init_std": INIT_STD,
+        "training": {"command": f"python scripts/train_fixture.py {name}", "seed": spec.seed, "steps": spec.steps,
+                     "batch_tokens": spec.batch_tokens, "max_tokens": spec.max_tokens, "lr": spec.lr,
+                     "examples": n_examples, "trained_vocab_rows": int(len(ids)),
+                     "non_embedding_params": int(n_params), "final_loss": round(float(final_loss), 4),
+                     "minutes": round(minutes, 1)},
+    }
+    (out / "fixture.json").write_text(json.dumps(meta, indent=2) + "\n")
+    print(f"wrote {out} ({sum(p.stat().st_size for p in out.iterdir()) / 1e6:.1f} MB)")
+
+
+def _parse_calls(text: str, tokenizer, tools) -> list[dict] | None:
+    """Tool calls in ``text`` parsed by the family's mlx-lm parser; None when any is unparseable."""
+    start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
+    calls = []
+    rest = text
+    while start in rest:
+        head, _, rest = rest.partition(start)
+        if end not in rest:
+            return None
+        body, _, rest = rest.partition(end)
+        try:
+            call = tokenizer.tool_parser(body, tools)
+        except Exception:
+            return None
+        if not isinstance(call, dict) or not isinstance(call.get("arguments"), dict) or call.get("name") == "unknown":
+            return None
+        calls.append({"name": call["name"], "arguments": call["arguments"]})
+    return calls
+
+
+def greedy(model, prompt_ids: list[int], stop: set[int], max_tokens: int) -> list[int]:
+    from mlx_lm.generate import generate_step
+
+    out = []
+    for token, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens):
+        out.append(int(token))
+        if out[-1] in stop:
+            break
+    return out
+
+
+def evaluate(name: str) -> dict:
+    from mlx_lm import load
+
+    spec = SPECS[name]
+    model, tokenizer = load(str(fixtures.fixture_path(name)))
+    calls, prose = eval_examples(spec, tokenizer)
+    stop = set(stop_ids(tokenizer, spec.family))
+    parseable = exact = no_call = 0
+    for example in calls + prose:
+        text = tokenizer.decode(greedy(model, example.prompt_ids, stop, fixture_data.MAX_TARGET_TOKENS + 32))
+        parsed = _parse_calls(text, tokenizer, example.tools)
+        if example.expected_calls:
+            if parsed:
+                parseable += 1
+                exact += _canonical(parsed) == _canonical(example.expected_calls)
+        elif tokenizer.tool_call_start not in text:
+            no_call += 1
+    result = {
+        "model": name, "family": spec.family, "parser": tokenizer._tokenizer.init_kwargs.get("tool_parser_type"),
+        "call_conversations": len(calls), "prose_conversations": len(prose),
+        "parseable_call_share": round(parseable / len(calls), 3), "exact_call_share": round(exact / len(calls), 3),
+        "prose_without_call_share": round(no_call / len(prose), 3) if prose else None,
+    }
+    (fixtures.committed_dir(name) / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    _write_table()
+    return result
+
+
+def _canonical(calls: list[dict]) -> str:
+    return json.dumps([{"name": c["name"], "arguments": c["arguments"]} for c in calls], sort_keys=True)
+
+
+def _write_table() -> None:
+    rows = ["| model | parser | held-back call convs | parseable call | exact name+args | prose convs | prose w/o call |",
+            "|---|---|---|---|---|---|---|"]
+    for name in fixtures.FIXTURES:
+        path = fixtures.committed_dir(name) / "eval.json"
+        if not path.is_file():
+            continue
+        r = json.loads(path.read_text())
+        rows.append(f"| {name} | {r['parser']} | {r['call_conversations']} | {r['parseable_call_share']:.1%} | "
+                    f"{r['exact_call_share']:.1%} | {r['prose_conversations']} | {r['prose_without_call_share']:.1%} |")
+    table = "\n".join(rows)
+    text = README.read_text() if README.is_file() else f"# Fixture models\n\n{TABLE_BEGIN}\n{TABLE_END}\n"
+    head, _, rest = text.partition(TABLE_BEGIN)
+    _, _, tail = rest.partition(TABLE_END)
+    README.write_text(f"{head}{TABLE_BEGIN}\n{table}\n{TABLE_END}{tail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("name", choices=sorted(SPECS))
+    parser.add_argument("--eval", action="store_true", help="evaluate instead of training")
+    args = parser.parse_args(argv)
+    if args.eval:
+        print(json.dumps(evaluate(args.name), indent=2))
+    else:
+        train(args.name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
