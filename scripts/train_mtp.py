@@ -10,7 +10,8 @@ trained on the two ways :class:`~mlx_fill.spec.mtp.MTPSource` uses it:
   is the head's own pre-norm output of step 1 (weight ``--chain-weight``).
 
 Labels are the target's own predictions, not the corpus tokens, so the head learns what
-verification will accept. Corpora: ``fixture`` (the conversations a fixture was trained on,
+verification will accept. The softmax runs over the ids the corpus and the labels use unless
+``--full-vocab`` (the fixtures' vocabularies are 150k-250k ids wide). Corpora: ``fixture`` (the conversations a fixture was trained on,
 ``scripts/fixture_data.py``) or ``self`` (random prompts plus the target's greedy continuations).
 
     python scripts/train_mtp.py --make-random DIR            # tiny random qwen3_5 + self corpus
@@ -66,28 +67,56 @@ def fixture_corpus(model_dir: Path, fixture: str, limit: int) -> list[list[int]]
     return [list(e.prompt_ids) + list(e.target_ids) for e in examples[:limit]]
 
 
+def output_matrix(target) -> mx.array:
+    """The target's ``[V, H]`` output projection (lm-head or tied embeddings)."""
+    lm = target.language_model
+    return lm.model.embed_tokens.weight if lm.args.tie_word_embeddings else lm.lm_head.weight
+
+
 def teacher(target, tap: HiddenTap, seq: list[int]) -> tuple[mx.array, mx.array]:
-    """(pre-norm hidden ``[T, H]``, greedy predictions ``[T]``) of the target over ``seq``."""
-    logits = target(mx.array(seq)[None], cache=make_prompt_cache(target))[0]
+    """(pre-norm hidden ``[T, H]``, greedy predictions ``[T]``) of the target over ``seq``;
+    the full-vocabulary projection runs in row chunks to bound memory."""
+    body = target.language_model.model
+    body(mx.array(seq)[None], cache=make_prompt_cache(target))
     hidden = tap.rows(0, len(seq))
-    labels = mx.argmax(logits, axis=-1)
+    out = output_matrix(target)
+    labels = mx.concatenate([mx.argmax(body.norm(hidden[i:i + 128]) @ out.T, axis=-1)
+                             for i in range(0, len(seq), 128)])
     mx.eval(hidden, labels)
     return hidden, labels
 
 
-def head_logits(target, head: MTPHead, x: mx.array) -> mx.array:
-    lm = target.language_model
-    y = head.norm(x)
-    return lm.model.embed_tokens.as_linear(y) if lm.args.tie_word_embeddings else lm.lm_head(y)
+class Vocab:
+    """The output rows the loss uses (all, or the ids the corpus and the labels touch), and
+    the map from token ids to those rows."""
+
+    def __init__(self, target, ids: set[int] | None):
+        full = output_matrix(target)
+        if ids is None:
+            self.rows, self.index = full, None
+        else:
+            keep = sorted(ids)
+            self.rows = full[mx.array(keep)]
+            table = mx.zeros((full.shape[0],), dtype=mx.int32)
+            self.index = table.at[mx.array(keep)].add(mx.arange(len(keep), dtype=mx.int32))
+        mx.eval(self.rows)
+
+    def logits(self, head: MTPHead, x: mx.array) -> mx.array:
+        return head.norm(x) @ self.rows.T
+
+    def labels(self, ids: mx.array) -> mx.array:
+        return ids if self.index is None else self.index[ids]
 
 
-def losses(head: MTPHead, target, seq: mx.array, hidden: mx.array, labels: mx.array):
+def losses(head: MTPHead, target, vocab: Vocab, seq: mx.array, hidden: mx.array,
+           labels: mx.array):
     """(step-1 loss, step-2 loss, step-1 hits, step-2 hits, rows) for one sequence."""
     embed = target.language_model.model.embed_tokens
     out1 = head(embed(seq[1:])[None], hidden[:-1][None], [None])
-    l1 = head_logits(target, head, out1)[0]
+    l1 = vocab.logits(head, out1)[0]
     out2 = head(embed(seq[2:])[None], out1[:, :-1], [None])
-    l2 = head_logits(target, head, out2)[0]
+    l2 = vocab.logits(head, out2)[0]
+    labels = vocab.labels(labels)
     y1, y2 = labels[1:], labels[2:]
     ce1 = nn.losses.cross_entropy(l1, y1, reduction="mean")
     ce2 = nn.losses.cross_entropy(l2, y2, reduction="mean")
@@ -96,10 +125,10 @@ def losses(head: MTPHead, target, seq: mx.array, hidden: mx.array, labels: mx.ar
     return ce1, ce2, hits1, hits2, y1.size, y2.size
 
 
-def agreement(head, target, data) -> tuple[float, float]:
+def agreement(head, target, vocab: Vocab, data) -> tuple[float, float]:
     h1 = h2 = n1 = n2 = 0
     for seq, hidden, labels in data:
-        _, _, a, b, c, d = losses(head, target, seq, hidden, labels)
+        _, _, a, b, c, d = losses(head, target, vocab, seq, hidden, labels)
         h1, h2, n1, n2 = h1 + a.item(), h2 + b.item(), n1 + c, n2 + d
     return h1 / n1, h2 / n2
 
@@ -116,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--chain-weight", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-len", type=int, default=640, help="truncate sequences (keep the end)")
+    ap.add_argument("--full-vocab", action="store_true",
+                    help="softmax over every id (default: the ids the corpus and labels use)")
     args = ap.parse_args(argv)
     if (args.checkpoint is None) == (args.make_random is None):
         ap.error("give a checkpoint dir or --make-random DIR")
@@ -130,17 +162,21 @@ def main(argv: list[str] | None = None) -> int:
     total = args.sequences + args.held_out
     seqs = (self_corpus(target, total, 24, 40, args.seed) if args.corpus == "self"
             else fixture_corpus(path, args.fixture, total))
-    data = [(mx.array(s), *teacher(target, tap, s)) for s in seqs if len(s) >= 4]
+    seqs = [s[-args.max_len:] for s in seqs if len(s) >= 4]
+    data = [(mx.array(s), *teacher(target, tap, s)) for s in seqs]
     train, held = data[args.held_out:], data[:args.held_out]
+    used = None if args.full_vocab else (
+        {t for s in seqs for t in s} | {int(t) for _, _, y in data for t in y.tolist()})
+    vocab = Vocab(target, used)
 
     mx.random.seed(args.seed)
     head = MTPHead(target.language_model.args)
     head.set_dtype(target.language_model.model.embed_tokens.weight.dtype)
-    print(f"untrained head: held-out agreement step1/step2 = {agreement(head, target, held)}")
+    print(f"untrained head: held-out agreement step1/step2 = {agreement(head, target, vocab, held)}")
     opt = optim.Adam(learning_rate=args.lr)
 
     def loss_fn(head, seq, hidden, labels):
-        ce1, ce2, *_ = losses(head, target, seq, hidden, labels)
+        ce1, ce2, *_ = losses(head, target, vocab, seq, hidden, labels)
         return ce1 + args.chain_weight * ce2
 
     step = nn.value_and_grad(head, loss_fn)
@@ -156,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             total_loss += loss.item()
         print(f"epoch {epoch + 1}: loss {total_loss / len(train):.3f} "
               f"({time.time() - t0:.0f}s)")
-    print(f"trained head: held-out agreement step1/step2 = {agreement(head, target, held)}")
+    print(f"trained head: held-out agreement step1/step2 = {agreement(head, target, vocab, held)}")
     out = path / HEAD_FILE
     mx.save_safetensors(str(out), {f"mtp.{k}": v for k, v in tree_flatten(head.parameters())})
     print(f"wrote {out}")
