@@ -9,6 +9,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 from adapter_models import TOOLS, random_qwen3_dir
 from mlx_fill.adapters import autoload
@@ -181,3 +182,32 @@ def test_bad_configuration_fails_open_in_server_process(env):
     r = _python(PATCHED, **env)
     assert json.loads(r.stdout) == [False, "mlx_lm.generate"]
     assert r.stderr.count("mlx-fill: not activated") == 1
+
+
+def test_strict_fill_on_a_scripted_tool_call_is_lossless(lm):
+    """A logits processor makes the random model write the template's own rendering of a tool
+    call; strict fill injects the scaffold and the tokens stay exactly the fill-off tokens."""
+    model, tok, _ = lm
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    prompt = tok.apply_chat_template(msgs, tools=TOOLS, add_generation_prompt=True)
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    full = tok.apply_chat_template([*msgs, call], tools=TOOLS)
+    assert full[:len(prompt)] == prompt
+    script = full[len(prompt):]
+    script = script[:next(i for i, t in enumerate(script) if t in tok.eos_token_ids) + 1]
+
+    def follow_script(tokens, logits):
+        nxt = script[min(tokens.shape[-1] - len(prompt), len(script) - 1)]
+        return mx.where(mx.arange(logits.shape[-1]) == nxt, 0.0, -mx.inf)[None] + 0 * logits
+
+    kw = {"max_tokens": 80, "logits_processors": [follow_script]}
+    off = tokens_of(stream_generate(model, tok, prompt, **kw))
+    session = build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt,
+                            messages=msgs, tools=TOOLS)
+    on = list(stream_generate(model, tok, prompt, fill=session, **kw))
+    assert tokens_of(on) == off
+    assert tok.decode(off).startswith(tok.decode(script[:-1]))
+    stats = on[-1].fill.as_dict()
+    assert stats["injected"] > 0
+    assert any(origin.startswith("strict") for origin in stats["by_origin"])
