@@ -13,8 +13,9 @@ with a ``cost`` map), sources choose round lengths with the cost model and a rou
 ``m`` ids costs ``c(m + 1)``; ``speedup`` = tokens / total cost.
 
 Rows: ``baseline`` (reference prompt lookup: n = 3..1, K = 10, first occurrence, fixed length),
-each requested source, and ``all`` (echo, suffix, ngram in that priority order). The ``strict``
-tier is not part of this build's study. One session index is shared by all rows (they see the
+each requested source, and ``all`` (echo, suffix and ngram under one
+:class:`~mlx_fill.spec.combine.BestOf`: each round the draft with the highest calibrated expected
+acceptance is proposed). The ``strict`` tier is not part of this build's study. One session index is shared by all rows (they see the
 same token stream in lockstep); each row with ``suffix`` has its own cross-request tree, which
 lives for one worker's sessions (sessions are dealt round-robin to workers).
 """
@@ -216,12 +217,21 @@ def _worker(args: tuple) -> dict:
 
 
 def run_study(path: Path, family: str, row_names: list[str], *, sessions: int | None = None,
-              plan: DispatchPlan | None = None, max_span: int = 32, workers: int = 2,
+              per_source: int | None = None, plan: DispatchPlan | None = None, max_span: int = 32, workers: int = 2,
               progress: bool = True) -> dict:
     """Run the study and return the JSON-able result (see the module contract)."""
     from .transcripts import load_sessions
     all_sessions, corrupt = load_sessions(path)
     picks = list(range(len(all_sessions)))[:sessions] if sessions else list(range(len(all_sessions)))
+    if per_source:
+        taken: dict[str, int] = defaultdict(int)
+        kept = []
+        for i in picks:
+            src = str(all_sessions[i].get("source", ""))
+            if taken[src] < per_source:
+                taken[src] += 1
+                kept.append(i)
+        picks = kept
     per_source_sessions: dict[str, int] = defaultdict(int)
     for i in picks:
         per_source_sessions[str(all_sessions[i].get("source", ""))] += 1
@@ -270,6 +280,7 @@ def run_study(path: Path, family: str, row_names: list[str], *, sessions: int | 
         }
     return {
         "transcripts": str(path), "family": family, "sessions": len(picks),
+        "per_source": per_source,
         "sessions_by_source": dict(per_source_sessions),
         "corrupt_lines": [vars(c) for c in corrupt],
         "skipped_sessions": [s for p in parts for s in p["skipped"]],
@@ -342,6 +353,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sources", default="ngram,echo,suffix,all",
                         help="comma list from ngram,echo,suffix,all (baseline always runs)")
     parser.add_argument("--sessions", type=int, default=None, help="first N sessions only")
+    parser.add_argument("--per-source", type=int, default=None,
+                        help="at most N sessions of each transcript source (first N)")
     parser.add_argument("--cost-curve", type=Path, default=None,
                         help="DispatchPlan JSON whose cost map prices each forward")
     parser.add_argument("--max-span", type=int, default=32)
@@ -369,7 +382,8 @@ def run(args: argparse.Namespace) -> int:
         if not plan.cost:
             print(f"mlx-fill study: {args.cost_curve} has no cost map")
             return 2
-    result = run_study(path, args.family, names, sessions=args.sessions, plan=plan,
+    result = run_study(path, args.family, names, sessions=args.sessions,
+                       per_source=args.per_source, plan=plan,
                        max_span=args.max_span, workers=args.workers,
                        progress=not args.no_progress)
     args.out.mkdir(parents=True, exist_ok=True)

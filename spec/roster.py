@@ -84,7 +84,8 @@ def make_sources(
     only if the ledger lists it as eligible); ``index`` lets a caller reuse a conversation's
     index across requests (it is synced to ``prompt_ids`` here). ``combine=True`` returns one
     :class:`~mlx_fill.spec.combine.BestOf` source choosing among the named sources each round
-    by calibrated expected acceptance (echo then proposes ``verify`` only). ``acceptance`` is a
+    by calibrated expected acceptance (echo then proposes ``verify`` only; ngram drafts up to
+    ``max_span`` there, since the calibrated score decides how far a draft is worth). ``acceptance`` is a
     server-lifetime dict that keeps each source's acceptance statistics across requests (the
     cost gates and the combiner's calibration); without it every request starts from the prior.
     """

@@ -9,10 +9,11 @@ string ``s`` is the set of positions where ``s`` occurred, and a child's count i
 those occurrences continue with that token. Occurrences are gathered from the k-gram buckets of
 the trailing context (nearest ``candidates``, longest anchor first; shorter anchors only while
 fewer than ``candidates`` were found) and each is given its match
-length (how many trailing tokens agree, up to ``max_depth``). For every distinct match length
-``L`` the node is the candidates matching at least ``L`` tokens; the draft follows the most
-frequent child while the running product of ``count(child) / count(node)`` stays >= ``min_prob``,
-for at most ``min(max_spec, alpha * L + offset)`` tokens (the paper's adaptive length). The draft
+length (how many trailing tokens agree, up to ``max_depth``). For each of the ``max_nodes``
+longest distinct match lengths ``L`` the node is the candidates matching at least ``L`` tokens;
+the draft follows the most frequent child while the running product of
+``count(child) / count(node)`` stays >= ``min_prob``, for at most
+``min(max_spec, alpha * L + offset)`` tokens (the paper's adaptive length). The draft
 with the highest score (sum of those probabilities) over all ``L`` and both stores wins.
 Frequencies are therefore estimated over the nearest occurrences, not all of them: recent
 evidence is what an agent repeats, and it keeps every lookup O(candidates * span).
