@@ -8,9 +8,8 @@ Two layers establish that:
   A call opens only on the COMPLETE start marker written in content, at the start of a line
   (or right after closed reasoning or a previous call; after text only for templates that
   write calls inline, and then never quoted or in inline code), outside fenced code and
-  outside reasoning. Anything else (a ``<tool_call>`` quoted in prose,
-  inside a code fence, mentioned while reasoning, or nested inside another call's body) does
-  not open a call. A malformed or ambiguous call (nested start marker, duplicate keys) is
+  outside reasoning. Anything else (a ``<tool_call>`` quoted in prose, inside a code fence,
+  mentioned while reasoning, or nested inside another call's body) does not open a call. A malformed or ambiguous call (nested start marker, duplicate keys) is
   declined: no row fires until that call has ended.
 * :class:`CallSyntax` parses a call body prefix with a lark grammar per tool-call syntax
   (``xml`` for Qwen3-Coder / Qwen3.5, ``hermes-json`` for Qwen3, ``glm`` for GLM-4.x). A prefix
