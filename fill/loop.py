@@ -138,17 +138,20 @@ def _fill_loop(
             new = mx.array(list(ids), dtype=history.dtype if history is not None else mx.uint32)
             history = new if history is None else mx.concat([history, new])
 
-    def _burst(cp: Checkpoint, ids: Sequence[int],
-               logprobs: Sequence[mx.array]) -> Iterator[tuple[int, mx.array]]:
-        """Yield committed ids one at a time; if the consumer stops mid-burst, rewind the cache
-        to exactly the ids it received."""
+    def _burst(cp: Checkpoint, ids: Sequence[int], logprobs: Sequence[mx.array],
+               proposal: Proposal) -> Iterator[tuple[int, mx.array]]:
+        """Yield committed ids one at a time. If the consumer stops mid-burst, rewind the cache
+        to exactly the ids it received and report those as the proposal's outcome."""
+        position = len(emitted)
         for j, (t, lp) in enumerate(zip(ids, logprobs)):
+            emitted.append(t)
+            stats.emitted += 1
             try:
                 yield t, lp
             except GeneratorExit:
                 rewind(cp, j + 1)
+                fill.feedback(proposal, j + 1, position)
                 raise
-            emitted.append(t)
 
     with mx.stream(stream):
         total = len(prompt)
@@ -169,7 +172,7 @@ def _fill_loop(
         y, logprobs = _step(prompt)
         mx.async_eval(y, logprobs)
 
-    def _apply_assert(ids: list[int], need_next: bool):
+    def _apply_assert(ids: list[int], need_next: bool, proposal: Proposal):
         """Append an asserted span; returns the sample after it (None at max_tokens)."""
         stats.wasted_samples += 1
         t0 = time.perf_counter()
@@ -179,7 +182,7 @@ def _fill_loop(
         row = append(model, prompt_cache, ids, plan=plan, logits="last" if need_next else "none",
                      record=cp, after_chunk=quantize)
         vocab = logprobs.shape[-1]
-        yield from _burst(cp, ids, [_forced_logprobs(t, vocab) for t in ids])
+        yield from _burst(cp, ids, [_forced_logprobs(t, vocab) for t in ids], proposal)
         _grow_history(ids)
         if not need_next:
             return None
@@ -187,7 +190,8 @@ def _fill_loop(
         mx.async_eval(nxt, nxt_lp)
         return nxt, nxt_lp
 
-    def _apply_verify(ids: list[int], first_sample: mx.array, first_logprobs: mx.array):
+    def _apply_verify(ids: list[int], first_sample: mx.array, first_logprobs: mx.array,
+                      proposal: Proposal):
         """Forward a verified span (its first id already equals the in-flight sample), keep the
         agreeing prefix, return (kept, next token, its logprobs)."""
         t0 = time.perf_counter()
@@ -201,7 +205,8 @@ def _fill_loop(
         rewind(cp, verdict.accepted)
         stats.checkpoint_ms += (time.perf_counter() - t0) * 1e3
         kept = ids[:verdict.accepted]
-        yield from _burst(cp, kept, [first_logprobs, *verdict.row_logprobs[:len(kept) - 1]])
+        yield from _burst(cp, kept, [first_logprobs, *verdict.row_logprobs[:len(kept) - 1]],
+                          proposal)
         _grow_history(kept)
         nxt = mx.array([verdict.next_token], dtype=first_sample.dtype)
         return len(kept), nxt, verdict.next_logprobs
@@ -218,10 +223,10 @@ def _fill_loop(
             if n == max_tokens:
                 break
         token = y.item()
-        yield token, logprobs
         emitted.append(token)
         n += 1
         stats.emitted = n
+        yield token, logprobs
         if n % 256 == 0:
             mx.clear_cache()
         y, logprobs = next_y, next_logprobs
@@ -232,20 +237,21 @@ def _fill_loop(
         if proposal is None:
             continue
         ids = list(proposal.ids if remaining is None else proposal.ids[:remaining])
+        applied = Proposal(tuple(ids), proposal.policy, proposal.origin)
         position = len(emitted)
         if proposal.policy == "assert":
             need_next = remaining is None or len(ids) < remaining
             with mx.stream(stream):
-                after = yield from _apply_assert(ids, need_next)
+                after = yield from _apply_assert(ids, need_next, applied)
             kept = len(ids)
         else:
             if y.item() != ids[0]:
-                fill.feedback(Proposal(tuple(ids), "verify", proposal.origin), 0, position)
+                fill.feedback(applied, 0, position)
                 continue
             with mx.stream(stream):
-                kept, nxt, nxt_lp = yield from _apply_verify(ids, y, logprobs)
+                kept, nxt, nxt_lp = yield from _apply_verify(ids, y, logprobs, applied)
             after = (nxt, nxt_lp) if remaining is None or kept < remaining else None
-        fill.feedback(Proposal(tuple(ids), proposal.policy, proposal.origin), kept, position)
+        fill.feedback(applied, kept, position)
         n += kept
         stats.emitted = n
         if after is None:  # max_tokens reached inside the span; the cache holds every yield

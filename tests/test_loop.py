@@ -167,3 +167,14 @@ def test_media_input_refuses_fill_and_decodes_normally():
                                        input_embeddings=embeds)]
     assert out == ref
     assert s.stats.refusals == {"media_input": 1} and s.stats.injected == 0
+
+
+@pytest.mark.parametrize("policy", ["assert", "verify"])
+def test_telemetry_counts_what_the_consumer_received_when_it_stops_mid_burst(policy):
+    model = tiny_model("qwen3")
+    ref, _ = decode(model)
+    s = session(Oracle(ref, policy))  # proposes ref[5:11] after the 5th token
+    out, _ = decode(model, s, stop_after=8)
+    assert out == ref[:8]
+    assert s.stats.emitted == 8
+    assert s.stats.injected == 3 and s.stats.events == 1
