@@ -1,0 +1,106 @@
+"""Temperature 0 on the trained fixtures: every fill mode emits exactly the ids plain decoding
+emits, over the frozen held-out prompts (multi-turn, with tool results), and fill really fires.
+
+``strict`` must inject on every prompt whose plain output contains a tool call and must inject
+nothing where the plain output is prose. Every other source must be token-identical too and
+must get drafts accepted somewhere in the set.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate_step as stock_generate_step
+
+from mlx_fill.fixtures import fixture_path
+from mlx_fill.loop import generate_step
+from mlx_fill.session import build_session
+
+PROMPTS = Path(__file__).resolve().parents[1] / "fixtures" / "prompts" / "heldout.jsonl"
+MAX_TOKENS = 96
+FAMILY_FIXTURES = ["qwen3-json", "qwen35-xml", "glm-xml"]
+
+
+@functools.lru_cache(maxsize=None)
+def fixture(name: str):
+    """(model, tokenizer, [(row, prompt ids, plain output ids)]) for a fixture."""
+    model, tok = load(str(fixture_path(name)))
+    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()]
+    cases = []
+    for row in rows:
+        ids = tok.apply_chat_template(row["messages"], tools=row["tools"],
+                                      add_generation_prompt=True)
+        cases.append((row, ids, decode(model, tok, ids, None)))
+    return model, tok, cases
+
+
+def decode(model, tok, ids, session) -> list[int]:
+    """Greedy ids up to and including the first EOS (at most MAX_TOKENS)."""
+    gen = (stock_generate_step(mx.array(ids), model, max_tokens=MAX_TOKENS) if session is None
+           else generate_step(mx.array(ids), model, max_tokens=MAX_TOKENS, fill=session))
+    out = []
+    for t, _ in gen:
+        out.append(t)
+        if t in tok.eos_token_ids:
+            break
+    return out
+
+
+def has_call(tok, ids) -> bool:
+    return tok.tool_call_start in tok.decode(ids)
+
+
+def run_mode(name: str, mode: str, spec=None):
+    model, tok, cases = fixture(name)
+    results = []
+    for row, ids, plain in cases:
+        session = build_session(mode, model=model, tokenizer=tok, prompt_ids=ids,
+                                messages=row["messages"], tools=row["tools"], spec=spec)
+        out = decode(model, tok, ids, session)
+        results.append((row, plain, out, session.stats))
+    return tok, results
+
+
+@pytest.mark.parametrize("name", FAMILY_FIXTURES)
+def test_strict_is_token_identical_and_fires_on_calls(name):
+    tok, results = run_mode(name, "strict")
+    assert len(results) >= 30
+    mismatched = [row["id"] for row, plain, out, _ in results if out != plain]
+    assert not mismatched, f"fill changed the output on {mismatched}"
+    calls = [(row, s) for row, plain, _, s in results if has_call(tok, plain)]
+    prose = [(row, s) for row, plain, _, s in results if not has_call(tok, plain)]
+    assert calls, "the fixture emitted no tool call on the held-out prompts"
+    silent = [row["id"] for row, s in calls if s.injected == 0]
+    assert not silent, f"strict injected nothing on tool-call outputs {silent}"
+    fired_on_prose = [row["id"] for row, s in prose if s.injected]
+    assert not fired_on_prose, f"strict injected into prose outputs {fired_on_prose}"
+
+
+@pytest.mark.parametrize("name", FAMILY_FIXTURES)
+@pytest.mark.parametrize("mode", ["echo", "all"])
+def test_model_free_sources_are_token_identical(name, mode):
+    _, results = run_mode(name, mode)
+    mismatched = [row["id"] for row, plain, out, _ in results if out != plain]
+    assert not mismatched, f"{mode} changed the output on {mismatched}"
+    assert sum(s.verify_accepted for *_, s in results) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAMILY_FIXTURES)
+@pytest.mark.parametrize("source", ["ngram", "suffix"])
+def test_each_draft_source_alone_is_token_identical(name, source):
+    model, tok, cases = fixture(name)
+    from mlx_fill.proposal import FillSession
+    from mlx_fill.spec.roster import make_sources
+    accepted = 0
+    for row, ids, plain in cases:
+        session = FillSession(make_sources([source], plan=None, tokenizer=tok, prompt_ids=ids),
+                              prompt_ids=ids, eos_ids=tok.eos_token_ids)
+        assert decode(model, tok, ids, session) == plain, row["id"]
+        accepted += session.stats.verify_accepted
+    assert accepted > 0
