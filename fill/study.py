@@ -15,7 +15,10 @@ with a ``cost`` map), sources choose round lengths with the cost model and a rou
 Rows: ``baseline`` (reference prompt lookup: n = 3..1, K = 10, first occurrence, fixed length),
 each requested source, and ``all`` (echo, suffix and ngram under one
 :class:`~mlx_fill.spec.combine.BestOf`: each round the draft with the highest calibrated expected
-acceptance is proposed). The ``strict`` tier is not part of this build's study. One session index is shared by all rows (they see the
+acceptance is proposed), ``strict`` (:func:`mlx_fill.strict.strict_source`, compiled per turn
+from the session's tools) and ``best`` (strict first, then ``all``). Assert spans cost one
+forward and emit their length; an assert span that disagrees with the recording (it would
+have been wrong output) is counted in ``assert_mismatches`` and scored as a verify. One session index is shared by all rows (they see the
 same token stream in lockstep); each row with ``suffix`` has its own cross-request tree, which
 lives for one worker's sessions (sessions are dealt round-robin to workers).
 """
@@ -37,9 +40,12 @@ from .plan import DispatchPlan
 from .proposal import DecodeView, FillSession
 
 ROW_SOURCES = {"ngram": ["ngram"], "echo": ["echo"], "suffix": ["suffix"],
-               "all": ["echo", "suffix", "ngram"]}
+               "all": ["echo", "suffix", "ngram"], "strict": ["strict"],
+               "best": ["strict", "echo", "suffix", "ngram"]}
+COMBINED = ("all", "best")
 BASELINE = "baseline"
-METRICS = ("tokens", "forwards", "proposed", "accepted", "rejected", "cost", "turns")
+METRICS = ("tokens", "forwards", "proposed", "accepted", "rejected", "cost", "turns", "asserted",
+           "assert_mismatches")
 
 
 def shared_dir() -> Path:
@@ -59,6 +65,8 @@ class Counts:
     rejected: int = 0
     cost: float = 0.0
     turns: int = 0
+    asserted: int = 0
+    assert_mismatches: int = 0
 
     def add(self, other: "Counts") -> None:
         for m in METRICS:
@@ -91,17 +99,20 @@ class Row:
 
 
 def _make_session(row: Row, plan: DispatchPlan | None, prompt: list[int], index: EchoIndex,
-                  max_span: int) -> FillSession:
+                  max_span: int, strict: Any) -> FillSession:
     from .spec.base import DraftProposalSource
     from .spec.ngram import NgramDraft
     from .spec.roster import make_sources
     if row.name == BASELINE:
         src = NgramDraft(index, n_min=1, n_max=3, k=10, occurrence="first", name=BASELINE)
-        sources = [DraftProposalSource(src, length=lambda: 10)]
+        sources: list[Any] = [DraftProposalSource(src, length=lambda: 10)]
     else:
-        sources = make_sources(row.names, plan=plan, prompt_ids=prompt, index=index,
+        names = [n for n in row.names if n != "strict"]
+        sources = make_sources(names, plan=plan, prompt_ids=prompt, index=index,
                                global_tree=row.global_tree, max_span=max_span,
-                               combine=row.name == "all", acceptance=row.acceptance)
+                               combine=row.name in COMBINED, acceptance=row.acceptance) if names else []
+        if "strict" in row.names and strict is not None:
+            sources.insert(0, strict())
     return FillSession(sources, max_span=max_span)
 
 
@@ -113,8 +124,9 @@ def _costs(plan: DispatchPlan | None, max_span: int) -> list[float] | None:
 
 
 def study_session(rendered, rows: list[Row], plan: DispatchPlan | None, eos: frozenset[int],
-                  max_span: int) -> None:
-    """Teacher-forced replay of one rendered session through every row, in lockstep."""
+                  max_span: int, tokenizer: Any = None) -> None:
+    """Teacher-forced replay of one rendered session through every row, in lockstep. Rows
+    with ``strict`` get a fresh strict source per turn (needs ``tokenizer``)."""
     costs = _costs(plan, max_span)
     index = EchoIndex()
     tokens = rendered.tokens
@@ -125,8 +137,11 @@ def study_session(rendered, rows: list[Row], plan: DispatchPlan | None, eos: fro
         if not out:
             continue
         live = []
+        strict = None
+        if tokenizer is not None and any("strict" in r.names for r in rows):
+            strict = _strict_factory(tokenizer, rendered, turn)
         for row in rows:
-            row.session = _make_session(row, plan, prompt, index, max_span)
+            row.session = _make_session(row, plan, prompt, index, max_span, strict)
             c = row.by_source[rendered.source]
             c.turns += 1
             c.tokens += len(out)
@@ -157,11 +172,14 @@ def study_session(rendered, rows: list[Row], plan: DispatchPlan | None, eos: fro
                 while acc < limit and ids[acc] == out[ptr + acc]:
                     acc += 1
                 prop = len(ids)
-                if p.policy == "assert":
-                    if acc != len(ids):
-                        raise AssertionError(f"{row.name}: assert span disagreed with the output")
+                if p.policy == "assert" and acc == len(ids):
                     step = acc
                     cost = costs[len(ids)] if costs else 1.0
+                    c.asserted += acc
+                elif p.policy == "assert":  # would be wrong output: counted, scored as verify
+                    c.assert_mismatches += 1
+                    step = min(acc + 1, len(out) - ptr)
+                    cost = costs[len(ids) + 1] if costs else 1.0
                 else:
                     step = min(acc + 1, len(out) - ptr)
                     cost = costs[len(ids) + 1] if costs else 1.0
@@ -186,6 +204,26 @@ def study_session(rendered, rows: list[Row], plan: DispatchPlan | None, eos: fro
             row.session = None
 
 
+def _strict_factory(tokenizer: Any, rendered: Any, turn: Any):
+    """A per-turn constructor of the strict source (compiled once per turn), or None."""
+    from .strict import strict_source
+    if not rendered.tools:
+        return None
+    msgs = rendered.messages[:turn.message_index]
+    try:
+        first = strict_source(tokenizer, msgs, rendered.tools, {"enable_thinking": False})
+    except ValueError:
+        return None
+    if first is None:
+        return None
+    made = [first]
+
+    def make():
+        return made.pop() if made else strict_source(tokenizer, msgs, rendered.tools,
+                                                     {"enable_thinking": False})
+    return make
+
+
 def _worker(args: tuple) -> dict:
     (path, family, picks, row_names, plan_json, max_span, worker, queue) = args
     from .assets import load_tokenizer
@@ -207,7 +245,7 @@ def _worker(args: tuple) -> dict:
         except ValueError as e:
             skipped.append(f"{s.get('session_id')}: {e}")
         else:
-            study_session(rendered, rows, plan, eos, max_span)
+            study_session(rendered, rows, plan, eos, max_span, tok)
         if queue is not None:
             queue.put(1)
     return {"rows": {r.name: {"by_source": {k: vars(v) for k, v in r.by_source.items()},
@@ -350,8 +388,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transcripts", type=Path, default=None,
                         help="JSONL(.gz) transcripts (default: ../shared/transcripts/dev.jsonl.gz)")
     parser.add_argument("--family", default="qwen3", help="tokenizer/template family")
-    parser.add_argument("--sources", default="ngram,echo,suffix,all",
-                        help="comma list from ngram,echo,suffix,all (baseline always runs)")
+    parser.add_argument("--sources", default="ngram,echo,suffix,all,best",
+                        help="comma list from ngram,echo,suffix,strict,all,best (baseline "
+                             "always runs; all = echo+suffix+ngram, best = strict + all)")
     parser.add_argument("--sessions", type=int, default=None, help="first N sessions only")
     parser.add_argument("--per-source", type=int, default=None,
                         help="at most N sessions of each transcript source (first N)")
@@ -366,9 +405,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     names = [s.strip() for s in args.sources.split(",") if s.strip()]
     bad = [n for n in names if n not in ROW_SOURCES]
-    if "strict" in bad:
-        print("mlx-fill study: the strict tier is not part of this build's study")
-        return 2
     if bad:
         print(f"mlx-fill study: unknown sources {bad}; choose from {sorted(ROW_SOURCES)}")
         return 2

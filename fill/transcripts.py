@@ -59,6 +59,7 @@ class RenderedTurn:
     start: int
     end: int
     labels: tuple[str, ...]
+    message_index: int
 
 
 @dataclass
@@ -69,6 +70,8 @@ class RenderedSession:
     turns: list[RenderedTurn]
     think_ids: list[int]
     tools_origin: str
+    messages: list[dict]
+    tools: list[dict] | None
 
 
 def _call_spans(text: str, names: list[str]) -> list[tuple[int, int, str]]:
@@ -100,7 +103,7 @@ def render_session(session: dict, tokenizer: Any, mk: TemplateMarkers | None = N
     history = _render_history(session)
     text = tokenizer.apply_chat_template(history, tools=tools, tokenize=False,
                                          add_generation_prompt=False, enable_thinking=False)
-    assistants = [m for m in history if m["role"] == "assistant"]
+    assistants = [(i, m) for i, m in enumerate(history) if m["role"] == "assistant"]
     starts, pos = [], 0
     while True:
         i = text.find(mk.opener, pos)
@@ -111,9 +114,9 @@ def render_session(session: dict, tokenizer: Any, mk: TemplateMarkers | None = N
     if len(starts) != len(assistants):
         raise ValueError(f"found {len(starts)} assistant openers for {len(assistants)} replies")
     pieces: list[str] = []
-    outputs: list[tuple[str, list[str]]] = []
+    outputs: list[tuple[str, list[str], int]] = []
     prev = 0
-    for s, msg in zip(starts, assistants):
+    for s, (mi, msg) in zip(starts, assistants):
         if mk.think and text.startswith(mk.think, s):
             s += len(mk.think)
         e = text.find(mk.closer, s)
@@ -122,7 +125,7 @@ def render_session(session: dict, tokenizer: Any, mk: TemplateMarkers | None = N
         e += len(mk.closer)
         pieces.append(text[prev:s])
         names = [c["function"]["name"] for c in msg.get("tool_calls") or []]
-        outputs.append((text[s:e], names))
+        outputs.append((text[s:e], names, mi))
         pieces.append(text[s:e])
         prev = e
     pieces.append(text[prev:])
@@ -132,13 +135,13 @@ def render_session(session: dict, tokenizer: Any, mk: TemplateMarkers | None = N
     turns: list[RenderedTurn] = []
     for j, enc in enumerate(encs):
         if j % 2 == 1:
-            out_text, names = outputs[j // 2]
+            out_text, names, mi = outputs[j // 2]
             spans = _call_spans(out_text, names)
             labels = []
             for a, _ in enc.offsets:
                 labels.append(next((nm for x, y, nm in spans if x <= a < y), TEXT_LABEL))
-            turns.append(RenderedTurn(len(tokens), len(tokens) + len(enc.ids), tuple(labels)))
+            turns.append(RenderedTurn(len(tokens), len(tokens) + len(enc.ids), tuple(labels), mi))
         tokens.extend(enc.ids)
     think_ids = backend.encode(mk.think, add_special_tokens=False).ids if mk.think else []
     return RenderedSession(str(session.get("session_id", "")), str(session.get("source", "")),
-                           tokens, turns, list(think_ids), origin)
+                           tokens, turns, list(think_ids), origin, history, tools)

@@ -93,8 +93,8 @@ def test_render_cuts_assistant_outputs_and_labels_tool_calls(tok):
 
 
 def test_baseline_row_equals_from_scratch_reference(transcripts, tok):
-    result = run_study(transcripts, "qwen3", ["ngram", "echo", "suffix", "all"], workers=1,
-                       progress=False)
+    result = run_study(transcripts, "qwen3", ["ngram", "echo", "suffix", "all", "strict", "best"],
+                       workers=1, progress=False)
     eos = frozenset(tok.eos_token_ids)
     mk = markers(tok)
     for s in _sessions():
@@ -103,10 +103,13 @@ def test_baseline_row_equals_from_scratch_reference(transcripts, tok):
         got = result["rows"][BASELINE]["by_source"][s["source"]]
         assert got["forwards"] == want
         assert got["tokens"] == sum(t.end - t.start for t in r.turns)
-    for name in ("ngram", "echo", "suffix", "all"):
+    for name in ("ngram", "echo", "suffix", "all", "best"):
         row = result["rows"][name]["total"]
         assert 1.0 <= row["tau"] and row["accepted"] > 0
         assert row["accepted"] + row["rejected"] == row["proposed"]
+    strict = result["rows"]["strict"]["by_source"]["toy_structured"]
+    assert strict["asserted"] > 0 and strict["assert_mismatches"] == 0  # lossless rows
+    assert result["rows"]["strict"]["by_source"]["toy_inline"]["asserted"] == 0  # no tools
     assert result["corrupt_lines"] and result["corrupt_lines"][0]["line"] == 3
     report = markdown_report(result)
     assert "| baseline |" in report and "toy_inline" in report
