@@ -77,10 +77,10 @@ def _strict_source(tokenizer: Any, messages: Any, tools: Any, template_kwargs: A
     if messages is None:
         return None
     try:
-        from .strict import strict_source
+        from .strict import lazy_strict_source
     except ImportError:
         return None
-    return strict_source(tokenizer, messages, tools, template_kwargs or {})
+    return lazy_strict_source(tokenizer, messages, tools, template_kwargs or {})
 
 
 def _refusal(*, logprobs: bool, seed: int | None, response_format: Any, media: bool) -> str | None:

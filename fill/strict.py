@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from .guards import SYNTAXES, Role, TurnGuard
 from .proposal import DecodeView, Proposal
 from .rows import Row, RowPlan, initial_role, plan_for
+from .toolspec import tool_specs
 from .tokenbytes import IncrementalText, token_bytes
 
 
@@ -121,3 +122,53 @@ def strict_source(tokenizer, messages: list[dict], tools: list[dict] | None,
         return None
     role = initial_role(tokenizer, messages, tools, dict(template_kwargs or {}), plan.markers)
     return StrictSource(plan, tokenizer, role)
+
+
+class LazyStrictSource:
+    """Defers compiling the strict rows until the model itself emits the tool-call start token.
+
+    Rows can only fire inside a call, and a call opens only on that token, so until it appears
+    the source proposes nothing either way; prose turns then never pay for the compile (which
+    renders the conversation several times). On first sight it builds the
+    :class:`StrictSource`, which replays the emitted stream once and continues incrementally,
+    so its proposals are exactly those of a source built up front.
+    """
+
+    name = "strict"
+
+    def __init__(self, start_id: int, build) -> None:
+        self._start_id = start_id
+        self._build = build
+        self._scanned = 0
+        self._source: StrictSource | None = None
+        self._built = False
+
+    def propose(self, view: DecodeView) -> Proposal | None:
+        if not self._built:
+            emitted = view.emitted
+            seen = self._start_id in emitted[self._scanned:]
+            self._scanned = len(emitted)
+            if not seen:
+                return None
+            self._source, self._built = self._build(), True
+        return self._source.propose(view) if self._source is not None else None
+
+    def feedback(self, proposal: Proposal, accepted: int) -> None:
+        if self._source is not None:
+            self._source.feedback(proposal, accepted)
+
+
+def lazy_strict_source(tokenizer, messages: list[dict], tools: list[dict] | None,
+                       template_kwargs: dict | None = None
+                       ) -> LazyStrictSource | StrictSource | None:
+    """:func:`strict_source` for serving: tools are validated now (ValueError naming the path),
+    rows are compiled only once the model emits the tool-call start token. Falls back to the
+    eager source when that marker is not one token of the vocabulary."""
+    if not tool_specs(tools) or (messages and messages[-1].get("role") == "assistant"):
+        return None
+    start = getattr(tokenizer, "tool_call_start", None) or ""
+    start_id = tokenizer.convert_tokens_to_ids(start) if start else None
+    if not isinstance(start_id, int) or tokenizer.encode(start, add_special_tokens=False) != [start_id]:
+        return strict_source(tokenizer, messages, tools, template_kwargs)
+    return LazyStrictSource(
+        start_id, lambda: strict_source(tokenizer, messages, tools, template_kwargs))
