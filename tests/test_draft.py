@@ -251,3 +251,25 @@ def test_fixture_pair_matches_mlx_lm_and_greedy():
         assert our_rounds == their_rounds
         accepted += stats.verify_accepted
     assert accepted > 0
+
+
+@pytest.mark.slow
+def test_fixture_pair_lossless_on_transcript_prompts():
+    """30 multi-turn prompts from the recorded agent sessions: draft speculation with the trained
+    pair is token-identical to plain greedy, with accepted drafts."""
+    from mlx_lm import load
+
+    from mlx_fill.fixtures import FixtureMissing, fixture_path
+    from spec_prompts import transcript_prompts
+    try:
+        target_dir, draft_dir = fixture_path("qwen3-json"), fixture_path("qwen3-draft")
+    except FixtureMissing as e:
+        pytest.skip(f"trained fixtures not in this checkout: {e}")
+    target, tok = load(str(target_dir))
+    draft, _ = load(str(draft_dir))
+    accepted = 0
+    for prompt in transcript_prompts(tok, 30):
+        ours, _, stats = fill_draft(target, draft, prompt, 24, 3)
+        assert ours == plain(target, prompt, 24)
+        accepted += stats.verify_accepted
+    assert accepted > 0

@@ -252,3 +252,34 @@ def test_prompt_cache_hit_starts_rows_at_the_first_captured_position(bigram):
     assert out == ref
     assert not fill.stats.source_errors and fill.stats.verify_accepted > 0
     assert source.source._cache[0].offset < len(prompt) + len(out) - 16
+
+
+@pytest.mark.slow
+def test_fixture_hybrid_lossless_on_transcript_prompts(tmp_path):
+    """The trained ``qwen35-xml`` hybrid fixture with a random ``mtp.*`` head written beside its
+    weights: token-identical to plain greedy on 30 multi-turn transcript prompts."""
+    import shutil
+
+    from mlx_lm import load
+
+    from mlx_fill.fixtures import FixtureMissing, fixture_path
+    from spec_prompts import transcript_prompts
+    try:
+        source_dir = fixture_path("qwen35-xml")
+    except FixtureMissing as e:
+        pytest.skip(f"trained fixture not in this checkout: {e}")
+    model_dir = tmp_path / "qwen35-xml"
+    shutil.copytree(source_dir, model_dir)
+    target, tok = load(str(model_dir))
+    mx.random.seed(5)
+    head = MTPHead(target.language_model.args)
+    mx.save_safetensors(str(model_dir / "model-mtp.safetensors"),
+                        {f"mtp.{k}": v for k, v in tree_flatten(head.parameters())})
+    target, tok = load(str(model_dir))
+    head = load_mtp_head(model_dir, target)
+    rounds = 0
+    for prompt in transcript_prompts(tok, 30):
+        out, stats, _ = run_mtp(target, head, prompt, 24, 2)
+        assert out == plain(target, prompt, 24)
+        rounds += stats.events
+    assert rounds > 0
