@@ -1,22 +1,42 @@
 """Multi-turn agent prompts for the model-based draft sources' fixture tests: early turns of
-recorded sessions (``../shared/transcripts/dev.jsonl.gz``) rendered through the fixture family's
-real chat template, each prompt being everything before an assistant turn."""
+recorded sessions (``../shared/transcripts/dev.jsonl.gz``) as the replay tool sends them (OpenAI
+messages + tools), rendered through the fixture family's real chat template with the generation
+prompt, as a server would."""
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from itertools import zip_longest
 from typing import Any
 
-from mlx_fill.replay import load_sessions
+from mlx_fill.replay import load_sessions, session_turns
 from mlx_fill.study import shared_dir
-from mlx_fill.transcripts import render_session
+
+
+def _with_argument_objects(messages: list[dict]) -> list[dict]:
+    """Tool-call arguments as mappings (templates such as Qwen3.5's iterate over them), as
+    mlx-lm's server does before templating."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                args = c["function"]["arguments"]
+                try:
+                    args = json.loads(args) if isinstance(args, str) else args
+                except json.JSONDecodeError:
+                    args = {"input": args}
+                calls.append({**c, "function": {**c["function"], "arguments": args}})
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out
 
 
 def transcript_prompts(tokenizer: Any, count: int, max_len: int = 2400,
                        per_session: int = 2) -> list[list[int]]:
-    """``count`` prompts (ids up to an assistant turn, at most ``max_len`` long, at most
-    ``per_session`` from one session), sessions taken round-robin over transcript sources."""
+    """``count`` prompts (at most ``max_len`` ids, at most ``per_session`` from one session),
+    sessions taken round-robin over transcript sources."""
     sessions, _ = load_sessions(shared_dir() / "transcripts" / "dev.jsonl.gz")
     by_source: dict[str, list[dict]] = defaultdict(list)
     for s in sessions:
@@ -26,12 +46,15 @@ def transcript_prompts(tokenizer: Any, count: int, max_len: int = 2400,
         for session in group:
             if session is None or len(out) >= count:
                 continue
-            try:
-                rendered = render_session(session, tokenizer)
-            except ValueError:
-                continue
-            prompts = [rendered.tokens[:t.start] for t in rendered.turns[1:] if t.start <= max_len]
-            out += prompts[:min(per_session, count - len(out))]
+            taken = 0
+            for turn in session_turns(session)[0]:
+                ids = list(tokenizer.apply_chat_template(
+                    _with_argument_objects(turn.messages), tools=turn.tools,
+                    add_generation_prompt=True, tokenize=True))
+                if len(ids) > max_len or taken == per_session:
+                    break
+                out.append(ids)
+                taken += 1
         if len(out) >= count:
-            return out
+            return out[:count]
     raise ValueError(f"only {len(out)} prompts of at most {max_len} ids in the transcripts")
