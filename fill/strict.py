@@ -10,7 +10,11 @@ when the guard puts the stream in the row's structural state:
   complete value delimiter, the text since that value equals the row's key, no key is
   duplicated, and the tool's schema allows no further argument.
 
-Everything proposed is ``assert``: the spans are template/schema-determined. A call whose body
+Scaffold rows, and every row of the XML and GLM syntaxes (whose templates write the markup
+around raw values themselves), are ``assert``. In Hermes JSON the name and close rows reach into
+the ``arguments`` object, whose spacing is the model's own JSON (a template inserts a string
+``arguments`` verbatim: ``{ "k"`` is as valid as ``{"k"``), so those rows are ``verify``: the
+same forward checks them and a differently formatted call costs nothing. A call whose body
 does not parse once it has ended, after rows fired in it, counts a ``parse_fallback`` and
 disarms the source for the rest of the request.
 """
@@ -101,7 +105,12 @@ class StrictSource:
             return None
         self.stats.fires += 1
         self._fired_in_call = True
-        return Proposal(row.span, "assert", row.origin)
+        return Proposal(row.span, self._policy(row), row.origin)
+
+    def _policy(self, row: Row) -> str:
+        if self.plan.syntax == "hermes-json" and row.kind in ("name", "close"):
+            return "verify"
+        return "assert"
 
     def feedback(self, proposal: Proposal, accepted: int) -> None:
         """Count committed ids (assert spans are committed whole unless a stop cut them)."""
