@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "fixtures" / "prompts" / "heldout.jsonl"
 E2E_ARMS = ("off", "strict", "echo", "ngram", "suffix", "draft", "all")
 MECH_ARMS = ("plain", "strict", "echo", "suffix", "all")
+QUICK_MECH_ARMS = ("plain", "strict", "all")
 
 
 @dataclass
@@ -212,7 +213,8 @@ def run_mechanism(quick: bool, repeats: int) -> dict:
     from mlx_fill.random_models import build, config_for
 
     tok = load_tokenizer("qwen3")
-    turns = mechanism_turns(tok, 1 if quick else 3, 1024, 40 if quick else 96)
+    arms = QUICK_MECH_ARMS if quick else MECH_ARMS
+    turns = mechanism_turns(tok, 1 if quick else 3, 384 if quick else 1024, 24 if quick else 96)
     configs = [("bf16", mx.bfloat16, None)] if quick else [("bf16", mx.bfloat16, None),
                                                            ("q4-fp32act", mx.float32, 4)]
     result = {}
@@ -220,13 +222,13 @@ def run_mechanism(quick: bool, repeats: int) -> dict:
         model, _ = build(dict(config_for("qwen3", "0.5b"), vocab_size=len(tok._tokenizer)),
                          dtype=dtype, bits=bits)
         plan = load_plan(model)
-        acc = {a: Arm(a) for a in MECH_ARMS}
+        acc = {a: Arm(a) for a in arms}
         for turn in turns:
-            times: dict[str, list[float]] = {a: [] for a in MECH_ARMS}
+            times: dict[str, list[float]] = {a: [] for a in arms}
             outs = {}
             force = [forcing_processor(len(turn.prompt), turn.output)]
             for _ in range(repeats):
-                for a in MECH_ARMS:
+                for a in arms:
                     s = mechanism_session(a, turn, tok=tok, plan=plan)
                     got, dt = timed_decode(turn.prompt, model, s, max_tokens=len(turn.output),
                                            eos=frozenset(), processors=force)
@@ -234,7 +236,7 @@ def run_mechanism(quick: bool, repeats: int) -> dict:
                     outs[a] = got
                     if s is not None:
                         acc[a].forwards += s.stats.forwards
-            for a in MECH_ARMS:
+            for a in arms:
                 acc[a].seconds.append(statistics.median(times[a]))
                 acc[a].tokens += len(outs[a])
                 acc[a].mismatches += outs[a] != turn.output
