@@ -3,7 +3,7 @@
 Sources (``../shared/transcripts/dev.jsonl.gz``): pi (read/bash/edit/write, one long session),
 tau-bench airline (structured calls, schemas from the session's ``tools``, compacted and limited to
 the tools the session calls plus ``transfer_to_human_agents``), mini-swe-agent (bash
-blocks parsed out of the text, turned into structured ``bash`` calls). Each assistant turn becomes
+blocks parsed out of the text, turned into structured ``bash`` calls, the THOUGHT prose dropped). Each assistant turn becomes
 one example: the session's system prompt and first user message (both truncated) plus as many
 preceding turns as fit the token budget, rendered through the family's REAL chat template with the
 ``tools`` array. The target is the rendered assistant turn up to and including the first stop
@@ -28,7 +28,6 @@ SOURCES = ("pi_mono", "tau_bench_gpt4o_airline", "mini_swe_agent_gemini3pro")
 MAX_RESULT_CHARS = 320
 MAX_MESSAGE_CHARS = 360
 MAX_SYSTEM_CHARS = 240
-MAX_THOUGHT_CHARS = 200
 MAX_TARGET_TOKENS = 160
 
 BASH_TOOL = {"type": "function", "function": {
@@ -127,9 +126,6 @@ def _compact_tool(tool: dict) -> dict:
                                               "parameters": strip(function.get("parameters", {}))}}
 
 
-_BASH_BLOCK = re.compile(r"```(?:bash|sh)?\s*\n.*?```", re.DOTALL)
-
-
 def _normalize(row: dict) -> Session:
     source = row["source"]
     messages = []
@@ -145,8 +141,9 @@ def _normalize(row: dict) -> Session:
             content = raw.get("content") or ""
             calls = raw.get("tool_calls") or []
             if raw.get("inline_tool_calls"):
-                content = _BASH_BLOCK.sub("", content).replace("THOUGHT:", "").strip()
-                content = _cut(content, MAX_THOUGHT_CHARS)
+                # the THOUGHT prose around mini-swe-agent's bash block is dropped: the tiny models
+                # cannot learn it in their CPU budget and it delays the call they must emit
+                content = ""
             else:
                 content = _cut(content, MAX_MESSAGE_CHARS)
             message = {"role": "assistant", "content": content}
@@ -240,7 +237,8 @@ class Renderer:
             while start < index and messages[start]["role"] == "tool":
                 start += 1
             window = header + messages[start:index]
-            prompt = self._encode(self._render(window, session.tools, True))
+            prompt_text = self._render(window, session.tools, True)
+            prompt = self._encode(prompt_text)
             if len(prompt) <= budget:
                 break
             if start == index:
@@ -248,10 +246,12 @@ class Renderer:
             start += 1
         turn = messages[index]
         follower = messages[index + 1] if index + 1 < len(messages) else {"role": "user", "content": "ok"}
-        full = self._encode(self._render(window + [turn, follower], session.tools, False))
-        if full[: len(prompt)] != prompt:
+        full_text = self._render(window + [turn, follower], session.tools, False)
+        if not full_text.startswith(prompt_text):
             return None
-        rest = full[len(prompt):]
+        # the continuation is tokenized on its own, as generation after the prompt produces it
+        # (the prompt may end inside what would otherwise be one token, e.g. Qwen3.5's "<think>\n")
+        rest = self._encode(full_text[len(prompt_text):])
         stop = next((k for k, t in enumerate(rest) if t in self.stop_ids), None)
         if stop is None or stop + 1 > MAX_TARGET_TOKENS:
             return None

@@ -57,10 +57,11 @@ class Spec:
 
 
 SPECS = {
-    "qwen3-json": Spec("qwen3", "qwen3", 64, 4, 2, 1, 192, steps=160),
-    "qwen35-xml": Spec("qwen3.5", "qwen3_5", 64, 4, 2, 1, 192, steps=100),
-    "glm-xml": Spec("glm4.x", "glm4", 64, 4, 2, 1, 192, steps=100),
-    "qwen3-draft": Spec("qwen3", "qwen3", 48, 2, 2, 1, 128, steps=160),
+    "qwen3-json": Spec("qwen3", "qwen3", 64, 4, 2, 1, 192, steps=150, lr=1e-2),
+    # the Qwen3.5 tool preamble alone is ~300 tokens
+    "qwen35-xml": Spec("qwen3.5", "qwen3_5", 64, 4, 2, 1, 192, steps=60, max_tokens=768, lr=1e-2),
+    "glm-xml": Spec("glm4.x", "glm4", 64, 4, 2, 1, 192, steps=100, lr=1e-2),
+    "qwen3-draft": Spec("qwen3", "qwen3", 48, 2, 2, 1, 128, steps=160, lr=1e-2),
 }
 
 
@@ -136,10 +137,17 @@ def eval_examples(spec: Spec, tokenizer):
     _, held = fixture_data.split_sessions(sessions, spec.seed)
     rng = np.random.Generator(np.random.PCG64(spec.seed + 1))
     examples = examples_for(held, tokenizer, spec.family, spec.max_tokens)
-    calls, prose = [], []
+    calls, spare = [], []
     for source, count in EVAL_CALLS.items():
         group = [e for e in examples if e.source == source and e.expected_calls]
-        calls += [group[i] for i in np.sort(rng.permutation(len(group))[:count])]
+        order = rng.permutation(len(group))
+        calls += [group[i] for i in np.sort(order[:count])]
+        spare += [group[i] for i in np.sort(order[count:])]
+    # a source with fewer fitting turns (tau-bench under Qwen3.5's long preamble) is topped up
+    # from the others so that there are always sum(EVAL_CALLS) call conversations when possible
+    shortfall = sum(EVAL_CALLS.values()) - len(calls)
+    if shortfall > 0:
+        calls += [spare[i] for i in np.sort(rng.permutation(len(spare))[:shortfall])]
     group = [e for e in examples if not e.expected_calls]
     prose = [group[i] for i in np.sort(rng.permutation(len(group))[:EVAL_PROSE])]
     return calls, prose
@@ -201,6 +209,8 @@ def train(name: str) -> None:
     vocab_size = len(tokenizer._tokenizer)
     started = time.time()
     examples = training_examples(spec, tokenizer)
+    if not examples:
+        raise RuntimeError(f"{name}: no conversation fits {spec.max_tokens} tokens")
     used = set()
     for e in examples:
         used.update(e.prompt_ids)
@@ -284,6 +294,7 @@ def save(name, spec, model, embed_key, ids, config, minutes, final_loss, n_examp
                      "minutes": round(minutes, 1)},
     }
     (out / "fixture.json").write_text(json.dumps(meta, indent=2) + "\n")
+    _write_table()
     print(f"wrote {out} ({sum(p.stat().st_size for p in out.iterdir()) / 1e6:.1f} MB)")
 
 
@@ -350,21 +361,34 @@ def _canonical(calls: list[dict]) -> str:
     return json.dumps([{"name": c["name"], "arguments": c["arguments"]} for c in calls], sort_keys=True)
 
 
+def _replace_block(text: str, begin: str, end: str, body: str) -> str:
+    head, _, rest = text.partition(begin)
+    _, _, tail = rest.partition(end)
+    return f"{head}{begin}\n{body}\n{end}{tail}"
+
+
 def _write_table() -> None:
-    rows = ["| model | parser | held-back call convs | parseable call | exact name+args | prose convs | prose w/o call |",
-            "|---|---|---|---|---|---|---|"]
+    """Rewrite the README's training-record and eval tables from fixture.json / eval.json."""
+    train_rows = ["| model | non-embedding params | trained vocab rows | examples | steps x tokens | "
+                  "final loss | minutes | committed MB |", "|---|---|---|---|---|---|---|---|"]
+    eval_rows = ["| model | parser | held-back call turns | parseable call | exact name+args | "
+                 "prose turns | prose w/o call |", "|---|---|---|---|---|---|---|"]
     for name in fixtures.FIXTURES:
-        path = fixtures.committed_dir(name) / "eval.json"
-        if not path.is_file():
-            continue
-        r = json.loads(path.read_text())
-        rows.append(f"| {name} | {r['parser']} | {r['call_conversations']} | {r['parseable_call_share']:.1%} | "
-                    f"{r['exact_call_share']:.1%} | {r['prose_conversations']} | {r['prose_without_call_share']:.1%} |")
-    table = "\n".join(rows)
-    text = README.read_text() if README.is_file() else f"# Fixture models\n\n{TABLE_BEGIN}\n{TABLE_END}\n"
-    head, _, rest = text.partition(TABLE_BEGIN)
-    _, _, tail = rest.partition(TABLE_END)
-    README.write_text(f"{head}{TABLE_BEGIN}\n{table}\n{TABLE_END}{tail}")
+        folder = fixtures.committed_dir(name)
+        if (folder / "fixture.json").is_file():
+            t = json.loads((folder / "fixture.json").read_text())["training"]
+            size = sum((folder / f).stat().st_size for f in fixtures.COMMITTED_FILES) / 1e6
+            train_rows.append(f"| {name} | {t['non_embedding_params']:,} | {t['trained_vocab_rows']:,} | "
+                              f"{t['examples']:,} | {t['steps']} x {t['batch_tokens']} | {t['final_loss']} | "
+                              f"{t['minutes']} | {size:.1f} |")
+        if (folder / "eval.json").is_file():
+            r = json.loads((folder / "eval.json").read_text())
+            eval_rows.append(f"| {name} | {r['parser']} | {r['call_conversations']} | "
+                             f"{r['parseable_call_share']:.1%} | {r['exact_call_share']:.1%} | "
+                             f"{r['prose_conversations']} | {r['prose_without_call_share']:.1%} |")
+    text = README.read_text()
+    text = _replace_block(text, "<!-- train-table:begin -->", "<!-- train-table:end -->", "\n".join(train_rows))
+    README.write_text(_replace_block(text, TABLE_BEGIN, TABLE_END, "\n".join(eval_rows)))
 
 
 def main(argv: list[str] | None = None) -> int:
