@@ -133,6 +133,9 @@ class FillSession:
         self.trace = trace
         self.stats = FillStats()
         self.refused: str | None = None
+        for src in self.sources:  # sources that report their own counters (parse fallbacks)
+            if hasattr(src, "bind_stats"):
+                src.bind_stats(self.stats)
 
     def refuse(self, reason: str) -> None:
         """Turn fill off for this request with a counted reason (e.g. ``logprobs``)."""

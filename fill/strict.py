@@ -54,6 +54,7 @@ class StrictSource:
         self._fired_in_call = False
         self._calls_ended = 0
         self._max_head_key = max((len(k) for k in plan.head), default=0)
+        self._request_stats = None
 
     def _advance(self, emitted) -> None:
         if len(emitted) < self._seen:
@@ -91,9 +92,15 @@ class StrictSource:
             return row if _ends_with(emitted, row.trigger) else None
         return None
 
+    def bind_stats(self, request_stats) -> None:
+        """Also count parse fallbacks in the request's ``usage.fill``."""
+        self._request_stats = request_stats
+
     def _disarm(self) -> None:
         self.armed = False
         self.stats.parse_fallbacks += 1
+        if self._request_stats is not None:
+            self._request_stats.parse_fallbacks += 1
 
     def propose(self, view: DecodeView) -> Proposal | None:
         """A row's span when the guard is in its structural state; else None."""
@@ -151,6 +158,10 @@ class LazyStrictSource:
         self._scanned = 0
         self._source: StrictSource | None = None
         self._built = False
+        self._request_stats = None
+
+    def bind_stats(self, request_stats) -> None:
+        self._request_stats = request_stats
 
     def propose(self, view: DecodeView) -> Proposal | None:
         if not self._built:
@@ -160,6 +171,8 @@ class LazyStrictSource:
             if not seen:
                 return None
             self._source, self._built = self._build(), True
+            if self._source is not None and self._request_stats is not None:
+                self._source.bind_stats(self._request_stats)
         return self._source.propose(view) if self._source is not None else None
 
     def feedback(self, proposal: Proposal, accepted: int) -> None:

@@ -35,3 +35,16 @@ def test_lazy_source_still_rejects_malformed_tools_up_front():
     bad = [{"type": "function", "function": {"name": "x", "parameters": {"type": 7}}}]
     with pytest.raises(ValueError, match=r"tools\[0\]"):
         lazy_strict_source(tokenizer("qwen3"), USER, bad)
+
+
+def test_parse_fallbacks_reach_the_request_telemetry():
+    from mlx_fill.proposal import DecodeView, FillSession
+    tok, tool_list = tokenizer("qwen3-coder"), tools()
+    session = FillSession([lazy_strict_source(tok, USER, tool_list)])
+    broken = tok.encode("<tool_call>\n<function=bash><parameter=command>ls</parameter>"
+                        "</function>\n</tool_call>", add_special_tokens=False)
+    for pos in range(len(broken) + 1):
+        p = session.propose(DecodeView([], broken[:pos]))
+        if p is not None:
+            session.feedback(p, 0, pos)
+    assert session.stats.parse_fallbacks == 1
