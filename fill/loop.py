@@ -139,10 +139,11 @@ def _fill_loop(
             history = new if history is None else mx.concat([history, new])
 
     def _burst(cp: Checkpoint, ids: Sequence[int], logprobs: Sequence[mx.array],
-               proposal: Proposal) -> Iterator[tuple[int, mx.array]]:
-        """Yield committed ids one at a time. If the consumer stops mid-burst, rewind the cache
-        to exactly the ids it received and report those as the proposal's outcome."""
-        position = len(emitted)
+               proposal: Proposal, lead: int) -> Iterator[tuple[int, mx.array]]:
+        """Yield committed ids one at a time (``lead`` leading ids are not the proposal's). If
+        the consumer stops mid-burst, rewind the cache to exactly the ids it received and report
+        the proposal's share of them as its outcome."""
+        position = len(emitted) + lead
         for j, (t, lp) in enumerate(zip(ids, logprobs)):
             emitted.append(t)
             stats.emitted += 1
@@ -150,7 +151,7 @@ def _fill_loop(
                 yield t, lp
             except GeneratorExit:
                 rewind(cp, j + 1)
-                fill.feedback(proposal, j + 1, position)
+                fill.feedback(proposal, max(0, j + 1 - lead), position)
                 raise
 
     with mx.stream(stream):
@@ -172,47 +173,97 @@ def _fill_loop(
         y, logprobs = _step(prompt)
         mx.async_eval(y, logprobs)
 
-    def _apply_assert(ids: list[int], need_next: bool, proposal: Proposal):
-        """Append an asserted span; returns the sample after it (None at max_tokens)."""
-        stats.wasted_samples += 1
+    def _forward(feed: list[int], rows: str) -> tuple[Checkpoint, mx.array | None]:
         t0 = time.perf_counter()
         cp = checkpoint(model, prompt_cache, plan)
         stats.checkpoint_ms += (time.perf_counter() - t0) * 1e3
-        stats.forwards += len(plan.chunks(cache_offset(prompt_cache), len(ids)))
-        row = append(model, prompt_cache, ids, plan=plan, logits="last" if need_next else "none",
-                     record=cp, after_chunk=quantize)
+        stats.forwards += len(plan.chunks(cache_offset(prompt_cache), len(feed)))
+        return cp, append(model, prompt_cache, feed, plan=plan, logits=rows, record=cp,
+                          after_chunk=quantize)
+
+    def _apply_assert(ids: list[int], need_next: bool, proposal: Proposal, lead):
+        """Append an asserted span (after the pending ``lead`` token when given, else in place of
+        the discarded in-flight sample); returns the sample after it (None at max_tokens)."""
+        lead_ids, lead_lps = ([int(lead[0].item())], [lead[1]]) if lead else ([], [])
+        if not lead:
+            stats.wasted_samples += 1
+        feed = lead_ids + ids
+        cp, row = _forward(feed, "last" if need_next else "none")
         vocab = logprobs.shape[-1]
-        yield from _burst(cp, ids, [_forced_logprobs(t, vocab) for t in ids], proposal)
-        _grow_history(ids)
+        yield from _burst(cp, feed, lead_lps + [_forced_logprobs(t, vocab) for t in ids],
+                          proposal, len(lead_ids))
+        _grow_history(feed)
         if not need_next:
             return None
         nxt, nxt_lp = process_row(row, history, sampler, logits_processors)
         mx.async_eval(nxt, nxt_lp)
         return nxt, nxt_lp
 
-    def _apply_verify(ids: list[int], first_sample: mx.array, first_logprobs: mx.array,
-                      proposal: Proposal):
-        """Forward a verified span (its first id already equals the in-flight sample), keep the
-        agreeing prefix, return (kept, next token, its logprobs)."""
-        t0 = time.perf_counter()
-        cp = checkpoint(model, prompt_cache, plan)
-        stats.checkpoint_ms += (time.perf_counter() - t0) * 1e3
-        stats.forwards += len(plan.chunks(cache_offset(prompt_cache), len(ids)))
-        rows = append(model, prompt_cache, ids, plan=plan, logits="all", record=cp,
-                      after_chunk=quantize)
-        verdict = verify_rows(rows, ids, history, sampler, logits_processors)
+    def _apply_verify(ids: list[int], first: tuple[mx.array, mx.array], proposal: Proposal,
+                      lead: bool):
+        """Forward a span and keep its agreeing prefix. ``first`` is either the in-flight sample
+        ``ids[0]`` already equals (``lead`` False) or the pending token the span follows
+        (``lead`` True), which leads the forward and is always kept. Returns (proposal ids kept,
+        next token, its logprobs)."""
+        lead_ids = [int(first[0].item())] if lead else []
+        feed = lead_ids + ids
+        cp, rows = _forward(feed, "all")
+        verdict = verify_rows(rows, feed, history, sampler, logits_processors)
         t0 = time.perf_counter()
         rewind(cp, verdict.accepted)
         stats.checkpoint_ms += (time.perf_counter() - t0) * 1e3
-        kept = ids[:verdict.accepted]
-        yield from _burst(cp, kept, [first_logprobs, *verdict.row_logprobs[:len(kept) - 1]],
-                          proposal)
+        kept = feed[:verdict.accepted]
+        yield from _burst(cp, kept, [first[1], *verdict.row_logprobs[:len(kept) - 1]],
+                          proposal, len(lead_ids))
         _grow_history(kept)
-        nxt = mx.array([verdict.next_token], dtype=first_sample.dtype)
-        return len(kept), nxt, verdict.next_logprobs
+        nxt = mx.array([verdict.next_token], dtype=first[0].dtype)
+        return len(kept) - len(lead_ids), nxt, verdict.next_logprobs
+
+    def _apply(proposal: Proposal, remaining: int | None, pending: tuple | None):
+        """Apply ``proposal`` (capped so the yields fit ``remaining``); ``pending`` is the
+        sampled-but-unfed token it follows in a chained round, else None (the proposal's first
+        slot has an in-flight sample). Returns (yielded, next (token, logprobs) or None), or
+        None when a verify proposal's first id disagrees with the in-flight sample."""
+        lead = 1 if pending is not None else 0
+        cap = None if remaining is None else remaining - lead
+        ids = list(proposal.ids if cap is None else proposal.ids[:cap])
+        applied = Proposal(tuple(ids), proposal.policy, proposal.origin)
+        position = len(emitted) + lead
+        if proposal.policy == "assert":
+            need_next = cap is None or len(ids) < cap
+            with mx.stream(stream):
+                after = yield from _apply_assert(ids, need_next, applied, pending)
+            kept = len(ids)
+        else:
+            if pending is None and y.item() != ids[0]:
+                fill.feedback(applied, 0, position)
+                return None
+            first = pending if pending is not None else (y, logprobs)
+            with mx.stream(stream):
+                kept, nxt, nxt_lp = yield from _apply_verify(ids, first, applied, lead == 1)
+            after = (nxt, nxt_lp) if cap is None or kept < cap else None
+        fill.feedback(applied, kept, position)
+        return kept + lead, after
 
     n = 0
+    chained = False  # y was sampled by a fill round: not fed yet, no step in flight
+    asked = -1  # len(emitted) + 1 when the slot after y was already offered to the sources
     while True:
+        if chained and n != max_tokens:
+            remaining = max_tokens - n if max_tokens >= 0 else None
+            if remaining is None or remaining > 1:
+                asked = len(emitted) + 1
+                view = DecodeView(prompt_ids, [*emitted, int(y.item())], fill.eos_ids,
+                                  pending=True)
+                proposal = fill.propose(view)
+                if proposal is not None:
+                    yielded, after = yield from _apply(proposal, remaining, (y, logprobs))
+                    n += yielded
+                    stats.emitted = n
+                    if after is None:  # max_tokens reached inside the span
+                        break
+                    y, logprobs = after
+                    continue
         with mx.stream(stream):
             if n != max_tokens:
                 next_y, next_logprobs = _step(y)
@@ -230,30 +281,21 @@ def _fill_loop(
         if n % 256 == 0:
             mx.clear_cache()
         y, logprobs = next_y, next_logprobs
+        chained = False
         remaining = max_tokens - n if max_tokens >= 0 else None
-        if remaining == 0:
+        if remaining == 0 or asked == len(emitted):
             continue
         proposal = fill.propose(DecodeView(prompt_ids, emitted, fill.eos_ids))
         if proposal is None:
             continue
-        ids = list(proposal.ids if remaining is None else proposal.ids[:remaining])
-        applied = Proposal(tuple(ids), proposal.policy, proposal.origin)
-        position = len(emitted)
-        if proposal.policy == "assert":
-            need_next = remaining is None or len(ids) < remaining
-            with mx.stream(stream):
-                after = yield from _apply_assert(ids, need_next, applied)
-            kept = len(ids)
-        else:
-            if y.item() != ids[0]:
-                fill.feedback(applied, 0, position)
-                continue
-            with mx.stream(stream):
-                kept, nxt, nxt_lp = yield from _apply_verify(ids, y, logprobs, applied)
-            after = (nxt, nxt_lp) if remaining is None or kept < remaining else None
-        fill.feedback(applied, kept, position)
-        n += kept
+        result = yield from _apply(proposal, remaining, None)
+        if result is None:
+            continue
+        yielded, after = result
+        n += yielded
         stats.emitted = n
         if after is None:  # max_tokens reached inside the span; the cache holds every yield
             break
         y, logprobs = after
+        chained = True
+    stats.emitted = n

@@ -28,12 +28,16 @@ class DecodeView:
     ``prompt`` is the full rendered prompt (cached prefix included); ``emitted`` every token
     yielded so far in this turn, injected ones included. The next proposal's first id is for
     the slot right after ``emitted[-1]`` (or after the prompt when nothing was emitted).
+    ``pending`` is True when ``emitted[-1]`` was sampled by a fill round and is not yet in the
+    target's cache (it will lead the forward that checks the proposal); sources that read the
+    target's hidden state at the last position must propose nothing then.
     """
 
     prompt: Sequence[int]
     emitted: Sequence[int]
     eos_ids: frozenset[int] = frozenset()
     temperature: float = 0.0
+    pending: bool = False
 
     @property
     def tokens(self) -> list[int]:

@@ -38,7 +38,9 @@ class DraftSource(Protocol):
 class DraftProposalSource:
     """Runs a :class:`DraftSource` as a ``verify`` proposal source, so the decode loop has one
     apply path. ``length`` picks each round's draft length from the source's running
-    acceptance (the cost model); a length of 0 proposes nothing this round."""
+    acceptance (the cost model); a length of 0 proposes nothing this round. A source with
+    ``needs_fed_context = True`` (it reads the target's hidden state at the last fed position)
+    is not asked while the view's last token is still pending."""
 
     def __init__(self, source: DraftSource, length: Callable[[], int]):
         self.source = source
@@ -52,6 +54,8 @@ class DraftProposalSource:
             self.source.prefill(list(view.prompt))
             self._seen = len(view.prompt)
             self._prefilled = True
+        if view.pending and getattr(self.source, "needs_fed_context", False):
+            return None
         n_prompt = len(view.prompt)
         feed = list(view.emitted[self._seen - n_prompt:])  # O(new tokens), not O(context)
         self._seen = n_prompt + len(view.emitted)

@@ -265,6 +265,7 @@ class MTPSource:
     """
 
     name = "mtp"
+    needs_fed_context = True  # drafts read the target's hidden state at the last fed position
 
     def __init__(self, target: Any, head: MTPHead, *, plan: DispatchPlan | None = None):
         self.target = target

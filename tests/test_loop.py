@@ -71,10 +71,11 @@ ARCHS = ["qwen3", "qwen3_5"]
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("policy,corrupt", [("assert", 0.0), ("verify", 0.0), ("verify", 0.6)])
-def test_fill_is_token_identical(arch, policy, corrupt):
+@pytest.mark.parametrize("every", [5, 1])  # 1: every round chains onto the previous one
+def test_fill_is_token_identical(arch, policy, corrupt, every):
     model = tiny_model(arch)
     ref, ref_cache = decode(model)
-    s = session(Oracle(ref, policy, corrupt))
+    s = session(Oracle(ref, policy, corrupt, every=every))
     out, cache = decode(model, s)
     assert out == ref
     assert caches_equal(cache, ref_cache)
@@ -85,22 +86,24 @@ def test_fill_is_token_identical(arch, policy, corrupt):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("policy", ["assert", "verify"])
-@pytest.mark.parametrize("stop_after", [6, 7, 9, 11])
-def test_consumer_stop_mid_burst_leaves_prompt_plus_yielded(arch, policy, stop_after):
+@pytest.mark.parametrize("stop_after", [6, 7, 9, 11, 13])
+@pytest.mark.parametrize("every", [5, 1])
+def test_consumer_stop_mid_burst_leaves_prompt_plus_yielded(arch, policy, stop_after, every):
     model = tiny_model(arch)
     ref, _ = decode(model)
-    out, cache = decode(model, session(Oracle(ref, policy)), stop_after=stop_after)
+    out, cache = decode(model, session(Oracle(ref, policy, every=every)), stop_after=stop_after)
     ref_out, ref_cache = decode(model, stop_after=stop_after)
     assert out == ref_out
     assert caches_equal(cache, ref_cache)
 
 
 @pytest.mark.parametrize("policy", ["assert", "verify"])
-@pytest.mark.parametrize("max_tokens", [7, 8, 10])
-def test_max_tokens_inside_a_span(policy, max_tokens):
+@pytest.mark.parametrize("max_tokens", [7, 8, 10, 13, 14])
+@pytest.mark.parametrize("every", [5, 1])
+def test_max_tokens_inside_a_span(policy, max_tokens, every):
     model = tiny_model("qwen3_5")
     ref, _ = decode(model)
-    out, cache = decode(model, session(Oracle(ref, policy)), n=max_tokens)
+    out, cache = decode(model, session(Oracle(ref, policy, every=every)), n=max_tokens)
     ref_out, ref_cache = decode(model, n=max_tokens)
     assert out == ref_out and len(out) == max_tokens
     assert caches_equal(cache, ref_cache)
