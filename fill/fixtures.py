@@ -7,7 +7,9 @@ What is committed under ``fixtures/models/<name>/`` (see ``scripts/train_fixture
   embedding, which is stored as ``rows.ids`` (int32, the vocabulary ids the corpus uses) and
   ``rows.weight`` (those rows, in the order of ``rows.ids``);
 * ``fixture.json``: the family, the embedding parameter name, and the seed + std of the
-  initialization that every untouched embedding row keeps.
+  initialization that every untouched embedding row keeps. An untied output head (``glm4`` has
+  no ``tie_word_embeddings``) is stored with the same restricted rows as ``lm_head.weight``; its
+  untouched rows come from the same initialization with seed + 1.
 
 ``fixture_path(name)`` assembles the full model in ``user_cache_dir()/"fixtures"/<name>``: the
 embedding is re-created from the seeded initialization (numpy PCG64, platform-independent) with
@@ -112,6 +114,12 @@ def _assemble(name: str, out: Path) -> None:
     embedding[ids] = rows
     weights = {key: value.astype(mx.float32) for key, value in weights.items()}
     weights[meta["embedding_key"]] = mx.array(embedding)
+    for key in [k for k in weights if k.endswith("lm_head.weight")]:
+        # an untied output head (glm4) is trained on the same restricted rows
+        if weights[key].shape[0] == len(ids):
+            head = seeded_embedding(text["vocab_size"], text["hidden_size"], meta["init_seed"] + 1, meta["init_std"])
+            head[ids] = np.array(weights[key])
+            weights[key] = mx.array(head)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     shutil.copyfile(source / "config.json", out / "config.json")
     family_dir = assets.family_dir(fixture_family(name))
