@@ -383,9 +383,10 @@ def _write_table() -> None:
                               f"{t['minutes']} | {size:.1f} |")
         if (folder / "eval.json").is_file():
             r = json.loads((folder / "eval.json").read_text())
+            prose = r["prose_without_call_share"]
             eval_rows.append(f"| {name} | {r['parser']} | {r['call_conversations']} | "
                              f"{r['parseable_call_share']:.1%} | {r['exact_call_share']:.1%} | "
-                             f"{r['prose_conversations']} | {r['prose_without_call_share']:.1%} |")
+                             f"{r['prose_conversations']} | {'n/a' if prose is None else f'{prose:.1%}'} |")
     text = README.read_text()
     text = _replace_block(text, "<!-- train-table:begin -->", "<!-- train-table:end -->", "\n".join(train_rows))
     README.write_text(_replace_block(text, TABLE_BEGIN, TABLE_END, "\n".join(eval_rows)))
