@@ -53,10 +53,15 @@ class Ledger:
         else:
             ev.disagreements += 1
 
+    def is_eligible(self, row: str) -> bool:
+        """Listed exactly, or under a listed prefix ending in ``:`` (``"strict:"``)."""
+        return row in self.eligible or any(
+            e.endswith(":") and row.startswith(e) for e in self.eligible)
+
     def promoted(self, row: str, temperature: float = 0.0) -> bool:
         """True iff ``row`` may be asserted: eligible, temperature 0, enough agreements, none
         against."""
-        if temperature > 0 or row not in self.eligible:
+        if temperature > 0 or not self.is_eligible(row):
             return False
         ev = self.rows.get(row)
         return ev is not None and ev.disagreements == 0 and ev.agreements >= self.promote_after

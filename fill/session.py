@@ -71,7 +71,7 @@ def check_env() -> None:
         raise ValueError(f"MLX_FILL_SPEC: unknown sources {unknown}; known: {list(NAMES)}")
 
 
-def _strict_source(tokenizer: Any, messages: Any, tools: Any, template_kwargs: Any):
+def _strict_source(tokenizer: Any, messages: Any, tools: Any, template_kwargs: Any, ledger: Any):
     """The strict source, or None when the request has nothing strict can determine. Raises
     ValueError (naming the offending path) for malformed tools or schemas."""
     if messages is None:
@@ -80,7 +80,7 @@ def _strict_source(tokenizer: Any, messages: Any, tools: Any, template_kwargs: A
         from .strict import lazy_strict_source
     except ImportError:
         return None
-    return lazy_strict_source(tokenizer, messages, tools, template_kwargs or {})
+    return lazy_strict_source(tokenizer, messages, tools, template_kwargs or {}, ledger)
 
 
 def _refusal(*, logprobs: bool, seed: int | None, response_format: Any, media: bool) -> str | None:
@@ -132,7 +132,7 @@ def build_session(
     eos_ids = sorted(getattr(tokenizer, "eos_token_ids", ()) or ())
     sources: list[ProposalSource] = []
     if refusal is None:
-        strict = _strict_source(tokenizer, messages, tools, template_kwargs)
+        strict = _strict_source(tokenizer, messages, tools, template_kwargs, ledger)
         if strict is not None:
             sources.append(strict)
         if prediction is not None:

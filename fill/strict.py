@@ -10,11 +10,14 @@ when the guard puts the stream in the row's structural state:
   complete value delimiter, the text since that value equals the row's key, no key is
   duplicated, and the tool's schema allows no further argument.
 
-Scaffold rows, and every row of the XML and GLM syntaxes (whose templates write the markup
-around raw values themselves), are ``assert``. In Hermes JSON the name and close rows reach into
-the ``arguments`` object, whose spacing is the model's own JSON (a template inserts a string
-``arguments`` verbatim: ``{ "k"`` is as valid as ``{"k"``), so those rows are ``verify``: the
-same forward checks them and a differently formatted call costs nothing. A call whose body
+Policy: every row is proposed as ``verify`` (the same forward checks it; a model that strays
+from its template costs nothing but the check) until the evidence ledger promotes it to
+``assert`` after enough agreements and no disagreement (``mlx_fill.ledger``; strict rows are
+eligible when the ledger lists ``"strict:"``). Hermes-JSON name and close rows are never
+promoted: they reach into the ``arguments`` object, whose spacing is the model's own JSON (a
+template inserts string arguments verbatim, so ``{ "k"`` is as valid as ``{"k"``). The
+fixtures showed why the default is verify: an undertrained model that emits ``<tool_call>``
+does not always continue with the template's scaffold. A call whose body
 does not parse once it has ended, after rows fired in it, counts a ``parse_fallback`` and
 disarms the source for the rest of the request.
 """
@@ -44,8 +47,9 @@ class StrictSource:
 
     name = "strict"
 
-    def __init__(self, plan: RowPlan, tokenizer, initial: Role) -> None:
+    def __init__(self, plan: RowPlan, tokenizer, initial: Role, ledger=None) -> None:
         self.plan = plan
+        self.ledger = ledger
         self.guard = TurnGuard(SYNTAXES[plan.syntax], plan.markers, initial)
         self.text = IncrementalText(token_bytes(tokenizer))
         self.stats = StrictStats()
@@ -117,11 +121,14 @@ class StrictSource:
     def _policy(self, row: Row) -> str:
         if self.plan.syntax == "hermes-json" and row.kind in ("name", "close"):
             return "verify"
-        return "assert"
+        promoted = self.ledger is not None and self.ledger.promoted(row.origin)
+        return "assert" if promoted else "verify"
 
     def feedback(self, proposal: Proposal, accepted: int) -> None:
-        """Count committed ids (assert spans are committed whole unless a stop cut them)."""
+        """Count committed ids; a verified row's outcome is evidence for the ledger."""
         self.stats.accepted += accepted
+        if self.ledger is not None and proposal.policy == "verify":
+            self.ledger.record(proposal.origin, accepted == len(proposal.ids))
 
 
 def _ends_with(seq, tail: tuple[int, ...]) -> bool:
@@ -130,14 +137,14 @@ def _ends_with(seq, tail: tuple[int, ...]) -> bool:
 
 
 def strict_source(tokenizer, messages: list[dict], tools: list[dict] | None,
-                  template_kwargs: dict | None = None) -> StrictSource | None:
+                  template_kwargs: dict | None = None, ledger=None) -> StrictSource | None:
     """A StrictSource for this request, or None when no rows compile (no tools, or a template
     that cannot render tool calls). Raises ValueError naming the path of a malformed tool."""
     plan = plan_for(tokenizer, messages, tools, template_kwargs)
     if plan is None or not plan.rows():
         return None
     role = initial_role(tokenizer, messages, tools, dict(template_kwargs or {}), plan.markers)
-    return StrictSource(plan, tokenizer, role)
+    return StrictSource(plan, tokenizer, role, ledger)
 
 
 class LazyStrictSource:
@@ -181,7 +188,7 @@ class LazyStrictSource:
 
 
 def lazy_strict_source(tokenizer, messages: list[dict], tools: list[dict] | None,
-                       template_kwargs: dict | None = None
+                       template_kwargs: dict | None = None, ledger=None
                        ) -> LazyStrictSource | StrictSource | None:
     """:func:`strict_source` for serving: tools are validated now (ValueError naming the path),
     rows are compiled only once the model emits the tool-call start token. Falls back to the
@@ -191,6 +198,6 @@ def lazy_strict_source(tokenizer, messages: list[dict], tools: list[dict] | None
     start = getattr(tokenizer, "tool_call_start", None) or ""
     start_id = tokenizer.convert_tokens_to_ids(start) if start else None
     if not isinstance(start_id, int) or tokenizer.encode(start, add_special_tokens=False) != [start_id]:
-        return strict_source(tokenizer, messages, tools, template_kwargs)
+        return strict_source(tokenizer, messages, tools, template_kwargs, ledger)
     return LazyStrictSource(
-        start_id, lambda: strict_source(tokenizer, messages, tools, template_kwargs))
+        start_id, lambda: strict_source(tokenizer, messages, tools, template_kwargs, ledger))

@@ -48,3 +48,36 @@ def test_parse_fallbacks_reach_the_request_telemetry():
         if p is not None:
             session.feedback(p, 0, pos)
     assert session.stats.parse_fallbacks == 1
+
+
+def test_rows_verify_until_the_ledger_promotes_them(tmp_path):
+    from mlx_fill.ledger import Ledger
+    from mlx_fill.proposal import DecodeView, FillSession
+    tok, tool_list = tokenizer("qwen3.5"), tools()
+    ids = reply_ids(tok, USER, tool_list, REPLIES["two calls"])
+    ledger = Ledger("m", "t", promote_after=2, eligible=frozenset({"strict:"}),
+                    path=tmp_path / "l.json")
+
+    def policies():
+        session = FillSession([strict_source(tok, USER, tool_list, ledger=ledger)])
+        out, pos = [], 0
+        while pos < len(ids):
+            p = session.propose(DecodeView([], ids[:pos]))
+            if p is None:
+                pos += 1
+                continue
+            ok = tuple(ids[pos:pos + len(p.ids)]) == p.ids
+            session.feedback(p, len(p.ids) if ok else 0, pos)
+            out.append((p.origin, p.policy))
+            pos += len(p.ids) if ok else 1
+        return out
+
+    first = policies()
+    policies()
+    third = policies()
+    assert first and all(policy == "verify" for _, policy in first)
+    assert {o for o, _ in first} == {o for o, _ in third}
+    promoted = [o for o, pol in third if pol == "assert"]
+    assert promoted and all(ledger.rows[o].agreements >= 2 for o in promoted)
+    ledger.record(promoted[0], False)  # one disagreement demotes the row for good
+    assert all(pol == "verify" for o, pol in policies() if o == promoted[0])
