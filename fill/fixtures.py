@@ -41,6 +41,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 STAMP = ".assembled-from"
 
 
+PARSEABLE_TARGET = 0.9
+
+
 class FixtureMissing(FileNotFoundError):
     """The committed weights of a fixture are not in this checkout."""
 
@@ -78,7 +81,18 @@ def _input_digest(name: str) -> str:
     recorded = assets.manifest(family)
     for file_name in TOKENIZER_FILES:
         digest.update(file_name.encode() + b"\0" + recorded[file_name].encode())
+    digest.update(Path(__file__).read_bytes())  # the assembly code itself
     return digest.hexdigest()
+
+
+def fixture_emits_calls(name: str) -> bool:
+    """True when the fixture's recorded eval (``eval.json``) meets the target share of held-back
+    call turns answered with a parseable tool call. Tests that need a model which really emits
+    tool calls check this instead of assuming it."""
+    path = committed_dir(name) / "eval.json"
+    if not path.is_file():
+        return False
+    return json.loads(path.read_text()).get("parseable_call_share", 0.0) >= PARSEABLE_TARGET
 
 
 def fixture_path(name: str) -> Path:

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 from mlx_fill import assets
-from mlx_fill.fixtures import TOKENIZER_FILES, FixtureMissing, fixture_path
+from mlx_fill.fixtures import TOKENIZER_FILES, fixture_emits_calls, fixture_path
 from mlx_fill.paths import user_cache_dir
 from mlx_fill.random_models import build, config_for, save
 
@@ -37,11 +37,11 @@ def random_qwen3_dir() -> Path:
 
 
 def serving_model_dir() -> tuple[Path, bool]:
-    """(model dir, trained?): the qwen3-json fixture if present, else the random tiny qwen3."""
-    try:
+    """(model dir, trained?): the qwen3-json fixture when its recorded eval shows it emits tool
+    calls, else the random tiny qwen3 (plumbing runs the same on both)."""
+    if fixture_emits_calls("qwen3-json"):
         return fixture_path("qwen3-json"), True
-    except FixtureMissing:
-        return random_qwen3_dir(), False
+    return random_qwen3_dir(), False
 
 
 # --- real server subprocesses (loopback only) ---------------------------------------------

@@ -224,13 +224,11 @@ def test_unreachable_endpoint_is_recorded_not_raised(tmp_path, capsys):
 # ----------------------------------------------------------------------------- end to end
 
 def _tiny_model_dir(root: Path) -> Path:
-    """The trained qwen3 fixture when this checkout has it, else a seeded random-weight qwen3."""
+    """The trained qwen3 fixture when it emits tool calls, else a seeded random-weight qwen3."""
     from mlx_fill import assets, fixtures
 
-    try:
+    if fixtures.fixture_emits_calls("qwen3-json"):
         return fixtures.fixture_path("qwen3-json")
-    except fixtures.FixtureMissing:
-        pass
     import mlx.core as mx
 
     from mlx_fill import random_models
