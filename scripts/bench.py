@@ -54,6 +54,24 @@ class Arm:
         return self.tokens / max(sum(self.seconds), 1e-9)
 
 
+def interleave(acc: dict[str, Arm], arms, repeats: int, run_arm, reference) -> None:
+    """Run every arm ``repeats`` times back to back on one prompt (``run_arm(arm) -> (session,
+    ids, seconds)``), then record each arm's median time, tokens, forwards and whether its ids
+    equal ``reference`` (plain decoding's ids when None)."""
+    times: dict[str, list[float]] = {a: [] for a in arms}
+    outs: dict[str, list[int]] = {}
+    for _ in range(repeats):
+        for a in arms:
+            session, outs[a], dt = run_arm(a)
+            times[a].append(dt)
+            acc[a].forwards += session.stats.forwards if session is not None else len(outs[a])
+    expected = outs["plain"] if reference is None else reference
+    for a in arms:
+        acc[a].seconds.append(statistics.median(times[a]))
+        acc[a].tokens += len(outs[a])
+        acc[a].mismatches += outs[a] != expected
+
+
 def timed_decode(prompt: list[int], model, session: FillSession | None, *, max_tokens: int,
                  eos: frozenset[int], processors=None) -> tuple[list[int], float]:
     """Greedy ids up to the first EOS and the wall time of the whole request (prefill incl.)."""
@@ -106,21 +124,12 @@ def run_e2e(quick: bool, repeats: int) -> dict:
         for row in rows:
             ids = tok.apply_chat_template(row["messages"], tools=row["tools"],
                                           add_generation_prompt=True)
-            times: dict[str, list[float]] = {a: [] for a in arms}
-            outs: dict[str, list[int]] = {}
-            for _ in range(repeats):
-                for a in arms:
-                    s = e2e_session(a, model=model, tok=tok, ids=ids, row=row, draft=draft)
-                    out, dt = timed_decode(ids, model, s, max_tokens=128, eos=eos)
-                    times[a].append(dt)
-                    outs[a] = out
-                    if s is not None:
-                        acc[a].forwards += s.stats.forwards
-            for a in arms:
-                acc[a].seconds.append(statistics.median(times[a]))
-                acc[a].tokens += len(outs[a])
-                acc[a].mismatches += outs[a] != outs["plain"]
-            acc["plain"].forwards += len(outs["plain"]) * repeats
+
+            def run_arm(a: str):
+                s = e2e_session(a, model=model, tok=tok, ids=ids, row=row, draft=draft)
+                return s, *timed_decode(ids, model, s, max_tokens=128, eos=eos)
+
+            interleave(acc, arms, repeats, run_arm, reference=None)
         result[name] = summarize(acc, repeats)
     return result
 
@@ -224,26 +233,16 @@ def run_mechanism(quick: bool, repeats: int) -> dict:
         plan = load_plan(model)
         acc = {a: Arm(a) for a in arms}
         for turn in turns:
-            times: dict[str, list[float]] = {a: [] for a in arms}
-            outs = {}
             force = [forcing_processor(len(turn.prompt), turn.output)]
-            for _ in range(repeats):
-                for a in arms:
-                    s = mechanism_session(a, turn, tok=tok, plan=plan)
-                    got, dt = timed_decode(turn.prompt, model, s, max_tokens=len(turn.output),
-                                           eos=frozenset(), processors=force)
-                    times[a].append(dt)
-                    outs[a] = got
-                    if s is not None:
-                        acc[a].forwards += s.stats.forwards
-            for a in arms:
-                acc[a].seconds.append(statistics.median(times[a]))
-                acc[a].tokens += len(outs[a])
-                acc[a].mismatches += outs[a] != turn.output
-            acc["plain"].forwards += len(turn.output) * repeats
+
+            def run_arm(a: str, turn=turn, force=force):
+                s = mechanism_session(a, turn, tok=tok, plan=plan)
+                return s, *timed_decode(turn.prompt, model, s, max_tokens=len(turn.output),
+                                        eos=frozenset(), processors=force)
+
+            interleave(acc, arms, repeats, run_arm, reference=turn.output)
         result[label] = summarize(acc, repeats)
         result[label]["plan"] = {"max_chunk": plan.max_chunk, "qualified": plan.qualified}
-        del model
     return result
 
 
