@@ -38,6 +38,7 @@ PROMPTS = ROOT / "fixtures" / "prompts" / "heldout.jsonl"
 E2E_ARMS = ("off", "strict", "echo", "ngram", "suffix", "draft", "all")
 MECH_ARMS = ("plain", "strict", "echo", "suffix", "all")
 QUICK_MECH_ARMS = ("plain", "strict", "all")
+SCAN_TURNS = 8
 
 
 @dataclass
@@ -161,8 +162,10 @@ class RecordedTurn:
 
 def mechanism_turns(tok, per_source: int, max_prompt: int, max_out: int) -> list[RecordedTurn]:
     """Recorded assistant turns (tool calls and prose), rendered through the real template:
-    the prompt is the history with the generation prompt, the output the recorded reply's ids
-    up to the end-of-turn token, tokenized as the model would have produced them."""
+    the prompt is the history with the generation prompt, cut to its last ``max_prompt`` ids
+    (the recent context the echo sources draw on; prefill cost is not what this part measures),
+    the output the recorded reply's ids up to the end-of-turn token. Only the first
+    ``SCAN_TURNS`` turns of a session are rendered (each rendering is the whole history)."""
     from mlx_fill.replay import load_sessions, session_turns
     from mlx_fill.study import shared_dir
 
@@ -172,7 +175,7 @@ def mechanism_turns(tok, per_source: int, max_prompt: int, max_out: int) -> list
         mine = 0
         for session in (s for s in sessions if s.get("source") == source):
             turns, _ = session_turns(session)
-            for turn in turns[1:]:
+            for turn in turns[1:SCAN_TURNS]:
                 if mine >= per_source:
                     break
                 kw = dict(tools=turn.tools, tokenize=False, enable_thinking=False)
@@ -185,9 +188,9 @@ def mechanism_turns(tok, per_source: int, max_prompt: int, max_out: int) -> list
                 end = reply.find("<|im_end|>")
                 if end < 0:
                     continue
-                prompt = tok.encode(head, add_special_tokens=False)
+                prompt = tok.encode(head, add_special_tokens=False)[-max_prompt:]
                 out = tok.encode(reply[:end + len("<|im_end|>")], add_special_tokens=False)
-                if len(prompt) <= max_prompt and len(out) >= 8:
+                if len(out) >= 8:
                     picked.append(RecordedTurn(prompt, out[:max_out], turn.messages, turn.tools))
                     mine += 1
             if mine >= per_source:
