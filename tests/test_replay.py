@@ -7,14 +7,11 @@ import contextlib
 import gzip
 import json
 import shutil
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
+from adapter_models import free_port, running_server
 
 from mlx_fill import replay
 from mlx_fill.cli import main
@@ -197,23 +194,17 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys):
     assert main(["replay", "--sessions", str(good), "--url", "http://127.0.0.1:9", "--turns", "0"]) == 2
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_unreachable_endpoint_is_recorded_not_raised(tmp_path, capsys):
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"http://127.0.0.1:{_free_port()}/v1", api_key="x", timeout=5, max_retries=0)
+    client = OpenAI(base_url=f"http://127.0.0.1:{free_port()}/v1", api_key="x", timeout=5, max_retries=0)
     turn = replay.session_turns(_inline())[0][0]
     for stream in (True, False):
         reply = replay.request_turn(client, "m", turn, max_tokens=4, temperature=0.0, stream=stream)
         assert reply.error and reply.error.startswith("APIConnectionError")
     good = _write_lines(tmp_path / "good.jsonl", [json.dumps(_inline())])
     out = tmp_path / "out"
-    assert main(["replay", "--sessions", str(good), "--url", f"http://127.0.0.1:{_free_port()}",
+    assert main(["replay", "--sessions", str(good), "--url", f"http://127.0.0.1:{free_port()}",
                  "--timeout", "5", "--out", str(out)]) == 1
     assert "every request failed" in capsys.readouterr().err
     records = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
@@ -246,42 +237,14 @@ def _tiny_model_dir(root: Path) -> Path:
     return out
 
 
-@contextlib.contextmanager
-def _serving(command: list[str], url: str, log_path: Path, ready_path: str = "/v1/models"):
-    """Run a server subprocess until the block ends; yields once ``url + ready_path`` answers 200."""
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 120
-            while True:
-                if proc.poll() is not None:
-                    pytest.fail(f"{command[:4]} exited: {log_path.read_text()[-2000:]}")
-                try:
-                    if httpx.get(url + ready_path, timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    pytest.fail(f"{command[:4]} did not come up within 120 s")
-                time.sleep(0.3)
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("replay-server")
     model_dir = _tiny_model_dir(root)
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir),
                "--host", "127.0.0.1", "--port", str(port)]
-    with _serving(command, f"http://127.0.0.1:{port}", root / "server.log") as url:
+    with running_server(command, port, log=root / "server.log") as url:
         yield url
 
 
@@ -360,11 +323,11 @@ def test_ab_fill_off_vs_all_on_the_fixture_model(tmp_path, capsys):
     urls = {}
     with contextlib.ExitStack() as stack:
         for mode in ("off", "all"):
-            port = _free_port()
+            port = free_port()
             command = [sys.executable, "-m", "mlx_fill.cli", "serve", "--model", str(model_dir),
                        "--fill", mode, "--host", "127.0.0.1", "--port", str(port)]
-            urls[mode] = stack.enter_context(
-                _serving(command, f"http://127.0.0.1:{port}", tmp_path / f"serve-{mode}.log", "/health"))
+            urls[mode] = stack.enter_context(running_server(
+                command, port, log=tmp_path / f"serve-{mode}.log", ready_path="/health"))
         out = tmp_path / "ab"
         code = main(["ab", "--sessions", str(TRANSCRIPTS), "--url-a", urls["off"], "--url-b", urls["all"],
                      "--source", "tau_bench_gpt4o_airline", "--max-sessions", "10", "--turns", "2",
