@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import time
+from dataclasses import replace
 from typing import Any, Callable, Generator, Iterator, Optional, Sequence
 
 import mlx.core as mx
@@ -32,7 +33,7 @@ from mlx_lm.generate import generation_stream, maybe_quantize_kv_cache
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
-from .plan import DispatchPlan, load_plan
+from .plan import load_plan
 from .primitive import Checkpoint, Unsupported, append, cache_offset, check_supported, checkpoint, rewind
 from .proposal import DecodeView, FillSession, Proposal
 from .spec.verifier import process_row, verify_rows
@@ -110,9 +111,8 @@ def _fill_loop(
     if kv_bits is not None:
         # Serial decode quantizes the cache right after the step that reaches the threshold;
         # a chunk must end there too so later rows attend over the same (quantized) keys.
-        plan = DispatchPlan(plan.key, plan.mode, plan.max_chunk,
-                            tuple(sorted({*plan.kv_boundaries, quantized_kv_start})),
-                            plan.cost, plan.qualified)
+        plan = replace(plan, kv_boundaries=tuple(sorted({*plan.kv_boundaries,
+                                                         quantized_kv_start})))
     quantize = functools.partial(maybe_quantize_kv_cache, quantized_kv_start=quantized_kv_start,
                                  kv_group_size=kv_group_size, kv_bits=kv_bits)
     sampler = sampler or greedy_sampler

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -84,8 +84,7 @@ class DispatchPlan:
         return c1 + (c1 - c0) / (m1 - m0) * (m - m1)
 
     def with_mode(self, mode: PlanMode) -> "DispatchPlan":
-        return DispatchPlan(self.key, mode, self.max_chunk, self.kv_boundaries, self.cost,
-                            self.qualified)
+        return replace(self, mode=mode)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

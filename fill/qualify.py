@@ -14,7 +14,7 @@ import argparse
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -151,9 +151,9 @@ def qualify(model: Any, *, quick: bool, vocab: int, repeats: int | None = None) 
         checks = check_exactness(model, sizes, kv_lengths, vocab, bar)
     plan = derive_plan(config_key(model), checks, sizes)
     if plan.max_chunk > 1 and not confirm_plan(model, plan, kv_lengths, vocab):
-        plan = DispatchPlan(key=plan.key, mode="exact", max_chunk=1, qualified=True)
+        plan = replace(plan, max_chunk=1, kv_boundaries=())
     cost = measure_cost(model, sizes, vocab, repeats or (3 if quick else 7))
-    plan = DispatchPlan(plan.key, plan.mode, plan.max_chunk, plan.kv_boundaries, cost, True)
+    plan = replace(plan, cost=cost)
     return plan, checks
 
 
