@@ -191,29 +191,48 @@ def echo_span(
     return None
 
 
-class EchoDraft:
+class IndexedDraft:
+    """Base of the draft sources that look up a (possibly shared) :class:`EchoIndex`.
+
+    Invariant kept here: after :meth:`prefill` and every :meth:`advance`, the index holds
+    exactly prompt + every fed id (what the target has committed), even when another source
+    sharing the index already advanced it or a rewind truncated it. Lookups hold no per-draft
+    state that a rejection would invalidate, so :meth:`commit` has nothing to undo."""
+
+    def __init__(self, index: EchoIndex, name: str):
+        self.index = index
+        self.name = name
+        self._n = 0
+
+    def prefill(self, prompt: Sequence[int]) -> None:
+        self.index.sync(prompt)
+        self._n = len(prompt)
+
+    def advance(self, feed: Sequence[int]) -> None:
+        """Account for ``feed`` (ids committed since the last call)."""
+        self._n += len(feed)
+        self.index.advance_to(self._n, feed)
+
+    def commit(self, drafted: Sequence[int], accepted: int) -> None:
+        return None
+
+
+class EchoDraft(IndexedDraft):
     """The echo lookup as a :class:`~mlx_fill.spec.base.DraftSource` over a (possibly shared)
     :class:`EchoIndex`. ``stats`` (if given) records shadow acceptance (see ``spec.cost``)."""
 
     def __init__(self, index: EchoIndex | None = None, *, name: str = "echo",
                  anchors: Sequence[int] = (8, 4, 2), candidates: int = 4, max_span: int = 32,
                  delimiters: Collection[int] = frozenset()):
-        self.name = name
-        self.index = index if index is not None else EchoIndex()
+        super().__init__(index if index is not None else EchoIndex(), name)
         self.anchors = tuple(anchors)
         self.candidates = candidates
         self.max_span = max_span
         self.delimiters = frozenset(delimiters)
-        self._n = 0
         self.last_span: EchoSpan | None = None
 
-    def prefill(self, prompt: Sequence[int]) -> None:
-        self.index.sync(prompt)
-        self._n = len(prompt)
-
     def draft(self, feed: Sequence[int], n: int) -> list[int]:
-        self._n += len(feed)
-        self.index.advance_to(self._n, feed)
+        self.advance(feed)
         if n <= 0:
             self.last_span = None
             return []
@@ -221,9 +240,6 @@ class EchoDraft:
                          max_span=min(n, self.max_span), delimiters=self.delimiters)
         self.last_span = span
         return list(span.ids) if span else []
-
-    def commit(self, drafted: Sequence[int], accepted: int) -> None:
-        return None
 
     def confidence(self) -> tuple:
         """Key of the last draft for calibrated scoring: (anchor, corroboration up to 3,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Literal, Sequence
 
-from ..echo import EchoIndex
+from ..echo import EchoIndex, IndexedDraft
 
 Occurrence = Literal["first", "last"]
 
@@ -43,7 +43,7 @@ def prompt_lookup_n(index: EchoIndex, *, n_min: int, n_max: int, k: int,
     return [], 0
 
 
-class NgramDraft:
+class NgramDraft(IndexedDraft):
     """Prompt lookup over a (possibly shared) :class:`EchoIndex` whose ``ks`` include
     ``n_min..n_max``."""
 
@@ -53,32 +53,22 @@ class NgramDraft:
             raise ValueError(f"need 1 <= n_min <= n_max, got {n_min}..{n_max}")
         if occurrence not in ("first", "last"):
             raise ValueError(f"occurrence must be 'first' or 'last', got {occurrence!r}")
-        self.index = index if index is not None else EchoIndex(range(n_min, n_max + 1))
+        super().__init__(index if index is not None else EchoIndex(range(n_min, n_max + 1)), name)
         missing = set(range(n_min, n_max + 1)) - set(self.index.ks)
         if missing:
             raise ValueError(f"index lacks n-gram lengths {sorted(missing)}")
-        self.name = name
         self.n_min, self.n_max, self.k = n_min, n_max, k
         self.occurrence: Occurrence = occurrence
-        self._n = 0
         self.last_n = 0
 
-    def prefill(self, prompt: Sequence[int]) -> None:
-        self.index.sync(prompt)
-        self._n = len(prompt)
-
     def draft(self, feed: Sequence[int], n: int) -> list[int]:
-        self._n += len(feed)
-        self.index.advance_to(self._n, feed)
+        self.advance(feed)
         if n <= 0:
             self.last_n = 0
             return []
         ids, self.last_n = prompt_lookup_n(self.index, n_min=self.n_min, n_max=self.n_max,
                                            k=min(n, self.k), occurrence=self.occurrence)
         return ids
-
-    def commit(self, drafted: Sequence[int], accepted: int) -> None:
-        return None
 
     def confidence(self) -> int:
         """Key of the last draft for calibrated scoring: the matched n-gram length."""

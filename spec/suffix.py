@@ -26,7 +26,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..echo import EchoIndex
+from ..echo import EchoIndex, IndexedDraft
 
 _END_BITS = 32
 
@@ -237,31 +237,28 @@ def request_candidates(index: EchoIndex, p: SuffixParams) -> list[tuple[Sequence
     return list(found.values())
 
 
-class SuffixDraft:
+class SuffixDraft(IndexedDraft):
     """SuffixDecoding over the request's :class:`EchoIndex` and an optional server-wide
     :class:`GlobalSuffixTree`; this request's response is added to the global tree as it is
     committed (and never matched against itself there)."""
 
     def __init__(self, index: EchoIndex | None = None, *, global_tree: GlobalSuffixTree | None = None,
                  name: str = "suffix", params: SuffixParams = SuffixParams()):
-        self.index = index if index is not None else EchoIndex()
+        super().__init__(index if index is not None else EchoIndex(), name)
         self.global_tree = global_tree
-        self.name = name
         self.params = params
-        self._n = 0
         self._prompt_len = 0
         self._doc: int | None = None
         self.last: SuffixDraftResult | None = None
 
     def prefill(self, prompt: Sequence[int]) -> None:
-        self.index.sync(prompt)
-        self._n = self._prompt_len = len(prompt)
+        super().prefill(prompt)
+        self._prompt_len = len(prompt)
         if self.global_tree is not None:
             self._doc = self.global_tree.open(prompt)
 
     def draft(self, feed: Sequence[int], n: int) -> list[int]:
-        self._n += len(feed)
-        self.index.advance_to(self._n, feed)
+        self.advance(feed)
         if self._doc is not None and feed:
             out_start = max(0, len(feed) - (self._n - self._prompt_len))
             self.global_tree.extend(self._doc, feed[out_start:])
@@ -278,9 +275,6 @@ class SuffixDraft:
                 best = SuffixDraftResult(tuple(gids), gscore, gL, "global")
         self.last = best
         return list(best.ids)
-
-    def commit(self, drafted: Sequence[int], accepted: int) -> None:
-        return None
 
     def confidence(self) -> tuple:
         """Key of the last draft for calibrated scoring: (store, match-length bucket,
