@@ -72,6 +72,10 @@ class Engine:
             check_same_tokenizer(draft_tokenizer, self.tokenizer)
         self.prompt_cache = LRUPromptCache(prompt_cache_size)
         self.max_tokens = max_tokens
+        self.ledger = None
+        if self.fill != "off":
+            from ..session import server_ledger
+            self.ledger = server_ledger(str(model_path), self.tokenizer)
         self.global_tree = None
         if self.fill == "all":
             from ..spec.suffix import GlobalSuffixTree
@@ -94,7 +98,7 @@ class Engine:
             self.fill, model=self.model, tokenizer=self.tokenizer, prompt_ids=prompt_ids,
             messages=req.messages, tools=req.tools, template_kwargs=req.chat_template_kwargs,
             temperature=req.temperature, seed=req.seed, prediction=req.prediction,
-            global_tree=self.global_tree)
+            global_tree=self.global_tree, ledger=self.ledger)
         if session is not None and self.draft is not None and session.refused is None:
             from ..spec.base import DraftProposalSource
             from ..spec.draft import DraftModelSource
@@ -182,6 +186,8 @@ class Engine:
         finally:
             steps.close()  # the cache now holds prompt + every yielded id
             finish_session(session)
+            if session is not None and self.ledger is not None:
+                self.ledger.save()
             self.prompt_cache.insert_cache(self.model_path, prompt_ids + tokens, cache)
         if finish == "length":
             detok.finalize()

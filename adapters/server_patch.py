@@ -28,9 +28,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..ledger import Ledger
 from ..prediction import prediction_usage
 from ..proposal import FillSession
-from ..session import build_session, check_env, finish_session, predicted_count
+from ..session import (
+    build_session,
+    check_env,
+    finish_session,
+    predicted_count,
+    server_ledger,
+)
 
 ROUTED_KEYS = ("tools", "tool_choice", "prediction")
 log = logging.getLogger("mlx_fill")
@@ -70,7 +77,7 @@ class FillRequest:
         return extra
 
 
-_current: contextvars.ContextVar[tuple[FillRequest, Any] | None] = contextvars.ContextVar(
+_current: contextvars.ContextVar[tuple[FillRequest, Any, str] | None] = contextvars.ContextVar(
     "mlx_fill_request", default=None)
 
 
@@ -107,7 +114,24 @@ def _add_usage(response: Any, fill_request: FillRequest | None) -> Any:
     return response
 
 
-def _open_session(fill_request: FillRequest, args: Any, kwargs: dict) -> FillSession | None:
+_ledgers: dict[tuple[str, str], Ledger | None] = {}
+
+
+def _ledger_for(model_key: str, tokenizer: Any) -> Ledger | None:
+    """The server's evidence ledger for its model and template, loaded once; None (logged,
+    fill still serves in ``verify``) when the persisted file is unreadable."""
+    key = (model_key, getattr(tokenizer, "chat_template", None) or "")
+    if key not in _ledgers:
+        try:
+            _ledgers[key] = server_ledger(model_key, tokenizer)
+        except ValueError as e:
+            log.warning("mlx-fill: evidence ledger disabled (%s)", e)
+            _ledgers[key] = None
+    return _ledgers[key]
+
+
+def _open_session(fill_request: FillRequest, args: Any, kwargs: dict,
+                  ledger: Ledger | None = None) -> FillSession | None:
     """The request's session; a request fill cannot serve (malformed tools or prediction) gets
     a refused session, so it decodes exactly as without fill and says why in ``usage.fill``."""
     body = fill_request.body
@@ -124,7 +148,7 @@ def _open_session(fill_request: FillRequest, args: Any, kwargs: dict) -> FillSes
             logprobs=bool(getattr(args, "logprobs", False)) or (getattr(args, "top_logprobs", -1) or -1) > 0,
             response_format=body.get("response_format"),
             media=kwargs.get("input_embeddings") is not None,
-            prediction=body.get("prediction"))
+            prediction=body.get("prediction"), ledger=ledger)
     except ValueError as e:
         session = FillSession([], prompt_ids=prompt_ids)
         session.refuse("invalid_request")
@@ -180,7 +204,8 @@ def apply(server: Any, mode: str) -> bool:
     def serve_single_w(self, request, stream, *a, **kw):
         args = request[2]
         fill_request = getattr(args, "mlx_fill", None)
-        token = _current.set((fill_request, args) if fill_request is not None else None)
+        model_key = str((getattr(getattr(self, "model_provider", None), "model_key", None) or ("",))[0])
+        token = _current.set((fill_request, args, model_key) if fill_request is not None else None)
         try:
             return serve_single(self, request, stream, *a, **kw)
         finally:
@@ -191,15 +216,16 @@ def apply(server: Any, mode: str) -> bool:
         if current is None or kw.get("draft_model") is not None or "fill" in kw or a:
             return stream_generate(*a, **kw)
         _current.set(None)  # one session per request
-        fill_request, args = current
+        fill_request, args, model_key = current
         try:
-            session = _open_session(fill_request, args, kw)
+            ledger = _ledger_for(model_key, kw["tokenizer"])
+            session = _open_session(fill_request, args, kw, ledger)
         except Exception as e:  # noqa: BLE001 -- a fill bug must not fail the request
             log.warning("mlx-fill: request served without fill (%s: %s)", type(e).__name__, e)
             fill_request.error = f"{type(e).__name__}: {e}"
             return stream_generate(*a, **kw)
         fill_request.session = session
-        return _finishing(stream_generate(fill=session, **kw), session)
+        return _finishing(stream_generate(fill=session, **kw), session, ledger)
 
     install_generate_step()
     API.handle_completion = _wrap(handle_completion, handle_completion_w)
@@ -213,8 +239,13 @@ def apply(server: Any, mode: str) -> bool:
     return True
 
 
-def _finishing(responses, session: FillSession):
+def _finishing(responses, session: FillSession, ledger: Ledger | None):
     try:
         yield from responses
     finally:
         finish_session(session)
+        if ledger is not None:
+            try:
+                ledger.save()
+            except OSError as e:
+                log.warning("mlx-fill: evidence ledger not saved (%s)", e)

@@ -14,7 +14,10 @@ reason shows in ``usage.fill.refusals``: ``logprobs`` (forced tokens have no rea
 
 Environment knobs: ``MLX_FILL_MAX_SPAN`` (ids per proposal, default 64), ``MLX_FILL_TRACE`` (a
 JSONL file every fill event is appended to), ``MLX_FILL_PLAN`` (a dispatch plan file, read by
-:func:`~mlx_fill.plan.load_plan`), ``MLX_FILL_SPEC`` (comma-separated extra sources for ``all``).
+:func:`~mlx_fill.plan.load_plan`), ``MLX_FILL_SPEC`` (comma-separated extra sources for ``all``),
+``MLX_FILL_PROMOTE`` (comma-separated ledger rows, or prefixes ending in ``:`` such as
+``strict:``, that the evidence ledger may promote from ``verify`` to ``assert``; default none)
+and ``MLX_FILL_PROMOTE_AFTER`` (agreements needed, default 50), read by :func:`server_ledger`.
 """
 
 from __future__ import annotations
@@ -61,10 +64,33 @@ def spec_names(spec: str | Sequence[str] | None) -> list[str]:
     return [s.strip() for s in spec if s and s.strip()]
 
 
+def env_promote() -> tuple[frozenset[str], int]:
+    """(rows the ledger may promote, agreements needed) from ``MLX_FILL_PROMOTE`` /
+    ``MLX_FILL_PROMOTE_AFTER``."""
+    from .ledger import DEFAULT_PROMOTE_AFTER
+    rows = frozenset(r.strip() for r in os.environ.get("MLX_FILL_PROMOTE", "").split(",") if r.strip())
+    raw = os.environ.get("MLX_FILL_PROMOTE_AFTER")
+    after = int(raw) if raw else DEFAULT_PROMOTE_AFTER
+    if after < 1:
+        raise ValueError(f"MLX_FILL_PROMOTE_AFTER must be >= 1, got {raw!r}")
+    return rows, after
+
+
+def server_ledger(model_key: str, tokenizer: Any):
+    """The persisted evidence ledger a server keeps for its model and chat template: every
+    verified strict row and corroborated echo span is recorded, and only the rows named by
+    ``MLX_FILL_PROMOTE`` can ever be promoted. Raises ValueError for a corrupt ledger file."""
+    from .ledger import load_ledger
+    eligible, after = env_promote()
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return load_ledger(model_key, template, promote_after=after, eligible=eligible)
+
+
 def check_env() -> None:
     """Validate the environment knobs once (at patch / server start): ValueError naming the
     variable, instead of every request failing later."""
     env_max_span()
+    env_promote()
     from .spec.roster import NAMES
     unknown = [n for n in spec_names(None) if n not in NAMES]
     if unknown:

@@ -64,3 +64,38 @@ def test_corrupt_or_foreign_ledger_is_an_error_not_a_reset():
         load_ledger("m", "t")
     with pytest.raises(ValueError):
         Ledger("m", "t", promote_after=0)
+
+
+class _Tok:
+    chat_template = "{{ messages }}"
+
+
+def test_server_ledger_reads_promotion_env(monkeypatch):
+    from mlx_fill.session import check_env, server_ledger
+
+    monkeypatch.setenv("MLX_FILL_PROMOTE", "strict:, echo:corroborated")
+    monkeypatch.setenv("MLX_FILL_PROMOTE_AFTER", "2")
+    led = server_ledger("fixture-model", _Tok())
+    assert led.eligible == frozenset({"strict:", ROW}) and led.promote_after == 2
+    assert led.template == _Tok.chat_template
+    led.record("strict:scaffold", True)
+    led.record("strict:scaffold", True)
+    assert led.promoted("strict:scaffold")
+    monkeypatch.delenv("MLX_FILL_PROMOTE")
+    assert not server_ledger("fixture-model", _Tok()).is_eligible("strict:scaffold")
+    monkeypatch.setenv("MLX_FILL_PROMOTE_AFTER", "0")
+    with pytest.raises(ValueError, match="MLX_FILL_PROMOTE_AFTER"):
+        check_env()
+
+
+def test_server_patch_ledger_fails_open_on_a_corrupt_file(caplog):
+    from mlx_fill.adapters import server_patch
+
+    path = ledger_path("corrupt-model", _Tok.chat_template)
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    server_patch._ledgers.clear()
+    assert server_patch._ledger_for("corrupt-model", _Tok()) is None
+    assert "evidence ledger disabled" in caplog.text
+    assert server_patch._ledger_for("fresh-model", _Tok()) is not None
+    server_patch._ledgers.clear()

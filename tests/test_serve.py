@@ -209,3 +209,23 @@ def test_draft_model_source_is_lossless():
     assert with_draft.tokens == plain.tokens
     assert with_draft.usage_extra["fill"]["by_origin"].get("draft", 0) > 0
     assert "fill" not in plain.usage_extra
+
+
+def test_engine_keeps_a_persisted_evidence_ledger(tmp_path, monkeypatch):
+    """A fill-on engine records verified rows in the ledger for its model and template and
+    writes it after each request; only ``MLX_FILL_PROMOTE`` rows are eligible for promotion."""
+    from mlx_fill.adapters.openai_request import parse_chat_request
+    from mlx_fill.adapters.serve import Engine
+    from mlx_fill.ledger import ledger_path
+
+    model, _ = serving_model_dir()
+    monkeypatch.setenv("MLX_FILL_CACHE", str(tmp_path))
+    monkeypatch.setenv("MLX_FILL_PROMOTE", "strict:")
+    engine = Engine(str(model), fill="strict")
+    assert engine.ledger.eligible == frozenset({"strict:"})
+    req = parse_chat_request({"messages": AGENT_MESSAGES, "tools": AGENT_TOOLS, "max_tokens": 8})
+    engine.generate(engine.prepare(req), threading.Event())
+    path = ledger_path(str(model), engine.tokenizer.chat_template)
+    assert path.is_file() and path.parent == tmp_path / "ledger"
+    assert json.loads(path.read_text())["model"] == str(model)
+    assert Engine(str(model), fill="off").ledger is None
