@@ -16,27 +16,26 @@ import mlx.core as mx
 
 from .fixtures import FIXTURES, fixture_path
 
-# The embedded default exchange: a coding-agent request with the pi agent's tools.
-DEFAULT_TOOLS = [
-    {"type": "function", "function": {
-        "name": name, "description": desc,
-        "parameters": {"type": "object", "properties": props, "required": list(props)}}}
-    for name, desc, props in (
-        ("read", "Read the contents of a file.", {"path": {"type": "string"}}),
-        ("bash", "Execute a bash command in the current working directory.",
-         {"command": {"type": "string"}}),
-        ("edit", "Edit a file by replacing exact text.",
-         {"path": {"type": "string"}, "oldText": {"type": "string"},
-          "newText": {"type": "string"}}),
-        ("write", "Write content to a file, creating it if needed.",
-         {"path": {"type": "string"}, "content": {"type": "string"}}),
-    )
-]
+# The embedded default exchange: a mini-swe-agent coding session (the system prompt and a PR
+# description as the fixtures' training data cuts them, from a session held back from training)
+# with a single ``bash`` tool.
+DEFAULT_TOOLS = [{"type": "function", "function": {
+    "name": "bash", "description": "Run one bash command in the repository shell and return its output.",
+    "parameters": {"type": "object", "required": ["command"], "properties": {
+        "command": {"type": "string", "description": "The command to run."}}}}}]
 DEFAULT_MESSAGES = [
-    {"role": "user", "content": "Look at packages/ai/src/models.ts and list the providers it "
-                                "registers, then check the tests still pass."},
+    {"role": "system", "content": (
+        "You are a helpful assistant that can interact multiple times with a computer shell to "
+        "solve programming tasks.\nYour response must contain exactly ONE bash code block with ONE "
+        "command (or commands connected with && or ||).\n\nInclude a THOUGHT \u2026")},
+    {"role": "user", "content": (
+        "<pr_description>\nConsider the following PR description:\nConfusing (broken?) colormap "
+        "name handling\nConsider the following example in which one creates and registers a new "
+        "colormap and attempt to use it with the `pyplot` interface.\n\n``` python\nfrom matplotlib "
+        "import cm\nfrom matplotlib.colors import LinearSegmentedColormap\nimport matplotlib.pyplot "
+        "as plt\nimpor \u2026")},
 ]
-TOOL_RESULT = "export const providers = ['anthropic', 'openai', 'google'];"
+TOOL_RESULT = "<returncode>0</returncode>\n<output>\nlib/matplotlib/cm.py\nlib/matplotlib/colors.py\n</output>"
 
 
 def _decode(model, tok, ids: list[int], session, max_tokens: int) -> tuple[list[int], float]:

@@ -85,14 +85,14 @@ def _input_digest(name: str) -> str:
     return digest.hexdigest()
 
 
-def fixture_emits_calls(name: str) -> bool:
-    """True when the fixture's recorded eval (``eval.json``) meets the target share of held-back
-    call turns answered with a parseable tool call. Tests that need a model which really emits
-    tool calls check this instead of assuming it."""
+def fixture_emits_calls(name: str, share: float = PARSEABLE_TARGET) -> bool:
+    """True when the fixture's recorded eval (``eval.json``) has at least ``share`` (default:
+    the target) of held-back call turns answered with a parseable tool call. Tests that need a
+    model which really emits tool calls check this instead of assuming it."""
     path = committed_dir(name) / "eval.json"
     if not path.is_file():
         return False
-    return json.loads(path.read_text()).get("parseable_call_share", 0.0) >= PARSEABLE_TARGET
+    return json.loads(path.read_text()).get("parseable_call_share", 0.0) >= share
 
 
 def fixture_path(name: str) -> Path:

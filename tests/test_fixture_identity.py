@@ -4,8 +4,9 @@ emits, over the frozen held-out prompts (multi-turn, with tool results), and fil
 Identity must hold whatever the model's quality. The firing checks need a model that really
 emits its template's tool calls: ``strict`` must inject on every prompt whose plain output holds
 a parseable call and nothing where it is prose; the model-free sources must get drafts accepted.
-Those checks are strict xfails for fixtures whose recorded eval misses the target
-(``mlx_fill.fixtures.fixture_emits_calls``), so they turn red once a retrained fixture passes.
+The strict check is a strict xfail for fixtures whose recorded eval has fewer than half the
+held-back call turns parseable (``mlx_fill.fixtures.fixture_emits_calls``), so it turns red
+once a retrained fixture passes.
 """
 
 from __future__ import annotations
@@ -79,10 +80,11 @@ def run_mode(name: str, mode: str, spec=None):
     return tok, results
 
 
-def needs_trained(name: str):
+def needs_calls(name: str):
+    """Strict xfail unless the fixture answers most held-back call turns with a parseable call."""
     return pytest.param(name, marks=pytest.mark.xfail(
-        not fixture_emits_calls(name), strict=True,
-        reason="fixture undertrained: emits no parseable tool call (fixtures/models/README.md)"))
+        not fixture_emits_calls(name, share=0.5), strict=True,
+        reason="fixture undertrained: emits few parseable tool calls (fixtures/models/README.md)"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,11 +102,14 @@ def test_fill_modes_are_token_identical(name, mode):
     assert not mismatched, f"{mode} changed the output on {mismatched}"
 
 
-@pytest.mark.parametrize("name", [needs_trained(n) for n in FAMILY_FIXTURES])
+@pytest.mark.parametrize("name", [needs_calls(n) for n in FAMILY_FIXTURES])
 def test_strict_fires_on_calls_and_never_on_prose(name):
+    """Strict injects into every output holding a parseable call and never into prose (no
+    tool-call start at all); a started call the model then garbles may have had its scaffold
+    filled, which is lossless and not asserted either way."""
     tok, results = run_mode_cached(name, "strict")
     calls = [(row, s) for row, plain, _, s in results if has_call(tok, plain)]
-    prose = [(row, s) for row, plain, _, s in results if not has_call(tok, plain)]
+    prose = [(row, s) for row, plain, _, s in results if tok.tool_call_start not in tok.decode(plain)]
     assert calls, "the fixture emitted no tool call on the held-out prompts"
     silent = [row["id"] for row, s in calls if s.injected == 0]
     assert not silent, f"strict injected nothing on tool-call outputs {silent}"
