@@ -3,11 +3,13 @@
 Sources (``../shared/transcripts/dev.jsonl.gz``): pi (read/bash/edit/write, one long session),
 tau-bench airline (structured calls, schemas from the session's ``tools``, compacted and limited to
 the tools the session calls plus ``transfer_to_human_agents``), mini-swe-agent (bash
-blocks parsed out of the text, turned into structured ``bash`` calls, the THOUGHT prose dropped). Each assistant turn becomes
-one example: the session's system prompt and first user message (both truncated) plus as many
-preceding turns as fit the token budget, rendered through the family's REAL chat template with the
-``tools`` array. The target is the rendered assistant turn up to and including the first stop
-token. Long tool results, messages and argument strings are truncated so sequences stay short.
+blocks parsed out of the text, turned into structured ``bash`` calls, the THOUGHT prose dropped).
+Everything is rendered through the family's REAL chat template with the ``tools`` array.
+Training uses :class:`Sequence` windows (header + consecutive turns, every assistant turn in the
+window a target); eval uses one :class:`Example` per assistant turn: the session's system prompt
+and first user message (both truncated) plus as many preceding turns as fit the token budget,
+the target being the rendered turn up to and including the first stop token. Long tool results,
+messages and argument strings are truncated so sequences stay short.
 
 Split: whole sessions are held back for eval (pi has one session: its last ~12% of turns are held
 back). Everything is deterministic for a given seed.
@@ -27,6 +29,9 @@ import numpy as np
 SOURCES = ("pi_mono", "tau_bench_gpt4o_airline", "mini_swe_agent_gemini3pro")
 MAX_RESULT_CHARS = 320
 MAX_MESSAGE_CHARS = 360
+# argument strings are cut short: a tiny greedy model must learn to close the value (a long
+# recorded command or file body teaches it to run on until it repeats itself)
+MAX_ARGUMENT_CHARS = 48
 MAX_SYSTEM_CHARS = 240
 MAX_TARGET_TOKENS = 160
 
@@ -58,6 +63,16 @@ class Example:
     tools: list[dict] = field(default_factory=list)
 
 
+@dataclass
+class Sequence:
+    """One training sequence: a window of a session with loss on every assistant turn in it.
+    ``spans`` are [start, end) index ranges of ``ids`` that are targets (a turn up to its stop)."""
+
+    source: str
+    ids: list[int]
+    spans: list[tuple[int, int]]
+
+
 def transcripts_path() -> Path:
     if os.environ.get("MLX_FILL_TRANSCRIPTS"):
         return Path(os.environ["MLX_FILL_TRANSCRIPTS"])
@@ -70,7 +85,7 @@ def _cut(text: str, limit: int) -> str:
 
 
 def _cut_arguments(arguments: dict) -> dict:
-    return {k: (_cut(v, MAX_MESSAGE_CHARS) if isinstance(v, str) else v) for k, v in arguments.items()}
+    return {k: (_cut(v, MAX_ARGUMENT_CHARS) if isinstance(v, str) else v) for k, v in arguments.items()}
 
 
 def _json_type(value) -> str:
@@ -258,6 +273,67 @@ class Renderer:
         expected = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
                     for c in turn.get("tool_calls", [])]
         return Example(session.source, session.session_id, prompt, rest[: stop + 1], expected, session.tools)
+
+
+    def sequences(self, session: Session) -> list[Sequence]:
+        """Training windows of ``session``: header + consecutive turns, at most ``max_tokens`` ids,
+        loss on each assistant turn whose generation prompt is a prefix of the window's rendering.
+        Each window starts with the turn pair before its first new target as context, so every
+        assistant turn is a target once and (except the first) sees at least one earlier turn."""
+        messages = session.messages
+        first_user = next((k for k, m in enumerate(messages) if m["role"] == "user"), None)
+        if first_user is None:
+            return []
+        header = ([messages[0]] if messages[0]["role"] == "system" else []) + [messages[first_user]]
+        targets = [k for k in range(first_user + 1, len(messages)) if messages[k]["role"] == "assistant"]
+        header_tokens = len(self._encode(self._render(header, session.tools, True)))
+        out, next_target = [], 0
+        while next_target < len(targets):
+            first = targets[next_target]
+            start = first - 2 if next_target > 0 and first - 2 > first_user else first
+            while start < first and messages[start]["role"] == "tool":
+                start += 1
+            # over-include by estimate; _window cuts at the exact token count
+            end, estimate = first + 1, header_tokens + sum(_approx_tokens(m) for m in messages[start:first + 1])
+            while end < len(messages) and estimate + _approx_tokens(messages[end]) < 1.5 * self.max_tokens:
+                estimate += _approx_tokens(messages[end])
+                end += 1
+            sequence, covered = self._window(session, header, start, first, end)
+            if sequence is not None:
+                out.append(sequence)
+            next_target = max(next_target + 1, sum(1 for k in targets if k < covered))
+        return out
+
+    def _window(self, session, header, start, first, end) -> tuple[Sequence | None, int]:
+        """The sequence for ``messages[start:end]`` with targets from ``first`` on, cut to
+        ``max_tokens``; and the message index up to which targets were taken."""
+        messages = session.messages
+        window = header + messages[start:end]
+        follower = messages[end] if end < len(messages) else {"role": "user", "content": "ok"}
+        full = self._render(window + [follower], session.tools, False)
+        offset = len(header) - start
+        boundaries = []
+        for k in range(first, end):
+            if messages[k]["role"] != "assistant":
+                continue
+            prompt = self._render(window[: k + offset], session.tools, True)
+            if full.startswith(prompt):
+                boundaries.append((k, len(prompt)))
+        if not boundaries:
+            return None, first + 1
+        ids = self._encode(full[: boundaries[0][1]])
+        spans, covered = [], first + 1
+        for n, (k, at) in enumerate(boundaries):
+            piece = self._encode(full[at: boundaries[n + 1][1] if n + 1 < len(boundaries) else len(full)])
+            stop = next((j for j, t in enumerate(piece) if t in self.stop_ids), None)
+            if stop is None or stop + 1 > MAX_TARGET_TOKENS or len(ids) + stop + 1 > self.max_tokens:
+                if spans:
+                    break
+                return None, k + 1
+            spans.append((len(ids), len(ids) + stop + 1))
+            covered = k + 1
+            ids = ids + piece
+        return Sequence(session.source, ids[: spans[-1][1]], spans), covered
 
 
 def _approx_tokens(message: dict) -> int:

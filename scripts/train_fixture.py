@@ -7,8 +7,9 @@
 Training is deterministic for a seed: model init via ``mx.random.seed``, data order and the
 embedding initialization via numpy PCG64. Only the vocabulary rows the training corpus uses are
 trained (restricted softmax over those rows); every other row keeps the seeded initialization
-(``mlx_fill.fixtures.seeded_embedding``) and is re-created, not committed. Loss is on assistant
-tokens only. See ``fixture_data`` for how conversations are built.
+(``mlx_fill.fixtures.seeded_embedding``) and is re-created, not committed. Training sequences
+are session windows (``fixture_data.Renderer.sequences``): the loss is on every assistant turn
+in a window plus a seeded share of the context tokens at lower weight (see :func:`pack`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import fixture_data  # noqa: E402
 from mlx_fill import assets, fixtures  # noqa: E402
 
 INIT_STD = 0.02
+CONTEXT_WEIGHT = 0.5
 EVAL_CALLS = {"tau_bench_gpt4o_airline": 25, "mini_swe_agent_gemini3pro": 20, "pi_mono": 15}
 EVAL_PROSE = 20
 README = fixtures.FIXTURES_DIR / "README.md"
@@ -53,15 +55,16 @@ class Spec:
     max_tokens: int = 512
     lr: float = 4e-3
     seed: int = 0
-    train_cap: tuple = (("mini_swe_agent_gemini3pro", 2400),)
+    context_share: float = 0.25
+    train_cap: tuple = (("mini_swe_agent_gemini3pro", 1200),)
 
 
 SPECS = {
-    "qwen3-json": Spec("qwen3", "qwen3", 64, 4, 2, 1, 192, steps=150, lr=1e-2),
+    "qwen3-json": Spec("qwen3", "qwen3", 64, 4, 2, 1, 192, steps=400, lr=1e-2),
     # the Qwen3.5 tool preamble alone is ~300 tokens
-    "qwen35-xml": Spec("qwen3.5", "qwen3_5", 64, 4, 2, 1, 192, steps=60, max_tokens=768, lr=1e-2),
-    "glm-xml": Spec("glm4.x", "glm4", 64, 4, 2, 1, 192, steps=100, lr=1e-2),
-    "qwen3-draft": Spec("qwen3", "qwen3", 48, 2, 2, 1, 128, steps=160, lr=1e-2),
+    "qwen35-xml": Spec("qwen3.5", "qwen3_5", 64, 4, 2, 1, 192, steps=300, max_tokens=768, lr=1e-2),
+    "glm-xml": Spec("glm4.x", "glm4", 64, 4, 2, 1, 192, steps=360, lr=1e-2),
+    "qwen3-draft": Spec("qwen3", "qwen3", 48, 2, 2, 1, 128, steps=400, lr=1e-2),
 }
 
 
@@ -116,19 +119,26 @@ def examples_for(sessions, tokenizer, family: str, max_tokens: int):
     return out
 
 
-def training_examples(spec: Spec, tokenizer):
+def training_sequences(spec: Spec, tokenizer) -> list[fixture_data.Sequence]:
+    """Windows of the training sessions, loss on every assistant turn in a window; a source in
+    ``spec.train_cap`` contributes that many windows, from its sessions in seeded order."""
     sessions = fixture_data.load_sessions()
     train_sessions, _ = fixture_data.split_sessions(sessions, spec.seed)
+    renderer = fixture_data.Renderer(tokenizer._tokenizer, set(stop_ids(tokenizer, spec.family)), spec.max_tokens)
     rng = np.random.Generator(np.random.PCG64(spec.seed))
     caps = dict(spec.train_cap)
     chosen = []
     for source in fixture_data.SOURCES:
         group = [s for s in train_sessions if s.source == source]
-        examples = examples_for(group, tokenizer, spec.family, spec.max_tokens)
-        if source in caps and len(examples) > caps[source]:
-            keep = np.sort(rng.permutation(len(examples))[: caps[source]])
-            examples = [examples[i] for i in keep]
-        chosen += examples
+        if source in caps:
+            # sessions in seeded order, rendered only until the cap is reached
+            group = [group[i] for i in rng.permutation(len(group))]
+        sequences = []
+        for session in group:
+            if source in caps and len(sequences) >= caps[source]:
+                break
+            sequences += renderer.sequences(session)
+        chosen += sequences[: caps.get(source)]
     return chosen
 
 
@@ -153,12 +163,12 @@ def eval_examples(spec: Spec, tokenizer):
     return calls, prose
 
 
-def batches(examples, batch_tokens: int, rng):
-    """Length-bucketed batches (lists of example indices), shuffled."""
-    order = sorted(range(len(examples)), key=lambda i: len(examples[i].prompt_ids) + len(examples[i].target_ids))
+def batches(sequences, batch_tokens: int, rng):
+    """Length-bucketed batches (lists of sequence indices), shuffled."""
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i].ids))
     out, current, width = [], [], 0
     for i in order:
-        length = len(examples[i].prompt_ids) + len(examples[i].target_ids)
+        length = len(sequences[i].ids)
         if current and max(width, length) * (len(current) + 1) > batch_tokens:
             out.append(current)
             current, width = [], 0
@@ -169,31 +179,45 @@ def batches(examples, batch_tokens: int, rng):
     return [out[i] for i in rng.permutation(len(out))]
 
 
-def pack(examples, indices, remap: np.ndarray):
-    """(inputs, flat positions of target tokens, their labels, weights); the position count is
-    padded to a multiple of 128 with weight-0 entries to bound the number of distinct shapes."""
-    length = max(len(examples[i].prompt_ids) + len(examples[i].target_ids) for i in indices) - 1
-    length = int(math.ceil(length / 64) * 64)
+def pack(sequences, indices, remap: np.ndarray, rng, context_share: float):
+    """(inputs, flat positions where a loss is taken, their labels, weights, target mask).
+
+    Every assistant-turn token is a target (weight 1). A seeded ``context_share`` of the other
+    tokens (system prompt, tools block, user turns, tool results) is predicted too, at weight
+    ``CONTEXT_WEIGHT``: plain language-model signal on the context trains the attention
+    patterns the tool-call format needs many times faster than the assistant turns alone
+    (about 10% of the tokens). The position count is padded to a multiple of 128 with weight-0
+    entries to bound the number of distinct shapes."""
+    length = int(math.ceil((max(len(sequences[i].ids) for i in indices) - 1) / 64) * 64)
     inputs = np.zeros((len(indices), length), np.int32)
-    positions, labels = [], []
+    positions, labels, weights = [], [], []
     for row, i in enumerate(indices):
-        ids = remap[np.array(examples[i].prompt_ids + examples[i].target_ids)]
-        n_prompt = len(examples[i].prompt_ids)
+        ids = remap[np.array(sequences[i].ids)]
         inputs[row, : len(ids) - 1] = ids[:-1]
-        positions += [row * length + p for p in range(n_prompt - 1, len(ids) - 1)]
-        labels += ids[n_prompt:].tolist()
+        target = np.zeros(len(ids), bool)
+        for start, end in sequences[i].spans:
+            target[start:end] = True
+        context = ~target & (rng.random(len(ids)) < context_share)
+        context[0] = False
+        for p in np.flatnonzero(target | context):
+            positions.append(row * length + int(p) - 1)
+            labels.append(int(ids[p]))
+            weights.append(1.0 if target[p] else CONTEXT_WEIGHT)
     count = int(math.ceil(len(positions) / 128) * 128)
-    weights = np.zeros(count, np.float32)
-    weights[: len(positions)] = 1.0
-    positions += [0] * (count - len(positions))
-    labels += [0] * (count - len(labels))
-    return mx.array(inputs), mx.array(np.array(positions, np.int32)), mx.array(np.array(labels, np.int32)), mx.array(weights)
+    pad = count - len(positions)
+    weights = np.array(weights + [0.0] * pad, np.float32)
+    return (mx.array(inputs), mx.array(np.array(positions + [0] * pad, np.int32)),
+            mx.array(np.array(labels + [0] * pad, np.int32)), mx.array(weights),
+            mx.array(weights == 1.0))
 
 
 def backbone(model):
-    """The decoder stack (returns final-normed hidden states) and its tied embedding."""
-    inner = model.language_model.model if hasattr(model, "language_model") else model.model
-    return inner, inner.embed_tokens
+    """The decoder stack (returns final-normed hidden states) and the output head mlx-lm applies
+    to them: the untied ``lm_head`` where the architecture has one (``glm4``), else the tied
+    embedding."""
+    outer = model.language_model if hasattr(model, "language_model") else model
+    head = getattr(outer, "lm_head", None)
+    return outer.model, head if head is not None else outer.model.embed_tokens.as_linear
 
 
 def embedding_path(model) -> str:
@@ -208,18 +232,18 @@ def train(name: str) -> None:
     tokenizer = assets.load_tokenizer(spec.family)
     vocab_size = len(tokenizer._tokenizer)
     started = time.time()
-    examples = training_examples(spec, tokenizer)
-    if not examples:
+    windows = training_sequences(spec, tokenizer)
+    if not windows:
         raise RuntimeError(f"{name}: no conversation fits {spec.max_tokens} tokens")
     used = set()
-    for e in examples:
-        used.update(e.prompt_ids)
-        used.update(e.target_ids)
+    for e in windows:
+        used.update(e.ids)
     used.update(tokenizer._tokenizer.convert_tokens_to_ids(t) for t in tokenizer._tokenizer.get_added_vocab())
     ids = np.array(sorted(used), dtype=np.int64)
     remap = np.full(vocab_size, -1, np.int64)
     remap[ids] = np.arange(len(ids))
-    print(f"{name}: {len(examples)} examples, {sum(len(e.target_ids) for e in examples)} target tokens, "
+    print(f"{name}: {len(windows)} windows, {sum(len(e.spans) for e in windows)} turns, "
+          f"{sum(e - s for q in windows for s, e in q.spans)} target tokens of {sum(len(q.ids) for q in windows)}, "
           f"{len(ids)} vocab rows, data {time.time() - started:.0f}s", flush=True)
 
     config = model_config(spec, vocab_size, stop_ids(tokenizer, spec.family))
@@ -240,41 +264,42 @@ def train(name: str) -> None:
     )
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=0.01)
 
-    inner, embed = backbone(model)
+    inner, head = backbone(model)
 
-    def loss_fn(model, inputs, positions, labels, weights):
+    def loss_fn(model, inputs, positions, labels, weights, is_target):
         # logits only where the loss is taken: the restricted softmax over trained rows
         hidden = inner(inputs).reshape(-1, spec.hidden)[positions]
-        logits = embed.as_linear(hidden).astype(mx.float32)
+        logits = head(hidden).astype(mx.float32)
         losses = nn.losses.cross_entropy(logits, labels, reduction="none")
-        return (losses * weights).sum() / weights.sum()
+        target_loss = (losses * is_target).sum() / is_target.sum()
+        return (losses * weights).sum() / weights.sum(), target_loss
 
     grad_fn = nn.value_and_grad(model, loss_fn)
     state = [model.state, optimizer.state]
 
-    def step(inputs, positions, labels, weights):
-        loss, grads = grad_fn(model, inputs, positions, labels, weights)
+    def step(*batch):
+        (_, target_loss), grads = grad_fn(model, *batch)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         optimizer.update(model, grads)
-        return loss
+        return target_loss
 
     rng = np.random.Generator(np.random.PCG64(spec.seed))
     plan: list = []
     done, smoothed, t0 = 0, None, time.time()
     while done < spec.steps:
         if not plan:
-            plan = batches(examples, spec.batch_tokens, rng)
-        loss = step(*pack(examples, plan.pop(), remap))
+            plan = batches(windows, spec.batch_tokens, rng)
+        loss = step(*pack(windows, plan.pop(), remap, rng, spec.context_share))
         mx.eval(state)
         done += 1
         smoothed = loss.item() if smoothed is None else 0.95 * smoothed + 0.05 * loss.item()
         if done % 25 == 0 or done == spec.steps:
             print(f"step {done}/{spec.steps} loss {smoothed:.3f} {time.time() - t0:.0f}s", flush=True)
     minutes = (time.time() - started) / 60
-    save(name, spec, model, embed_key, ids, config, minutes, smoothed, len(examples))
+    save(name, spec, model, embed_key, ids, config, minutes, smoothed, len(windows))
 
 
-def save(name, spec, model, embed_key, ids, config, minutes, final_loss, n_examples) -> None:
+def save(name, spec, model, embed_key, ids, config, minutes, final_loss, n_windows) -> None:
     out = fixtures.committed_dir(name)
     out.mkdir(parents=True, exist_ok=True)
     weights = dict(tree_flatten(model.parameters()))
@@ -289,7 +314,8 @@ def save(name, spec, model, embed_key, ids, config, minutes, final_loss, n_examp
         "family": spec.family, "embedding_key": embed_key, "init_seed": spec.seed, "init_std": INIT_STD,
         "training": {"command": f"python scripts/train_fixture.py {name}", "seed": spec.seed, "steps": spec.steps,
                      "batch_tokens": spec.batch_tokens, "max_tokens": spec.max_tokens, "lr": spec.lr,
-                     "examples": n_examples, "trained_vocab_rows": int(len(ids)),
+                     "context_share": spec.context_share, "context_weight": CONTEXT_WEIGHT,
+                     "windows": n_windows, "trained_vocab_rows": int(len(ids)),
                      "non_embedding_params": int(n_params), "final_loss": round(float(final_loss), 4),
                      "minutes": round(minutes, 1)},
     }
@@ -369,7 +395,7 @@ def _replace_block(text: str, begin: str, end: str, body: str) -> str:
 
 def _write_table() -> None:
     """Rewrite the README's training-record and eval tables from fixture.json / eval.json."""
-    train_rows = ["| model | non-embedding params | trained vocab rows | examples | steps x tokens | "
+    train_rows = ["| model | non-embedding params | trained vocab rows | windows | steps x tokens | "
                   "final loss | minutes | committed MB |", "|---|---|---|---|---|---|---|---|"]
     eval_rows = ["| model | parser | held-back call turns | parseable call | exact name+args | "
                  "prose turns | prose w/o call |", "|---|---|---|---|---|---|---|"]
@@ -379,7 +405,7 @@ def _write_table() -> None:
             t = json.loads((folder / "fixture.json").read_text())["training"]
             size = sum((folder / f).stat().st_size for f in fixtures.COMMITTED_FILES) / 1e6
             train_rows.append(f"| {name} | {t['non_embedding_params']:,} | {t['trained_vocab_rows']:,} | "
-                              f"{t['examples']:,} | {t['steps']} x {t['batch_tokens']} | {t['final_loss']} | "
+                              f"{t['windows']:,} | {t['steps']} x {t['batch_tokens']} | {t['final_loss']} | "
                               f"{t['minutes']} | {size:.1f} |")
         if (folder / "eval.json").is_file():
             r = json.loads((folder / "eval.json").read_text())
