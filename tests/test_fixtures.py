@@ -67,6 +67,7 @@ def _greedy(model, ids: list[int], stop: set[int], limit: int = 120) -> list[int
 # Fixtures whose committed weights (trained ~10 CPU-minutes each) do not reach this yet; see the
 # measured shares in fixtures/models/README.md. strict: once a retrained model passes, XPASS fails
 # the suite so that its entry is removed here.
+# glm-xml answers 96.7% of held-back call turns with a parseable call but one prompt here in prose.
 UNDERTRAINED = {"qwen3-json", "glm-xml", "qwen3-draft"}
 
 
