@@ -74,10 +74,11 @@ def interleave(acc: dict[str, Arm], arms, repeats: int, run_arm, reference) -> N
 
 
 def timed_decode(prompt: list[int], model, session: FillSession | None, *, max_tokens: int,
-                 eos: frozenset[int], processors=None) -> tuple[list[int], float]:
-    """Greedy ids up to the first EOS and the wall time of the whole request (prefill incl.)."""
+                 eos: frozenset[int], processors=None, cache=None) -> tuple[list[int], float]:
+    """Greedy ids up to the first EOS and the wall time of the whole request (prefill incl.;
+    with ``cache``, a prompt cache already holding everything before ``prompt``)."""
     t0 = time.perf_counter()
-    kw = dict(max_tokens=max_tokens, logits_processors=processors)
+    kw = dict(max_tokens=max_tokens, logits_processors=processors, prompt_cache=cache)
     gen = (stock_generate_step(mx.array(prompt), model, **kw) if session is None
            else generate_step(mx.array(prompt), model, fill=session, **kw))
     out: list[int] = []
@@ -144,11 +145,15 @@ def summarize(acc: dict[str, Arm], repeats: int) -> dict:
 
 
 def forcing_processor(prompt_len: int, target: list[int]):
-    """Logits processor that puts all mass on the recorded token for each output position."""
+    """Logits processor that puts all mass on the recorded token for each output position.
+
+    The result still depends on the model's logits (``+ 0 * logits``): MLX evaluates lazily, and
+    a sampled token that did not depend on the forward would let every step skip the model."""
     def force(tokens: mx.array, logits: mx.array) -> mx.array:
         pos = tokens.shape[0] - prompt_len
         want = target[min(pos, len(target) - 1)]
-        return mx.where(mx.arange(logits.shape[-1]) == want, 0.0, -1e9).astype(logits.dtype)[None]
+        forced = mx.where(mx.arange(logits.shape[-1]) == want, 0.0, -1e9).astype(logits.dtype)[None]
+        return forced + 0 * logits
     return force
 
 
@@ -221,12 +226,14 @@ def mechanism_session(arm: str, turn: RecordedTurn, *, tok, plan) -> FillSession
 
 
 def run_mechanism(quick: bool, repeats: int) -> dict:
+    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
     from mlx_fill.assets import load_tokenizer
     from mlx_fill.random_models import build, config_for
 
     tok = load_tokenizer("qwen3")
     arms = QUICK_MECH_ARMS if quick else MECH_ARMS
-    turns = mechanism_turns(tok, 1 if quick else 3, 384 if quick else 1024, 24 if quick else 96)
+    turns = mechanism_turns(tok, 1 if quick else 3, 128 if quick else 1024, 24 if quick else 96)
     configs = [("bf16", mx.bfloat16, None)] if quick else [("bf16", mx.bfloat16, None),
                                                            ("q4-fp32act", mx.float32, 4)]
     result = {}
@@ -236,12 +243,17 @@ def run_mechanism(quick: bool, repeats: int) -> dict:
         plan = load_plan(model)
         acc = {a: Arm(a) for a in arms}
         for turn in turns:
-            force = [forcing_processor(len(turn.prompt), turn.output)]
+            # the prompt is prefilled once; every arm decodes from that cache, trimmed back after
+            cache = make_prompt_cache(model)
+            mx.eval(model(mx.array(turn.prompt[:-1])[None], cache=cache))
+            force = [forcing_processor(1, turn.output)]
 
-            def run_arm(a: str, turn=turn, force=force):
+            def run_arm(a: str, turn=turn, force=force, cache=cache):
                 s = mechanism_session(a, turn, tok=tok, plan=plan)
-                return s, *timed_decode(turn.prompt, model, s, max_tokens=len(turn.output),
-                                        eos=frozenset(), processors=force)
+                out = timed_decode(turn.prompt[-1:], model, s, max_tokens=len(turn.output),
+                                   eos=frozenset(), processors=force, cache=cache)
+                trim_prompt_cache(cache, cache[0].offset - (len(turn.prompt) - 1))
+                return s, *out
 
             interleave(acc, arms, repeats, run_arm, reference=turn.output)
         result[label] = summarize(acc, repeats)
