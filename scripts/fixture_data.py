@@ -239,10 +239,9 @@ class Renderer:
         """The example for the assistant turn at ``messages[index]``: header (system + first user
         message) + the longest run of turns before it that fits; None when nothing fits."""
         messages = session.messages
-        first_user = next((k for k, m in enumerate(messages) if m["role"] == "user"), None)
+        first_user, header = _header(messages)
         if first_user is None or index <= first_user:
             return None
-        header = ([messages[0]] if messages[0]["role"] == "system" else []) + [messages[first_user]]
         budget = self.max_tokens - MAX_TARGET_TOKENS
         start, estimate = index, sum(_approx_tokens(m) for m in header) + 400
         while start - 1 > first_user and estimate + _approx_tokens(messages[start - 1]) < budget:
@@ -274,17 +273,15 @@ class Renderer:
                     for c in turn.get("tool_calls", [])]
         return Example(session.source, session.session_id, prompt, rest[: stop + 1], expected, session.tools)
 
-
     def sequences(self, session: Session) -> list[Sequence]:
         """Training windows of ``session``: header + consecutive turns, at most ``max_tokens`` ids,
         loss on each assistant turn whose generation prompt is a prefix of the window's rendering.
         Each window starts with the turn pair before its first new target as context, so every
         assistant turn is a target once and (except the first) sees at least one earlier turn."""
         messages = session.messages
-        first_user = next((k for k, m in enumerate(messages) if m["role"] == "user"), None)
+        first_user, header = _header(messages)
         if first_user is None:
             return []
-        header = ([messages[0]] if messages[0]["role"] == "system" else []) + [messages[first_user]]
         targets = [k for k in range(first_user + 1, len(messages)) if messages[k]["role"] == "assistant"]
         header_tokens = len(self._encode(self._render(header, session.tools, True)))
         out, next_target = [], 0
@@ -334,6 +331,15 @@ class Renderer:
             covered = k + 1
             ids = ids + piece
         return Sequence(session.source, ids[: spans[-1][1]], spans), covered
+
+
+def _header(messages: list[dict]) -> tuple[int | None, list[dict]]:
+    """(index of the first user message, the header every window starts with: the system
+    prompt if any + that first user message); (None, []) without a user message."""
+    first_user = next((k for k, m in enumerate(messages) if m["role"] == "user"), None)
+    if first_user is None:
+        return None, []
+    return first_user, ([messages[0]] if messages[0]["role"] == "system" else []) + [messages[first_user]]
 
 
 def _approx_tokens(message: dict) -> int:

@@ -190,7 +190,7 @@ def pack(sequences, indices, remap: np.ndarray, rng, context_share: float):
     entries to bound the number of distinct shapes."""
     length = int(math.ceil((max(len(sequences[i].ids) for i in indices) - 1) / 64) * 64)
     inputs = np.zeros((len(indices), length), np.int32)
-    positions, labels, weights = [], [], []
+    positions, labels, is_target = [], [], []
     for row, i in enumerate(indices):
         ids = remap[np.array(sequences[i].ids)]
         inputs[row, : len(ids) - 1] = ids[:-1]
@@ -199,16 +199,16 @@ def pack(sequences, indices, remap: np.ndarray, rng, context_share: float):
             target[start:end] = True
         context = ~target & (rng.random(len(ids)) < context_share)
         context[0] = False
-        for p in np.flatnonzero(target | context):
-            positions.append(row * length + int(p) - 1)
-            labels.append(int(ids[p]))
-            weights.append(1.0 if target[p] else CONTEXT_WEIGHT)
-    count = int(math.ceil(len(positions) / 128) * 128)
-    pad = count - len(positions)
-    weights = np.array(weights + [0.0] * pad, np.float32)
-    return (mx.array(inputs), mx.array(np.array(positions + [0] * pad, np.int32)),
-            mx.array(np.array(labels + [0] * pad, np.int32)), mx.array(weights),
-            mx.array(weights == 1.0))
+        taken = np.flatnonzero(target | context)  # a token at p is predicted from position p - 1
+        positions.append(row * length + taken - 1)
+        labels.append(ids[taken])
+        is_target.append(target[taken])
+    positions, labels, is_target = (np.concatenate(a) for a in (positions, labels, is_target))
+    pad = int(math.ceil(len(positions) / 128) * 128) - len(positions)
+    weights = np.pad(np.where(is_target, 1.0, CONTEXT_WEIGHT), (0, pad)).astype(np.float32)
+    return (mx.array(inputs), mx.array(np.pad(positions, (0, pad)).astype(np.int32)),
+            mx.array(np.pad(labels, (0, pad)).astype(np.int32)), mx.array(weights),
+            mx.array(np.pad(is_target, (0, pad))))
 
 
 def backbone(model):
