@@ -9,7 +9,10 @@ What is committed under ``fixtures/models/<name>/`` (see ``scripts/train_fixture
 * ``fixture.json``: the family, the embedding parameter name, and the seed + std of the
   initialization that every untouched embedding row keeps. An untied output head (``glm4`` has
   no ``tie_word_embeddings``) is stored with the same restricted rows as ``lm_head.weight``; its
-  untouched rows come from the same initialization with seed + 1.
+  untouched rows come from the same initialization with seed + 1;
+* optionally ``model-mtp.safetensors``: a multi-token-prediction head trained on the fixture
+  (``scripts/train_mtp.py``), copied as is (mlx-lm's loader drops ``mtp.*``;
+  ``mlx_fill.spec.mtp.load_mtp_head`` reads it).
 
 ``fixture_path(name)`` assembles the full model in ``user_cache_dir()/"fixtures"/<name>``: the
 embedding is re-created from the seeded initialization (numpy PCG64, platform-independent) with
@@ -37,6 +40,8 @@ _FAMILY = {"qwen3-json": "qwen3", "qwen35-xml": "qwen3.5", "glm-xml": "glm4.x", 
 
 FIXTURES_DIR = assets.REPO_ROOT / "fixtures" / "models"
 COMMITTED_FILES = ("config.json", "trained.safetensors", "fixture.json")
+# committed only for some fixtures: the qwen35-xml MTP head (``scripts/train_mtp.py``)
+OPTIONAL_FILES = ("model-mtp.safetensors",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 STAMP = ".assembled-from"
 
@@ -75,7 +80,7 @@ def _input_digest(name: str) -> str:
             f"(train it with `python scripts/train_fixture.py {name}`)"
         )
     digest = hashlib.sha256()
-    for file_name in COMMITTED_FILES:
+    for file_name in COMMITTED_FILES + tuple(f for f in OPTIONAL_FILES if (source / f).is_file()):
         digest.update(file_name.encode() + b"\0" + assets.sha256_file(source / file_name).encode())
     family = fixture_family(name)
     recorded = assets.manifest(family)
@@ -136,6 +141,9 @@ def _assemble(name: str, out: Path) -> None:
             weights[key] = mx.array(head)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     shutil.copyfile(source / "config.json", out / "config.json")
+    for file_name in OPTIONAL_FILES:
+        if (source / file_name).is_file():
+            shutil.copyfile(source / file_name, out / file_name)
     family_dir = assets.family_dir(fixture_family(name))
     for file_name in TOKENIZER_FILES:
         shutil.copyfile(family_dir / file_name, out / file_name)

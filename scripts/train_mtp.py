@@ -15,9 +15,10 @@ verification will accept. The softmax runs over the ids the corpus and the label
 ``scripts/fixture_data.py``) or ``self`` (random prompts plus the target's greedy continuations).
 
     python scripts/train_mtp.py --make-random DIR            # tiny random qwen3_5 + self corpus
-    python scripts/train_mtp.py DIR --corpus fixture --fixture qwen35-xml
-writes ``DIR/model-mtp.safetensors`` (mlx-lm's loader ignores it; ``load_mtp_head(DIR, target)``
-reads it). Prints the held-out step-1 / step-2 agreement with the target before and after.
+    python scripts/train_mtp.py "$(mlx-fill fixture qwen35-xml)" --corpus fixture \
+        --out fixtures/models/qwen35-xml/model-mtp.safetensors
+writes ``DIR/model-mtp.safetensors`` (or ``--out``; mlx-lm's loader ignores it;
+``load_mtp_head(DIR, target)`` reads it; a fixture's committed head is assembled into its dir). Prints the held-out step-1 / step-2 agreement with the target before and after.
 """
 
 from __future__ import annotations
@@ -55,16 +56,16 @@ def self_corpus(target, count: int, prompt_len: int, gen_len: int, seed: int) ->
 
 
 def fixture_corpus(model_dir: Path, fixture: str, limit: int) -> list[list[int]]:
-    """The training conversations of ``fixture`` (prompt + assistant turn ids)."""
+    """The training windows of ``fixture`` (whole session windows, in seeded order)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import train_fixture
     from mlx_lm.utils import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
-    examples = train_fixture.training_examples(train_fixture.SPECS[fixture], tokenizer)
+    windows = train_fixture.training_sequences(train_fixture.SPECS[fixture], tokenizer)
     rng = random.Random(0)
-    rng.shuffle(examples)
-    return [list(e.prompt_ids) + list(e.target_ids) for e in examples[:limit]]
+    rng.shuffle(windows)
+    return [list(w.ids) for w in windows[:limit]]
 
 
 def output_matrix(target) -> mx.array:
@@ -146,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chain-weight", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-len", type=int, default=640, help="truncate sequences (keep the end)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help=f"where to write the head (default: CHECKPOINT/{HEAD_FILE})")
     ap.add_argument("--full-vocab", action="store_true",
                     help="softmax over every id (default: the ids the corpus and labels use)")
     args = ap.parse_args(argv)
@@ -193,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"epoch {epoch + 1}: loss {total_loss / len(train):.3f} "
               f"({time.time() - t0:.0f}s)")
     print(f"trained head: held-out agreement step1/step2 = {agreement(head, target, vocab, held)}")
-    out = path / HEAD_FILE
+    out = args.out or path / HEAD_FILE
     mx.save_safetensors(str(out), {f"mtp.{k}": v for k, v in tree_flatten(head.parameters())})
     print(f"wrote {out}")
     return 0

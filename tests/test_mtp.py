@@ -283,3 +283,26 @@ def test_fixture_hybrid_lossless_on_transcript_prompts(tmp_path):
         assert out == plain(target, prompt, 24)
         rounds += stats.events
     assert rounds > 0
+
+
+def test_committed_fixture_head_is_assembled_and_gets_drafts_accepted():
+    """The MTP head trained for the ``qwen35-xml`` fixture (``scripts/train_mtp.py``) is
+    assembled into the fixture's dir byte for byte, loads, stays lossless on frozen held-out
+    prompts and gets drafts accepted: a trained head, not only a random one, runs the path."""
+    from mlx_lm import load
+
+    from mlx_fill.fixtures import committed_dir, fixture_path
+    from spec_prompts import transcript_prompts
+
+    committed = committed_dir("qwen35-xml") / "model-mtp.safetensors"
+    folder = fixture_path("qwen35-xml")
+    assert (folder / "model-mtp.safetensors").read_bytes() == committed.read_bytes()
+    target, tok = load(str(folder))
+    head = load_mtp_head(folder, target)
+    drafted = accepted = 0
+    for prompt in transcript_prompts(tok, 6):
+        out, stats, _ = run_mtp(target, head, prompt, 24, 2)
+        assert out == plain(target, prompt, 24)
+        drafted += stats.verify_proposed
+        accepted += stats.verify_accepted
+    assert drafted > 0 and accepted > 0, (drafted, accepted)
