@@ -98,9 +98,12 @@ def run(args: argparse.Namespace) -> int:
         stats = session.stats.as_dict()
         for k in totals:
             totals[k] += stats[k]
-        content, calls = _tool_calls(tok, tok.decode(plain), tools)
+        text = tok.decode(plain)
+        content, calls = _tool_calls(tok, text, tools)
         print(f"turn {turn}: prompt {len(ids)} ids, output {len(plain)} ids")
-        if content:
+        if not calls and tok.tool_call_start and tok.tool_call_start in text:
+            print(f"  output (no parseable call): {text[:160]!r}")
+        elif content:
             print(f"  content: {content[:120]!r}")
         for call in calls:
             print(f"  tool call: {call['name']}({json.dumps(call['arguments'])})")

@@ -5,14 +5,15 @@ machine drift hits all arms) and reported as medians:
 
 1. ``e2e`` — the trained fixture models on the frozen held-out prompts
    (``fixtures/prompts/heldout.jsonl``): plain ``mlx_lm`` ``generate_step`` vs the fill loop in
-   each mode. Prints tokens/s, target forwards per emitted token and the speed ratio to plain per
-   arm, and checks that every arm produced exactly plain decoding's ids.
+   each mode (and the fixture's own MTP head where one is committed). Prints tokens/s, target
+   forwards per emitted token, the share of emitted tokens a fill source wrote and the speed
+   ratio to plain per arm, and checks that every arm produced exactly plain decoding's ids.
 2. ``mechanism`` — a random-weight Qwen3-0.6B-shaped model (bf16; 4-bit weights with fp32
    activations) driven through recorded assistant turns by a forcing logits processor, so every
    arm emits the recorded tokens: what fill and speculation save at a realistic forward cost on
    the real workload shape.
 
-    python scripts/bench.py [--quick] [--parts e2e,mechanism] [--json out.json]
+    python scripts/bench.py [--quick] [--parts e2e,mechanism] [--fixtures a,b] [--json out.json]
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class Arm:
     seconds: list[float] = field(default_factory=list)  # per prompt: median over repeats
     tokens: int = 0
     forwards: int = 0
+    injected: int = 0  # tokens written by a fill source (verified or asserted), not sampled
     mismatches: int = 0
 
     def tps(self) -> float:
@@ -66,6 +68,7 @@ def interleave(acc: dict[str, Arm], arms, repeats: int, run_arm, reference) -> N
             session, outs[a], dt = run_arm(a)
             times[a].append(dt)
             acc[a].forwards += session.stats.forwards if session is not None else len(outs[a])
+            acc[a].injected += session.stats.injected if session is not None else 0
     expected = outs["plain"] if reference is None else reference
     for a in arms:
         acc[a].seconds.append(statistics.median(times[a]))
@@ -89,7 +92,7 @@ def timed_decode(prompt: list[int], model, session: FillSession | None, *, max_t
     return out, time.perf_counter() - t0
 
 
-def e2e_session(arm: str, *, model, tok, ids, row, draft=None) -> FillSession | None:
+def e2e_session(arm: str, *, model, tok, ids, row, draft=None, mtp_head=None) -> FillSession | None:
     from mlx_fill.session import build_session
     if arm == "plain":
         return None
@@ -97,6 +100,10 @@ def e2e_session(arm: str, *, model, tok, ids, row, draft=None) -> FillSession | 
         from mlx_fill.spec.roster import make_sources
         sources = make_sources([arm], plan=load_plan(model), tokenizer=tok, prompt_ids=ids)
         return FillSession(sources, prompt_ids=ids, eos_ids=tok.eos_token_ids)
+    if arm == "mtp":
+        from mlx_fill.spec.mtp import make_mtp_source
+        src = make_mtp_source(model, mtp_head, plan=load_plan(model))
+        return FillSession([src], prompt_ids=ids, eos_ids=tok.eos_token_ids)
     if arm == "draft":
         from mlx_fill.spec.draft import make_draft_source
         src = make_draft_source(draft[0], tokenizer=draft[1], target_tokenizer=tok,
@@ -108,28 +115,39 @@ def e2e_session(arm: str, *, model, tok, ids, row, draft=None) -> FillSession | 
                          messages=row["messages"], tools=row["tools"])
 
 
-def run_e2e(quick: bool, repeats: int) -> dict:
+def run_e2e(quick: bool, repeats: int, fixtures: list[str] | None = None) -> dict:
     from mlx_lm import load
 
     from mlx_fill.fixtures import fixture_path
+    from mlx_fill.spec.mtp import has_mtp, load_mtp_head
 
     rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()]
     rows = rows[:: 4] if quick else rows
-    fixtures = ["qwen3-json"] if quick else ["qwen3-json", "qwen35-xml", "glm-xml"]
+    fixtures = fixtures or (["qwen3-json"] if quick else ["qwen3-json", "qwen35-xml", "glm-xml"])
     draft = load(str(fixture_path("qwen3-draft")))
     result = {}
     for name in fixtures:
-        model, tok = load(str(fixture_path(name)))
+        path = fixture_path(name)
+        model, tok = load(str(path))
         eos = frozenset(tok.eos_token_ids)
         arms = ["plain", *[a for a in E2E_ARMS if a != "draft" or name == "qwen3-json"]]
+        models = dict.fromkeys(arms, model)
+        mtp_head = None
+        if has_mtp(path):
+            # the MTP arm decodes with its own copy: the hidden-state tap it installs stays off
+            # the model the other arms time
+            models["mtp"], _ = load(str(path))
+            mtp_head = load_mtp_head(path, models["mtp"])
+            arms.append("mtp")
         acc = {a: Arm(a) for a in arms}
         for row in rows:
             ids = tok.apply_chat_template(row["messages"], tools=row["tools"],
                                           add_generation_prompt=True)
 
             def run_arm(a: str):
-                s = e2e_session(a, model=model, tok=tok, ids=ids, row=row, draft=draft)
-                return s, *timed_decode(ids, model, s, max_tokens=128, eos=eos)
+                s = e2e_session(a, model=models[a], tok=tok, ids=ids, row=row, draft=draft,
+                                mtp_head=mtp_head)
+                return s, *timed_decode(ids, models[a], s, max_tokens=128, eos=eos)
 
             interleave(acc, arms, repeats, run_arm, reference=None)
         result[name] = summarize(acc, repeats)
@@ -140,6 +158,7 @@ def summarize(acc: dict[str, Arm], repeats: int) -> dict:
     plain = acc["plain"].tps()
     return {a.name: {"tokens_per_s": round(a.tps(), 2), "ratio_vs_plain": round(a.tps() / plain, 3),
                      "forwards_per_token": round(a.forwards / repeats / max(a.tokens, 1), 3),
+                     "fill_fraction": round(a.injected / repeats / max(a.tokens, 1), 3),
                      "mismatched_prompts": a.mismatches, "tokens": a.tokens}
             for a in acc.values()}
 
@@ -263,12 +282,12 @@ def run_mechanism(quick: bool, repeats: int) -> dict:
 
 def print_table(title: str, table: dict) -> None:
     print(f"\n## {title}")
-    print(f"{'arm':<8} {'tok/s':>8} {'x plain':>8} {'fwd/tok':>8} {'mismatch':>9}")
+    print(f"{'arm':<8} {'tok/s':>8} {'x plain':>8} {'fwd/tok':>8} {'filled':>7} {'mismatch':>9}")
     for arm, r in table.items():
         if not isinstance(r, dict) or "tokens_per_s" not in r:
             continue
         print(f"{arm:<8} {r['tokens_per_s']:>8.2f} {r['ratio_vs_plain']:>8.3f} "
-              f"{r['forwards_per_token']:>8.3f} {r['mismatched_prompts']:>9}")
+              f"{r['forwards_per_token']:>8.3f} {r['fill_fraction']:>7.1%} {r['mismatched_prompts']:>9}")
 
 
 def main() -> int:
@@ -277,13 +296,17 @@ def main() -> int:
     ap.add_argument("--parts", default="e2e,mechanism")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--fixtures", default=None,
+                    help="e2e fixtures, comma-separated (default: qwen3-json with --quick, else "
+                         "qwen3-json,qwen35-xml,glm-xml)")
     args = ap.parse_args()
     repeats = args.repeats or (1 if args.quick else 3)
     parts = args.parts.split(",")
     report = {"machine": f"{platform.machine()} {platform.system()}, mlx {mx.__version__}",
               "date": time.strftime("%Y-%m-%d"), "quick": args.quick, "repeats": repeats}
     if "e2e" in parts:
-        report["e2e"] = run_e2e(args.quick, repeats)
+        report["e2e"] = run_e2e(args.quick, repeats,
+                                args.fixtures.split(",") if args.fixtures else None)
         for name, table in report["e2e"].items():
             print_table(f"e2e {name}", table)
     if "mechanism" in parts:
