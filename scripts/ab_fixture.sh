@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Paired A/B of `mlx-fill serve --fill off` vs `--fill B_FILL` on a fixture model, then the report.
+# Paired A/B of `mlx-fill serve --fill off` vs `--fill B_FILL` on a fixture model; `mlx-fill ab`
+# prints the verdict and writes runs.jsonl, report.md (by recorded tool) and plots into OUT_DIR.
 #
 #   bash scripts/ab_fixture.sh [OUT_DIR]
 #
@@ -38,4 +39,3 @@ mlx-fill ab --sessions "$sessions" --source "$source_name" \
   --url-a "http://127.0.0.1:$port_a" --url-b "http://127.0.0.1:$port_b" \
   --max-sessions "${MAX_SESSIONS:-5}" --turns "${TURNS:-4}" --reps "${REPS:-1}" \
   --max-tokens "${MAX_TOKENS:-96}" --temperature 0 --out "$out"
-mlx-fill report "$out/runs.jsonl" --by-tool | tee "$out/verdict.txt"
