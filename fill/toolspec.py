@@ -9,6 +9,8 @@ array and raises ``ValueError`` naming the offending path (``tools[2].function.p
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
 
 import jsonschema
@@ -46,6 +48,30 @@ def _path(prefix: str, parts) -> str:
     for p in parts:
         out += f"[{p}]" if isinstance(p, int) else f".{p}"
     return out
+
+
+def _check_schema(params: dict) -> tuple[tuple, str] | None:
+    """(path, message) of the first way ``params`` is not a valid JSON Schema, or None."""
+    try:
+        jsonschema.validators.validator_for(params).check_schema(params)
+    except jsonschema.SchemaError as e:
+        return tuple(e.path), e.message
+    return None
+
+
+@functools.lru_cache(maxsize=512)
+def _check_schema_json(canonical: str) -> tuple[tuple, str] | None:
+    return _check_schema(json.loads(canonical))
+
+
+def _schema_error(params: dict) -> tuple[tuple, str] | None:
+    """:func:`_check_schema`, memoized on the schema's canonical JSON: an agent sends the same
+    tools with every turn, and the meta-schema check is most of a request's set-up cost."""
+    try:
+        canonical = json.dumps(params, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError):  # not plain JSON: check it as is, uncached
+        return _check_schema(params)
+    return _check_schema_json(canonical)
 
 
 def _resolve(params: dict, where: str) -> dict:
@@ -87,10 +113,9 @@ def tool_spec(tool: object, index: int) -> ToolSpec:
     where += ".parameters"
     if not isinstance(params, dict):
         raise ValueError(f"{where}: must be an object schema, got {type(params).__name__}")
-    try:
-        jsonschema.validators.validator_for(params).check_schema(params)
-    except jsonschema.SchemaError as e:
-        raise ValueError(f"{_path(where, e.path)}: {e.message}") from None
+    error = _schema_error(params)
+    if error is not None:
+        raise ValueError(f"{_path(where, error[0])}: {error[1]}")
     params = _resolve(params, where)
     props = params.get("properties", {})
     for key, sub in props.items():

@@ -146,6 +146,26 @@ def test_malformed_tools_raise_with_the_offending_path(bad, path):
     assert str(err.value).startswith(path), str(err.value)
 
 
+def test_schema_check_is_memoized_yet_every_request_gets_its_error():
+    """The meta-schema check is cached on the schema's JSON; a bad schema still fails on every
+    request (with the path of the tool it sits in now), a good one is not re-checked."""
+    from mlx_fill.toolspec import _check_schema_json
+
+    bad = {"type": "object", "properties": {"x": {"type": 5}}}
+    good = {"type": "object", "properties": {"x": {"type": "string"}}}
+    for index in (0, 1, 0):
+        tools = [{"type": "function", "function": {"name": f"t{i}", "parameters": good}} for i in range(index)]
+        tools.append({"type": "function", "function": {"name": "bad", "parameters": bad}})
+        with pytest.raises(ValueError) as err:
+            tool_specs(tools)
+        assert str(err.value).startswith(f"tools[{index}].function.parameters.properties.x"), str(err.value)
+    hits = _check_schema_json.cache_info().hits
+    tool_specs([{"type": "function", "function": {"name": "g", "parameters": dict(good)}}])
+    assert _check_schema_json.cache_info().hits == hits + 1
+    with pytest.raises(ValueError, match=r"tools\[0\]\.function\.parameters"):
+        tool_specs([{"type": "function", "function": {"name": "n", "parameters": {"type": float("nan")}}}])
+
+
 def test_templates_that_cannot_render_tool_calls_yield_no_rows():
     folders = [root / "llama3.x" for root in search_roots() if (root / "llama3.x").is_dir()]
     if not folders:
