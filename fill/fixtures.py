@@ -71,6 +71,11 @@ def seeded_embedding(vocab_size: int, hidden_size: int, seed: int, std: float) -
     return (rng.standard_normal((vocab_size, hidden_size), dtype=np.float32) * np.float32(std))
 
 
+def _optional_files(source: Path) -> tuple[str, ...]:
+    """The ``OPTIONAL_FILES`` a committed fixture folder holds (hashed and copied as is)."""
+    return tuple(f for f in OPTIONAL_FILES if (source / f).is_file())
+
+
 def _input_digest(name: str) -> str:
     source = committed_dir(name)
     missing = [f for f in COMMITTED_FILES if not (source / f).is_file()]
@@ -80,7 +85,7 @@ def _input_digest(name: str) -> str:
             f"(train it with `python scripts/train_fixture.py {name}`)"
         )
     digest = hashlib.sha256()
-    for file_name in COMMITTED_FILES + tuple(f for f in OPTIONAL_FILES if (source / f).is_file()):
+    for file_name in COMMITTED_FILES + _optional_files(source):
         digest.update(file_name.encode() + b"\0" + assets.sha256_file(source / file_name).encode())
     family = fixture_family(name)
     recorded = assets.manifest(family)
@@ -141,9 +146,8 @@ def _assemble(name: str, out: Path) -> None:
             weights[key] = mx.array(head)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     shutil.copyfile(source / "config.json", out / "config.json")
-    for file_name in OPTIONAL_FILES:
-        if (source / file_name).is_file():
-            shutil.copyfile(source / file_name, out / file_name)
+    for file_name in _optional_files(source):
+        shutil.copyfile(source / file_name, out / file_name)
     family_dir = assets.family_dir(fixture_family(name))
     for file_name in TOKENIZER_FILES:
         shutil.copyfile(family_dir / file_name, out / file_name)

@@ -18,7 +18,8 @@ verification will accept. The softmax runs over the ids the corpus and the label
     python scripts/train_mtp.py "$(mlx-fill fixture qwen35-xml)" --corpus fixture \
         --out fixtures/models/qwen35-xml/model-mtp.safetensors
 writes ``DIR/model-mtp.safetensors`` (or ``--out``; mlx-lm's loader ignores it;
-``load_mtp_head(DIR, target)`` reads it; a fixture's committed head is assembled into its dir). Prints the held-out step-1 / step-2 agreement with the target before and after.
+``load_mtp_head(DIR, target)`` reads it; a fixture's committed head is assembled into its dir).
+Prints the held-out step-1 / step-2 agreement with the target before and after.
 """
 
 from __future__ import annotations
