@@ -5,9 +5,11 @@
                                                   # results into fixtures/models/README.md
 
 Training is deterministic for a seed: model init via ``mx.random.seed``, data order and the
-embedding initialization via numpy PCG64. With ``Spec.numpy_kernels`` the exp-heavy ops run
-through numpy during training (``numpy_kernels``: the same functions at about twice the step
-rate on the CPU wheel). Only the vocabulary rows the training corpus uses are trained
+embedding initialization via numpy PCG64, for a given BLAS (``openblas``: the run restarts itself
+with OpenBLAS preloaded where installed, and records which BLAS it had). Training runs through
+the training kernels: the exp-heavy ops in numpy (``numpy_kernels``) and Qwen3.5's gated delta
+rule a chunk at a time (``chunked_delta``), the same functions as mlx-lm's ops at several times
+the step rate on the CPU wheel. Only the vocabulary rows the training corpus uses are trained
 (restricted softmax over those rows); every other row keeps the seeded initialization
 (``mlx_fill.fixtures.seeded_embedding``) and is re-created, not committed. Training sequences
 are session windows (``fixture_data.Renderer.sequences``): the loss is on every assistant turn
@@ -17,7 +19,6 @@ in a window plus a seeded share of the context tokens at lower weight (see :func
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import sys
@@ -32,8 +33,10 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import chunked_delta  # noqa: E402
 import fixture_data  # noqa: E402
 import numpy_kernels  # noqa: E402
+import openblas  # noqa: E402
 
 from mlx_fill import assets, fixtures  # noqa: E402
 
@@ -61,21 +64,15 @@ class Spec:
     seed: int = 0
     context_share: float = 0.25
     train_cap: tuple = (("mini_swe_agent_gemini3pro", 1200),)
-    # attention softmax, SiLU and cross-entropy through numpy (``numpy_kernels``); False
-    # reproduces a model trained before those kernels existed with MLX's own ops
-    numpy_kernels: bool = True
 
 
 SPECS = {
-    # the committed qwen3-json, qwen35-xml and glm-xml were trained with MLX's own ops; the same
-    # qwen3-json recipe through the numpy kernels (equal to float32 rounding) measured 1.7%
-    # parseable instead of 80%: at this size the outcome is that sensitive to rounding
-    "qwen3-json": Spec("qwen3", "qwen3", 64, 4, 2, 1, 192, steps=400, lr=1e-2, numpy_kernels=False),
+    "qwen3-json": Spec("qwen3", "qwen3", 64, 4, 2, 1, 192, steps=900, lr=1e-2),
     # the Qwen3.5 tool preamble alone is ~300 tokens
-    "qwen35-xml": Spec("qwen3.5", "qwen3_5", 64, 4, 2, 1, 192, steps=300, max_tokens=768, lr=1e-2,
-                       numpy_kernels=False),
-    "glm-xml": Spec("glm4.x", "glm4", 64, 4, 2, 1, 192, steps=360, lr=1e-2, numpy_kernels=False),
-    "qwen3-draft": Spec("qwen3", "qwen3", 64, 2, 2, 1, 192, steps=640, lr=1e-2),
+    "qwen35-xml": Spec("qwen3.5", "qwen3_5", 64, 4, 2, 1, 192, steps=420, max_tokens=768, lr=1e-2),
+    "glm-xml": Spec("glm4.x", "glm4", 64, 4, 2, 1, 192, steps=640, lr=1e-2),
+    "qwen3-draft": Spec("qwen3", "qwen3", 64, 2, 2, 1, 192, steps=1200, lr=1e-2,
+                        train_cap=(("mini_swe_agent_gemini3pro", 3000),)),
 }
 
 
@@ -281,8 +278,7 @@ def train(name: str) -> None:
         # logits only where the loss is taken: the restricted softmax over trained rows
         hidden = inner(inputs).reshape(-1, spec.hidden)[positions]
         logits = head(hidden).astype(mx.float32)
-        losses = (numpy_kernels.cross_entropy(logits, labels) if spec.numpy_kernels
-                  else nn.losses.cross_entropy(logits, labels, reduction="none"))
+        losses = numpy_kernels.cross_entropy(logits, labels)
         target_loss = (losses * is_target).sum() / is_target.sum()
         return (losses * weights).sum() / weights.sum(), target_loss
 
@@ -298,7 +294,7 @@ def train(name: str) -> None:
     rng = np.random.Generator(np.random.PCG64(spec.seed))
     plan: list = []
     done, smoothed, t0 = 0, None, time.time()
-    with numpy_kernels.installed() if spec.numpy_kernels else contextlib.nullcontext():
+    with numpy_kernels.installed(), chunked_delta.installed():
         while done < spec.steps:
             if not plan:
                 plan = batches(windows, spec.batch_tokens, rng)
@@ -328,7 +324,7 @@ def save(name, spec, model, embed_key, ids, config, minutes, final_loss, n_windo
         "training": {"command": f"python scripts/train_fixture.py {name}", "seed": spec.seed, "steps": spec.steps,
                      "batch_tokens": spec.batch_tokens, "max_tokens": spec.max_tokens, "lr": spec.lr,
                      "context_share": spec.context_share, "context_weight": CONTEXT_WEIGHT,
-                     "numpy_kernels": spec.numpy_kernels,
+                     "blas": openblas.describe(),
                      "windows": n_windows, "trained_vocab_rows": int(len(ids)),
                      "non_embedding_params": int(n_params), "final_loss": round(float(final_loss), 4),
                      "minutes": round(minutes, 1)},
@@ -377,12 +373,16 @@ def evaluate(name: str) -> dict:
     calls, prose = eval_examples(spec, tokenizer)
     stop = set(stop_ids(tokenizer, spec.family))
     parseable = exact = no_call = 0
+    by_source: dict[str, list[int]] = {}  # source -> [parseable, call turns]
     for example in calls + prose:
         text = tokenizer.decode(greedy(model, example.prompt_ids, stop, fixture_data.MAX_TARGET_TOKENS + 32))
         parsed = _parse_calls(text, tokenizer, example.tools)
         if example.expected_calls:
+            counts = by_source.setdefault(example.source, [0, 0])
+            counts[1] += 1
             if parsed:
                 parseable += 1
+                counts[0] += 1
                 exact += _canonical(parsed) == _canonical(example.expected_calls)
         elif tokenizer.tool_call_start not in text:
             no_call += 1
@@ -391,6 +391,7 @@ def evaluate(name: str) -> dict:
         "call_conversations": len(calls), "prose_conversations": len(prose),
         "parseable_call_share": round(parseable / len(calls), 3), "exact_call_share": round(exact / len(calls), 3),
         "prose_without_call_share": round(no_call / len(prose), 3) if prose else None,
+        "parseable_by_source": {k: f"{v[0]}/{v[1]}" for k, v in sorted(by_source.items())},
     }
     (fixtures.committed_dir(name) / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
     _write_table()
@@ -437,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("name", choices=sorted(SPECS))
     parser.add_argument("--eval", action="store_true", help="evaluate instead of training")
     args = parser.parse_args(argv)
+    if not args.eval and argv is None:  # as a script: restart once with OpenBLAS (training only)
+        openblas.reexec()
     if args.eval:
         print(json.dumps(evaluate(args.name), indent=2))
     else:

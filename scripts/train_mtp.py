@@ -41,6 +41,9 @@ from mlx_lm.utils import load_model
 from mlx_fill.random_models import build, config_for, save
 from mlx_fill.spec.mtp import HiddenTap, MTPHead
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import openblas  # noqa: E402
+
 HEAD_FILE = "model-mtp.safetensors"
 
 
@@ -58,7 +61,6 @@ def self_corpus(target, count: int, prompt_len: int, gen_len: int, seed: int) ->
 
 def fixture_corpus(model_dir: Path, fixture: str, limit: int) -> list[list[int]]:
     """The training windows of ``fixture`` (whole session windows, in seeded order)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import train_fixture
     from mlx_lm.utils import load_tokenizer
 
@@ -155,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if (args.checkpoint is None) == (args.make_random is None):
         ap.error("give a checkpoint dir or --make-random DIR")
+    if argv is None:  # as a script: restart once with OpenBLAS
+        openblas.reexec()
     path = args.checkpoint
     if args.make_random is not None:
         model, config = build(config_for("qwen3_5"))

@@ -1,5 +1,6 @@
-"""The numpy training kernels (``scripts/numpy_kernels.py``) compute the functions mlx-lm's own
-ops compute, values and gradients: a fixture trained through them is the model mlx-lm runs.
+"""The training kernels (``scripts/numpy_kernels.py``, ``scripts/chunked_delta.py``) compute the
+functions mlx-lm's own ops compute, values and gradients: a fixture trained through them is the
+model mlx-lm runs.
 
 Training is float arithmetic in a different order, so these compare within float32 rounding
 (the bit-exact claims of the project concern cache state at inference, not training)."""
@@ -14,7 +15,9 @@ import mlx.nn as nn
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import chunked_delta  # noqa: E402
 import numpy_kernels  # noqa: E402
+import openblas  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -87,3 +90,58 @@ def test_installed_routes_the_fixture_architectures_and_restores_them():
             assert module.scaled_dot_product_attention is numpy_kernels.attention
             assert module.swiglu is numpy_kernels.swiglu
     assert [(m.scaled_dot_product_attention, m.swiglu) for m in modules] == before
+
+
+def _delta_inputs(T: int):
+    from mlx_lm.models.gated_delta import normalize_qk
+
+    B, Hk, Hv, D = 2, 1, 2, 16  # two value heads per key head, as the qwen35-xml fixture
+    q, k = normalize_qk(mx.random.normal((B, T, Hk, D)), mx.random.normal((B, T, Hk, D)),
+                        inv_scale=D**-0.5, eps=1e-6)
+    return (q, k, mx.random.normal((B, T, Hv, D)), mx.random.normal((B, T, Hv)) * 2,
+            mx.random.normal((B, T, Hv)) * 2)
+
+
+@pytest.mark.parametrize("T", [1, 40, 64, 150])  # under, at and across chunk boundaries (C = 64)
+def test_chunked_gated_delta_matches_the_step_recurrence_values_and_gradients(T):
+    from mlx_lm.models.gated_delta import compute_g, gated_delta_ops
+
+    q, k, v, a, b = _delta_inputs(T)
+    A_log, dt_bias = mx.array([0.3, -1.0]), mx.array([0.5, -0.2])
+    state = mx.random.normal((2, 2, 16, 16)) * 0.1
+    cot = mx.random.normal(v.shape)
+
+    def reference(q, k, v, a, b, state):
+        return gated_delta_ops(q, k, v, compute_g(A_log, a, dt_bias), mx.sigmoid(b), state)
+
+    def ours(q, k, v, a, b, state):
+        return chunked_delta.gated_delta_update(q, k, v, a, b, A_log, dt_bias, state)
+
+    args = (q, k, v, a, b, state)
+    for got, want in zip(ours(*args), reference(*args)):
+        _close(got, want)
+    for arg in range(6):
+        want = mx.grad(lambda *x: (reference(*x)[0] * cot).sum() + reference(*x)[1].sum(), argnums=arg)(*args)
+        got = mx.grad(lambda *x: (ours(*x)[0] * cot).sum() + ours(*x)[1].sum(), argnums=arg)(*args)
+        assert mx.allclose(got, want, rtol=1e-4, atol=1e-4).item(), (arg, mx.abs(got - want).max().item())
+
+
+def test_chunked_delta_refuses_what_it_does_not_implement():
+    q, k, v, a, b = _delta_inputs(4)
+    with pytest.raises(ValueError, match="unmasked scalar-gate"):
+        chunked_delta.gated_delta_update(q, k, v, a, b, mx.zeros(2), mx.zeros(2), mask=mx.ones((2, 4), mx.bool_))
+
+
+def test_chunked_delta_installed_routes_qwen3_5_and_restores_it():
+    from mlx_lm.models import qwen3_5
+
+    before = qwen3_5.gated_delta_update
+    with chunked_delta.installed():
+        assert qwen3_5.gated_delta_update is chunked_delta.gated_delta_update
+    assert qwen3_5.gated_delta_update is before
+
+
+def test_openblas_core_type_follows_the_isa_flags():
+    assert openblas.core_type({"avx512f", "avx512bw", "avx2", "fma"}) == "SkylakeX"
+    assert openblas.core_type({"avx2", "fma"}) == "Haswell"
+    assert openblas.core_type({"sse4_2"}) is None
