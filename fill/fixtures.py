@@ -105,6 +105,28 @@ def fixture_emits_calls(name: str, share: float = PARSEABLE_TARGET) -> bool:
     return json.loads(path.read_text()).get("parseable_call_share", 0.0) >= share
 
 
+def parse_tool_calls(tokenizer, text: str, tools: list[dict] | None) -> list[dict] | None:
+    """Every tool call in ``text``, parsed by the tokenizer's mlx-lm tool parser, as
+    ``[{"name", "arguments"}]`` ([] when there is none); None when any call is unclosed, fails to
+    parse, has non-object arguments or the parser's ``unknown`` name. This is what the fixtures'
+    eval counts as a parseable call."""
+    start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
+    calls, rest = [], text
+    while start in rest:
+        _, _, rest = rest.partition(start)
+        if end not in rest:
+            return None
+        body, _, rest = rest.partition(end)
+        try:
+            call = tokenizer.tool_parser(body, tools)
+        except Exception:
+            return None
+        if not isinstance(call, dict) or not isinstance(call.get("arguments"), dict) or call.get("name") == "unknown":
+            return None
+        calls.append({"name": call["name"], "arguments": call["arguments"]})
+    return calls
+
+
 def fixture_path(name: str) -> Path:
     """A complete model dir (config.json, model.safetensors, tokenizer files, chat template) that
     ``mlx_lm.load`` and ``mlx_lm.server --model`` accept. Idempotent; rebuilt when the committed

@@ -71,7 +71,7 @@ SPECS = {
     # the Qwen3.5 tool preamble alone is ~300 tokens
     "qwen35-xml": Spec("qwen3.5", "qwen3_5", 64, 4, 2, 1, 192, steps=420, max_tokens=768, lr=1e-2),
     "glm-xml": Spec("glm4.x", "glm4", 64, 4, 2, 1, 192, steps=640, lr=1e-2),
-    "qwen3-draft": Spec("qwen3", "qwen3", 64, 2, 2, 1, 192, steps=1200, lr=1e-2,
+    "qwen3-draft": Spec("qwen3", "qwen3", 64, 3, 2, 1, 192, steps=1000, lr=1e-2,
                         train_cap=(("mini_swe_agent_gemini3pro", 3000),)),
 }
 
@@ -334,26 +334,6 @@ def save(name, spec, model, embed_key, ids, config, minutes, final_loss, n_windo
     print(f"wrote {out} ({sum(p.stat().st_size for p in out.iterdir()) / 1e6:.1f} MB)")
 
 
-def _parse_calls(text: str, tokenizer, tools) -> list[dict] | None:
-    """Tool calls in ``text`` parsed by the family's mlx-lm parser; None when any is unparseable."""
-    start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
-    calls = []
-    rest = text
-    while start in rest:
-        head, _, rest = rest.partition(start)
-        if end not in rest:
-            return None
-        body, _, rest = rest.partition(end)
-        try:
-            call = tokenizer.tool_parser(body, tools)
-        except Exception:
-            return None
-        if not isinstance(call, dict) or not isinstance(call.get("arguments"), dict) or call.get("name") == "unknown":
-            return None
-        calls.append({"name": call["name"], "arguments": call["arguments"]})
-    return calls
-
-
 def greedy(model, prompt_ids: list[int], stop: set[int], max_tokens: int) -> list[int]:
     from mlx_lm.generate import generate_step
 
@@ -376,7 +356,7 @@ def evaluate(name: str) -> dict:
     by_source: dict[str, list[int]] = {}  # source -> [parseable, call turns]
     for example in calls + prose:
         text = tokenizer.decode(greedy(model, example.prompt_ids, stop, fixture_data.MAX_TARGET_TOKENS + 32))
-        parsed = _parse_calls(text, tokenizer, example.tools)
+        parsed = fixtures.parse_tool_calls(tokenizer, text, example.tools)
         if example.expected_calls:
             counts = by_source.setdefault(example.source, [0, 0])
             counts[1] += 1
