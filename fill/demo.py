@@ -16,9 +16,10 @@ import mlx.core as mx
 
 from .fixtures import FIXTURES, fixture_path
 
-# The embedded default exchange: a mini-swe-agent coding session (the system prompt and a PR
-# description as the fixtures' training data cuts them, from a session held back from training)
-# with a single ``bash`` tool.
+# The embedded default exchange: a mini-swe-agent coding session held back from training (the
+# system prompt and PR description cut as in the fixtures' training data) with a single ``bash``
+# tool. It is the first held-back mini-swe-agent session, in split order, on which the
+# ``qwen3-json`` fixture makes three parseable calls in a row; 39 of the 43 do.
 DEFAULT_TOOLS = [{"type": "function", "function": {
     "name": "bash", "description": "Run one bash command in the repository shell and return its output.",
     "parameters": {"type": "object", "required": ["command"], "properties": {
@@ -29,11 +30,11 @@ DEFAULT_MESSAGES = [
         "solve programming tasks.\nYour response must contain exactly ONE bash code block with ONE "
         "command (or commands connected with && or ||).\n\nInclude a THOUGHT \u2026")},
     {"role": "user", "content": (
-        "<pr_description>\nConsider the following PR description:\nConfusing (broken?) colormap "
-        "name handling\nConsider the following example in which one creates and registers a new "
-        "colormap and attempt to use it with the `pyplot` interface.\n\n``` python\nfrom matplotlib "
-        "import cm\nfrom matplotlib.colors import LinearSegmentedColormap\nimport matplotlib.pyplot "
-        "as plt\nimpor \u2026")},
+        "<pr_description>\nConsider the following PR description:\nTimeSeries: misleading exception "
+        "when required column check fails.\n<!-- This comments are hidden when you submit the "
+        "issue,\r\nso you do not need to remove them! -->\r\n\r\n<!-- Please be sure to check out "
+        "our contributing guidelines,\r\nhttps://github.com/astropy/astropy/blob/main/CONTRIBUTING.md "
+        ".\r\nPlease be \u2026")},
 ]
 TOOL_RESULT = "<returncode>0</returncode>\n<output>\nlib/matplotlib/cm.py\nlib/matplotlib/colors.py\n</output>"
 

@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 from mlx_fill import assets
+from mlx_fill.demo import DEFAULT_MESSAGES, DEFAULT_TOOLS
 from mlx_fill.fixtures import TOKENIZER_FILES, fixture_emits_calls, fixture_path
 from mlx_fill.paths import user_cache_dir
 from mlx_fill.random_models import build, config_for, save
@@ -98,8 +99,12 @@ def running_server(argv: list[str], port: int, *, env: dict[str, str] | None = N
                 proc.wait()
 
 
-# The fixture's training domain (coding-agent sessions with a structured ``bash`` tool).
-AGENT_TOOLS = [{"type": "function", "function": {
+# The fixture's training domain: the demo's held-back mini-swe-agent exchange (system prompt and
+# PR description, a structured ``bash`` tool), on which the fixture makes parseable calls.
+AGENT_TOOLS = DEFAULT_TOOLS
+AGENT_MESSAGES = DEFAULT_MESSAGES
+
+TOOLS = [{"type": "function", "function": {
     "name": "bash", "description": "Run one bash command in the repository shell and return its output.",
     "parameters": {"type": "object", "properties": {"command": {"type": "string", "description": "The command to run."}},
                    "required": ["command"]}}}]

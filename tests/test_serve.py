@@ -202,7 +202,8 @@ def test_draft_model_source_is_lossless():
     from mlx_fill.adapters.serve import Engine
 
     model, _ = serving_model_dir()
-    req = lambda: parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 24})
+    # a request the model answers at length (a short reply leaves nothing to draft)
+    req = lambda: parse_chat_request({"messages": AGENT_MESSAGES, "max_tokens": 24})
     drafting, stock = Engine(str(model), fill="strict", draft_model=str(model)), Engine(str(model), fill="off")
     with_draft = drafting.generate(drafting.prepare(req()), threading.Event())
     plain = stock.generate(stock.prepare(req()), threading.Event())
