@@ -105,13 +105,6 @@ AGENT_TOOLS = DEFAULT_TOOLS
 AGENT_MESSAGES = DEFAULT_MESSAGES
 
 TOOLS = [{"type": "function", "function": {
-    "name": "bash", "description": "Run one bash command in the repository shell and return its output.",
-    "parameters": {"type": "object", "properties": {"command": {"type": "string", "description": "The command to run."}},
-                   "required": ["command"]}}}]
-AGENT_MESSAGES = [{"role": "system", "content": "You are a coding agent working in a git repository."},
-                  {"role": "user", "content": "List the files in the repository root."}]
-
-TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather for a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                    "required": ["city"], "additionalProperties": False}}}]
