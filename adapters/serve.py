@@ -33,6 +33,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ..errors import UserError, model_ref
 from .openai_request import ChatRequest, RequestError, parse_chat_request
 
 DEFAULT_MAX_TOKENS = 512
@@ -466,9 +467,9 @@ def _usage(out: Outcome) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="mlx-lm model directory (or hub id)")
+    parser.add_argument("--model", required=True, type=model_ref, help="mlx-lm model directory (or hub id)")
     parser.add_argument("--fill", default="strict", choices=("strict", "echo", "all", "off"))
-    parser.add_argument("--draft-model", default=None,
+    parser.add_argument("--draft-model", default=None, type=model_ref,
                         help="a smaller model with the same tokenizer, used as a verify source")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     parser.add_argument("--port", type=int, default=8080)
@@ -482,8 +483,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
-    engine = Engine(args.model, fill=args.fill, draft_model=args.draft_model,
-                    prompt_cache_size=args.prompt_cache_size, max_tokens=args.max_tokens)
+    try:
+        engine = Engine(args.model, fill=args.fill, draft_model=args.draft_model,
+                        prompt_cache_size=args.prompt_cache_size, max_tokens=args.max_tokens)
+    except (OSError, ValueError) as err:
+        remote = [m for m in (args.model, args.draft_model) if m and not Path(m).exists()]
+        if not remote:
+            raise
+        raise UserError(f"could not download {', '.join(remote)} from the Hugging Face Hub "
+                        f"({str(err).splitlines()[0]}); pass a local mlx-lm model directory") from err
     app = create_app(engine, max_request_bytes=args.max_request_bytes)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

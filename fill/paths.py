@@ -1,9 +1,16 @@
-"""Where mlx-fill keeps per-user state (plans, assets, fixture model dirs, evidence ledger)."""
+"""Where mlx-fill keeps per-user state (plans, assets, fixture model dirs, evidence ledger), and
+where a repository checkout keeps the files its study, benchmarks and fixture training read."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+# the checkout an editable install runs from (in an installed wheel: site-packages, which has
+# no ``fixtures/``)
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# the real agent transcripts shipped with the repository (``fixtures/transcripts/README.md``)
+TRANSCRIPTS = REPO_ROOT / "fixtures" / "transcripts" / "dev.jsonl.gz"
 
 
 def user_cache_dir() -> Path:

@@ -21,6 +21,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from .errors import model_dir
 from .exactness import arrays_equal, cache_content
 from .plan import DispatchPlan, PlanKey, config_key, save_plan
 from .primitive import Unsupported, append, cache_offset, check_supported, checkpoint, rewind
@@ -177,7 +178,7 @@ def format_table(plan: DispatchPlan, checks: list[Check]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, type=Path, help="mlx-lm model directory")
+    parser.add_argument("--model", required=True, type=model_dir, help="mlx-lm model directory")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and KV lengths")
     parser.add_argument("--out", type=Path, default=None,
                         help="plan file (default: the user cache's plans/ dir)")

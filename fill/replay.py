@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Iterator
 
 from . import report
+from .errors import UserError
 
 JSON_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
               (list, "array"), (dict, "object"), (type(None), "null"))
@@ -393,19 +394,16 @@ def run(args) -> int:
     reps = getattr(args, "reps", 1)
     for flag, value in (("--turns", args.turns), ("--max-sessions", args.max_sessions), ("--reps", reps)):
         if value is not None and value < 1:
-            print(f"mlx-fill {command}: {flag} must be >= 1", file=sys.stderr)
-            return 2
+            raise UserError(f"{flag} must be >= 1")
     if not args.sessions.is_file():
-        print(f"mlx-fill {command}: no such transcripts file: {args.sessions}", file=sys.stderr)
-        return 2
+        raise UserError(f"no such transcripts file: {args.sessions}")
     sessions, corrupt = load_sessions(args.sessions)
     for bad in corrupt:
         print(f"transcripts line {bad.line} skipped: {bad.reason}", file=sys.stderr)
     turns, notes = select_turns(sessions, sources=args.source, max_sessions=args.max_sessions,
                                 turns_per_session=args.turns)
     if not turns:
-        print(f"mlx-fill {command}: no replayable turns selected from {args.sessions}", file=sys.stderr)
-        return 2
+        raise UserError(f"no replayable turns selected from {args.sessions}")
     started = datetime.now(timezone.utc)
     out_dir = args.out or Path("mlx-fill-runs") / f"{command}-{started:%Y%m%dT%H%M%SZ}"
     out_dir.mkdir(parents=True, exist_ok=True)

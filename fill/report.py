@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from .errors import UserError
+
 ALPHA = 0.05
 QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)
 
@@ -521,12 +523,12 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     if not args.runs.is_file():
-        print(f"mlx-fill report: no such runs file: {args.runs}")
-        return 2
+        raise UserError(f"no such runs file: {args.runs}; pass the runs.jsonl that "
+                        f"`mlx-fill replay` or `mlx-fill ab` wrote")
     runs = load_runs(args.runs)
     if not runs.turns:
-        print(f"mlx-fill report: {args.runs} holds no turn records")
-        return 2
+        raise UserError(f"{args.runs} holds no turn records; pass the runs.jsonl that "
+                        f"`mlx-fill replay` or `mlx-fill ab` wrote")
     out_dir = args.out or args.runs.with_name(args.runs.stem + ".report")
     result = write_report(runs, out_dir, by_tool=args.by_tool)
     print(verdict_line(result))

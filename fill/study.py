@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
@@ -35,7 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .assets import FAMILIES
 from .echo import EchoIndex
+from .errors import UserError, existing_file
+from .paths import TRANSCRIPTS
 from .plan import DispatchPlan
 from .proposal import DecodeView, FillSession
 
@@ -46,14 +48,6 @@ COMBINED = ("all", "best")
 BASELINE = "baseline"
 METRICS = ("tokens", "forwards", "proposed", "accepted", "rejected", "cost", "turns", "asserted",
            "assert_mismatches")
-
-
-def shared_dir() -> Path:
-    """``$MLX_FILL_SHARED``, else ``../shared`` beside the repository checkout."""
-    env = os.environ.get("MLX_FILL_SHARED")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parent.parent.parent / "shared"
 
 
 @dataclass
@@ -385,16 +379,17 @@ def plot(result: dict, out: Path) -> list[Path]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--transcripts", type=Path, default=None,
-                        help="JSONL(.gz) transcripts (default: ../shared/transcripts/dev.jsonl.gz)")
-    parser.add_argument("--family", default="qwen3", help="tokenizer/template family")
+    parser.add_argument("--transcripts", type=existing_file, default=None,
+                        help="JSONL(.gz) transcripts (default: the repository's "
+                             "fixtures/transcripts/dev.jsonl.gz)")
+    parser.add_argument("--family", default="qwen3", choices=FAMILIES, help="tokenizer/template family")
     parser.add_argument("--sources", default="ngram,echo,suffix,all,best",
                         help="comma list from ngram,echo,suffix,strict,all,best (baseline "
                              "always runs; all = echo+suffix+ngram, best = strict + all)")
     parser.add_argument("--sessions", type=int, default=None, help="first N sessions only")
     parser.add_argument("--per-source", type=int, default=None,
                         help="at most N sessions of each transcript source (first N)")
-    parser.add_argument("--cost-curve", type=Path, default=None,
+    parser.add_argument("--cost-curve", type=existing_file, default=None,
                         help="DispatchPlan JSON whose cost map prices each forward")
     parser.add_argument("--max-span", type=int, default=32)
     parser.add_argument("--workers", type=int, default=2)
@@ -406,18 +401,20 @@ def run(args: argparse.Namespace) -> int:
     names = [s.strip() for s in args.sources.split(",") if s.strip()]
     bad = [n for n in names if n not in ROW_SOURCES]
     if bad:
-        print(f"mlx-fill study: unknown sources {bad}; choose from {sorted(ROW_SOURCES)}")
-        return 2
-    path = args.transcripts or shared_dir() / "transcripts" / "dev.jsonl.gz"
-    if not path.exists():
-        print(f"mlx-fill study: no transcripts at {path}")
-        return 2
+        raise UserError(f"unknown sources {bad}; choose from {sorted(ROW_SOURCES)}")
+    path = args.transcripts or TRANSCRIPTS
+    if not path.is_file():
+        raise UserError(f"no transcripts at {path} (an installed package has none); pass "
+                        f"--transcripts FILE, e.g. a clone's fixtures/transcripts/dev.jsonl.gz")
     plan = None
     if args.cost_curve is not None:
-        plan = DispatchPlan.from_json(json.loads(args.cost_curve.read_text()))
+        try:
+            plan = DispatchPlan.from_json(json.loads(args.cost_curve.read_text()))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise UserError(f"{args.cost_curve} is not a DispatchPlan JSON ({err}); write one "
+                            f"with `mlx-fill qualify`") from err
         if not plan.cost:
-            print(f"mlx-fill study: {args.cost_curve} has no cost map")
-            return 2
+            raise UserError(f"{args.cost_curve} has no cost map; write one with `mlx-fill qualify`")
     result = run_study(path, args.family, names, sessions=args.sessions,
                        per_source=args.per_source, plan=plan,
                        max_span=args.max_span, workers=args.workers,

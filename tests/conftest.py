@@ -1,13 +1,21 @@
-"""Shared fixtures: seeded random-weight models with real mlx-lm architectures."""
+"""Shared fixtures: seeded random-weight models with real mlx-lm architectures; one asset store
+for the whole run."""
 
 from __future__ import annotations
 
 import functools
+import os
 
 import mlx.core as mx
 import pytest
 
+from mlx_fill.paths import user_cache_dir
 from mlx_fill.random_models import build, config_for
+
+# The families are fetched on first use into this run's user cache (``MLX_FILL_CACHE``); naming
+# that folder as ``MLX_FILL_ASSETS`` keeps it visible to the tests that point MLX_FILL_CACHE at a
+# temporary folder, so each family is fetched once per run. A pre-filled MLX_FILL_ASSETS wins.
+os.environ.setdefault("MLX_FILL_ASSETS", str(user_cache_dir() / "assets"))
 
 # (id, arch, dtype, bits): every cache type and weight format the primitive supports.
 MODEL_CONFIGS = [

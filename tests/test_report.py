@@ -279,4 +279,4 @@ def test_report_command_rejects_missing_or_empty_files(tmp_path, capsys):
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps({"kind": "run"}) + "\n")
     assert main(["report", str(empty)]) == 2
-    assert "no turn records" in capsys.readouterr().out
+    assert "no turn records" in capsys.readouterr().err
