@@ -5,7 +5,7 @@
 #   bash scripts/ab_fixture.sh [OUT_DIR]
 #
 # Environment (defaults in brackets): FIXTURE [qwen3-json], B_FILL [all], SOURCE
-# [mini_swe_agent_gemini3pro], SESSIONS [../shared/transcripts/dev.jsonl.gz], MAX_SESSIONS [5],
+# [mini_swe_agent_gemini3pro], SESSIONS [fixtures/transcripts/dev.jsonl.gz], MAX_SESSIONS [5],
 # TURNS [4], REPS [1], MAX_TOKENS [96], PORT_A [8401], PORT_B [8402].
 # Both servers run at once but requests alternate A, B, A, B, so only one decodes at a time.
 set -euo pipefail
@@ -15,7 +15,7 @@ out="${1:-mlx-fill-runs/ab-fixture-$(date -u +%Y%m%dT%H%M%SZ)}"
 fixture="${FIXTURE:-qwen3-json}"
 b_fill="${B_FILL:-all}"
 source_name="${SOURCE:-mini_swe_agent_gemini3pro}"
-sessions="${SESSIONS:-$root/../shared/transcripts/dev.jsonl.gz}"
+sessions="${SESSIONS:-$root/fixtures/transcripts/dev.jsonl.gz}"
 port_a="${PORT_A:-8401}"
 port_b="${PORT_B:-8402}"
 

@@ -191,9 +191,9 @@ def mechanism_turns(tok, per_source: int, max_prompt: int, max_out: int) -> list
     the output the recorded reply's ids up to the end-of-turn token. Only the first
     ``SCAN_TURNS`` turns of a session are rendered (each rendering is the whole history)."""
     from mlx_fill.replay import load_sessions, session_turns
-    from mlx_fill.study import shared_dir
+    from mlx_fill.paths import TRANSCRIPTS
 
-    sessions, _ = load_sessions(shared_dir() / "transcripts" / "dev.jsonl.gz")
+    sessions, _ = load_sessions(TRANSCRIPTS)
     picked: list[RecordedTurn] = []
     for source in ("pi_mono", "tau_bench_gpt4o_airline", "mini_swe_agent_gemini3pro"):
         mine = 0

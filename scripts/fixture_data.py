@@ -1,6 +1,6 @@
 """Training/eval conversations for the fixture models, from the real agent transcripts.
 
-Sources (``../shared/transcripts/dev.jsonl.gz``): pi (read/bash/edit/write, one long session),
+Sources (``fixtures/transcripts/dev.jsonl.gz``): pi (read/bash/edit/write, one long session),
 tau-bench airline (structured calls, schemas from the session's ``tools``, compacted and limited to
 the tools the session calls plus ``transfer_to_human_agents``), mini-swe-agent (bash
 blocks parsed out of the text, turned into structured ``bash`` calls, the THOUGHT prose dropped).
@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from mlx_fill.paths import TRANSCRIPTS
 
 SOURCES = ("pi_mono", "tau_bench_gpt4o_airline", "mini_swe_agent_gemini3pro")
 MAX_RESULT_CHARS = 320
@@ -74,9 +76,11 @@ class Sequence:
 
 
 def transcripts_path() -> Path:
+    """``$MLX_FILL_TRANSCRIPTS`` (a folder holding ``dev.jsonl.gz``), else the repository's
+    ``fixtures/transcripts``."""
     if os.environ.get("MLX_FILL_TRANSCRIPTS"):
         return Path(os.environ["MLX_FILL_TRANSCRIPTS"])
-    return Path(__file__).resolve().parents[1].parent / "shared" / "transcripts"
+    return TRANSCRIPTS.parent
 
 
 def _cut(text: str, limit: int) -> str:

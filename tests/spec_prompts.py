@@ -1,5 +1,5 @@
 """Multi-turn agent prompts for the model-based draft sources' fixture tests: early turns of
-recorded sessions (``../shared/transcripts/dev.jsonl.gz``) as the replay tool sends them (OpenAI
+recorded sessions (``fixtures/transcripts/dev.jsonl.gz``) as the replay tool sends them (OpenAI
 messages + tools), rendered through the fixture family's real chat template with the generation
 prompt, as a server would."""
 
@@ -11,7 +11,7 @@ from itertools import zip_longest
 from typing import Any
 
 from mlx_fill.replay import load_sessions, session_turns
-from mlx_fill.study import shared_dir
+from mlx_fill.paths import TRANSCRIPTS
 
 
 def _with_argument_objects(messages: list[dict]) -> list[dict]:
@@ -37,7 +37,7 @@ def transcript_prompts(tokenizer: Any, count: int, max_len: int = 2400,
                        per_session: int = 2) -> list[list[int]]:
     """``count`` prompts (at most ``max_len`` ids, at most ``per_session`` from one session),
     sessions taken round-robin over transcript sources."""
-    sessions, _ = load_sessions(shared_dir() / "transcripts" / "dev.jsonl.gz")
+    sessions, _ = load_sessions(TRANSCRIPTS)
     by_source: dict[str, list[dict]] = defaultdict(list)
     for s in sessions:
         by_source[str(s.get("source"))].append(s)

@@ -15,8 +15,8 @@ from adapter_models import free_port, running_server
 
 from mlx_fill import replay
 from mlx_fill.cli import main
+from mlx_fill.paths import TRANSCRIPTS
 
-TRANSCRIPTS = Path(__file__).resolve().parents[1].parent / "shared" / "transcripts" / "dev.jsonl.gz"
 
 
 def _structured(tools=None, ids=True):
@@ -251,8 +251,6 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sessions_file(tmp_path_factory):
     """Two real structured sessions (one with a tools array, one without) and a corrupt line."""
-    if not TRANSCRIPTS.is_file():
-        pytest.skip(f"transcripts not found at {TRANSCRIPTS}")
     picked = {}
     with gzip.open(TRANSCRIPTS, "rt", encoding="utf-8") as fh:
         for line in fh:
@@ -320,8 +318,6 @@ def test_ab_fill_off_vs_all_on_the_fixture_model(tmp_path, capsys):
     lossless fill) both arms produce the same output on every pair."""
     from mlx_fill import fixtures
 
-    if not TRANSCRIPTS.is_file():
-        pytest.fail(f"transcripts not found at {TRANSCRIPTS}")
     model_dir = fixtures.fixture_path("qwen3-json")
     urls = {}
     with contextlib.ExitStack() as stack:
