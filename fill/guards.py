@@ -211,7 +211,9 @@ class Markers:
 
 
 _FENCE = "```"
-_STRING_STOP = re.compile(r'["\\]')   # what ends a run of JSON string content
+# What ends a run of JSON string content: the closing quote, an escape, or a raw newline (which
+# a JSON string cannot hold, as in the grammar: the string was malformed and has ended).
+_STRING_STOP = re.compile(r'["\\\n]')
 
 
 class TurnGuard:
@@ -290,11 +292,12 @@ class TurnGuard:
                 if stop is None:
                     i = len(text)
                     continue
-                i = stop.end()
-                if stop.group() == "\\":
-                    self._escape = True
+                if stop.group() == "\n":
+                    self._in_string, i = False, stop.start()
+                elif stop.group() == "\\":
+                    self._escape, i = True, stop.end()
                 else:
-                    self._in_string, self._tail = False, ""
+                    self._in_string, self._tail, i = False, "", stop.end()
                 continue
             ch = text[i]
             i += 1

@@ -41,7 +41,7 @@ from typing import Literal, Sequence, get_args
 
 import jinja2
 
-from .guards import Markers, Role, detect_syntax
+from .guards import SYNTAXES, Markers, Role, detect_syntax
 from .tokenbytes import ids_bytes, token_bytes
 from .toolspec import ToolSpec, tool_specs
 
@@ -60,10 +60,6 @@ MIN_SPAN = 2
 
 Certainty = Literal["determined", "likely"]
 CERTAINTIES: tuple[str, ...] = get_args(Certainty)
-# Syntaxes whose argument values are raw text: a value may hold any delimiter of the syntax,
-# its own end and the call's end marker included, so no parser state after a value has begun
-# can know that the value has ended.
-RAW_TEXT_SYNTAXES = frozenset({"xml", "glm"})
 
 
 def certainty(kind: str, syntax: str, *, after_call: bool = False,
@@ -73,12 +69,12 @@ def certainty(kind: str, syntax: str, *, after_call: bool = False,
     * ``scaffold`` / ``name`` rows are ``determined``: they fire right after the call-start
       token (``name``: after the tool name's distinguishing token too), where the template
       writes the rest of the name and the schema forces the sole key. Two exceptions are
-      ``likely``: in a raw-text syntax, a call that opens after an earlier call of the same
-      turn has ended (``after_call``) may be text inside that call's last value (a value can
-      hold the call's end marker and a new start marker); and a Hermes-JSON row that reaches
-      into the ``arguments`` object (``into_arguments``), whose spacing is the model's own
-      JSON (a template inserts string arguments verbatim, so ``{ "k"`` is as valid as
-      ``{"k"``).
+      ``likely``: in a raw-text syntax (``CallSyntax.raw_values``: XML, GLM), a call that
+      opens after an earlier call of the same turn has ended (``after_call``) may be text
+      inside that call's last value (a value can hold the call's end marker and a new start
+      marker); and a Hermes-JSON row that reaches into the ``arguments`` object
+      (``into_arguments``), whose spacing is the model's own JSON (a template inserts string
+      arguments verbatim, so ``{ "k"`` is as valid as ``{"k"``).
     * ``close`` rows are ``likely`` in every supported syntax: in XML and GLM they fire after
       ``</parameter>`` / ``</arg_value>``, which a raw-text value can contain; in Hermes JSON
       they fire only after a closed string (a JSON string cannot hold an unescaped quote, so
@@ -87,7 +83,8 @@ def certainty(kind: str, syntax: str, *, after_call: bool = False,
     """
     if kind not in ("scaffold", "name", "close"):
         raise ValueError(f"unknown row kind {kind!r}")
-    if kind == "close" or into_arguments or (after_call and syntax in RAW_TEXT_SYNTAXES):
+    raw_values = SYNTAXES[syntax].raw_values
+    if kind == "close" or into_arguments or (after_call and raw_values):
         return "likely"
     return "determined"
 

@@ -32,7 +32,7 @@ parser state that cannot be entered from inside an argument value force its ids:
   rows of any later call in the turn (it opens after an end marker a value can contain).
 * Qwen3 Hermes JSON: a string cannot hold an unescaped quote, and the guard reads call markers
   only outside strings, so no row fires inside a value (``"}}`` or ``</tool_call>`` in a string
-  is text). Determined: the scaffold ``\n{"name": "`` and the head rows of later calls.
+  is text). Determined: the scaffold ``\\n{"name": "`` and the head rows of later calls.
   Likely: rows that reach into the ``arguments`` object (the name rows' ``{"key":``, a
   single-tool scaffold through the key, the close row's ``}}``): a template inserts string
   arguments verbatim, so their spacing is the model's own JSON (recorded SWE-agent calls use

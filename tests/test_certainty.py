@@ -124,6 +124,8 @@ def test_json_guard_reads_call_markers_only_outside_strings():
     g.feed("</tool_call>")
     assert g.role is Role.CONTENT and g.calls_ended == 1
     assert SYNTAXES["hermes-json"].parse(g.last_body).closed
+    g.feed('\n<tool_call>\n{"name": "bash", "arguments": {"command": "never closed\n</tool_call>')
+    assert g.role is Role.CONTENT and g.calls_ended == 2   # a raw newline ends a bad string
 
 
 def test_json_close_fires_once_after_a_string_holding_the_end_marker():
