@@ -13,7 +13,11 @@ which cuts spans at EOS and at ``max_span``; an applied span is appended whole).
   of the case's ``no_fill_in`` substrings of the reply text;
 * missed: a case marked ``"expect": "fill"`` where nothing fired.
 
-Exit status 1 on any containment failure, false fire or miss; 0 otherwise.
+Every row and every fire carries its certainty class (``determined`` / ``likely``, see
+:func:`mlx_fill.rows.certainty`). Exit status 1 on any containment failure or false fire of a
+``determined`` row, any miss, or any row or fire without a valid class; 0 otherwise. A
+``likely`` row's containment failures and false fires are reported but do not fail the audit:
+such a row is only ever verified, so a wrong proposal costs a check, never a token.
 
 Case file (``<corpus>/<family>/*.json``)::
 
@@ -35,7 +39,7 @@ from pathlib import Path
 from .assets import FAMILIES, load_tokenizer
 from .errors import UserError, existing_file
 from .proposal import DecodeView, FillSession
-from .rows import plan_for
+from .rows import CERTAINTIES, plan_for
 from .strict import strict_source
 from .tokenbytes import ids_bytes, token_bytes
 
@@ -49,6 +53,15 @@ class Fire:
     ids: list[int]
     contained: bool
     false_fire: bool
+    certainty: str | None
+
+    @property
+    def determined(self) -> bool:
+        return self.certainty == "determined"
+
+    @property
+    def classed(self) -> bool:
+        return self.certainty in CERTAINTIES
 
 
 @dataclass
@@ -77,8 +90,17 @@ class CaseResult:
         return self.expect == "fill" and not any(f.contained for f in self.fires)
 
     @property
+    def determined_failures(self) -> int:
+        """Fires of ``determined`` rows that were not contained or fired where they must not."""
+        return sum(f.determined and (not f.contained or f.false_fire) for f in self.fires)
+
+    @property
+    def unclassed(self) -> int:
+        return sum(not f.classed for f in self.fires)
+
+    @property
     def ok(self) -> bool:
-        return not (self.containment_failures or self.false_fires or self.missed)
+        return not (self.determined_failures or self.unclassed or self.missed)
 
 
 def _render(tok, messages, tools, kwargs, generation: bool) -> str:
@@ -145,7 +167,7 @@ def audit_case(tok, case: dict, tools) -> CaseResult:
         contained = ids[pos: pos + len(span)] == span
         at = len(ids_bytes(table, ids[:pos]).decode("utf-8", "replace"))
         false_fire = expect == "none" or any(a <= at < b for a, b in regions)
-        result.fires.append(Fire(pos, p.origin, span, contained, false_fire))
+        result.fires.append(Fire(pos, p.origin, span, contained, false_fire, p.certainty))
         session.feedback(p, len(span) if contained else 0, pos)
         pos += len(span) if contained else 1
     return result
@@ -187,37 +209,50 @@ def _tools(corpus: Path, case: dict, default):
                      f"case {case['id']} names tools {ref!r}; add that file under {corpus / 'tools'}")
 
 
-def print_rows(tok, family: str, tools, out) -> None:
+def print_rows(tok, family: str, tools, out) -> int:
+    """Print every compiled row with its certainty class; returns how many rows lack one."""
     plan = plan_for(tok, [{"role": "user", "content": "audit"}], tools)
     if plan is None:
         print(f"[{family}] no rows: the template cannot render tool calls", file=out)
-        return
-    print(f"[{family}] syntax={plan.syntax} rows={len(plan.rows())}", file=out)
-    for r in plan.rows():
-        print(f"  {r.origin:<32} assert key={r.key!r} trigger={list(r.trigger)} "
+        return 0
+    rows = plan.rows()
+    classes = {c: sum(r.certainty == c for r in rows) for c in CERTAINTIES}
+    print(f"[{family}] syntax={plan.syntax} rows={len(rows)} "
+          + " ".join(f"{c}={n}" for c, n in classes.items()), file=out)
+    for r in rows:
+        where = "" if r in plan.head.values() or r in plan.close.values() else " (later call)"
+        cls = r.certainty if r.certainty in CERTAINTIES else "MISSING-CLASS"
+        print(f"  {r.origin:<32} {cls:<10} key={r.key!r} trigger={list(r.trigger)} "
               f"({tok.decode(list(r.trigger))!r}) span={list(r.span)} "
-              f"({tok.decode(list(r.span))!r})", file=out)
+              f"({tok.decode(list(r.span))!r}){where}", file=out)
+    return sum(r.certainty not in CERTAINTIES for r in rows)
 
 
-def audit_family(family: str, tools, corpus: Path, out=None) -> list[CaseResult]:
+def audit_family(family: str, tools, corpus: Path, out=None) -> tuple[list[CaseResult], int]:
+    """(case results, compiled rows without a certainty class) for one family."""
     out = out or sys.stdout  # looked up per call: the stream may be replaced after import
     tok = load_tokenizer(family)
-    print_rows(tok, family, tools, out)
+    unclassed = print_rows(tok, family, tools, out)
     results = []
     for case in load_cases(corpus, family):
         r = audit_case(tok, case, _tools(corpus, case, tools))
         results.append(r)
         status = "ok" if r.ok else "FAIL"
+        fires = {c: sum(f.certainty == c for f in r.fires) for c in CERTAINTIES}
         print(f"  {status:<4} {r.id:<40} expect={r.expect:<4} fires={len(r.fires)} "
+              f"({' '.join(f'{c}={n}' for c, n in fires.items())}) "
               f"injected={r.injected}/{r.tokens} containment_failures={r.containment_failures} "
               f"false_fires={r.false_fires}{' MISSED' if r.missed else ''}"
               f"{'' if r.compiled else ' (no rows compiled)'}", file=out)
         for f in r.fires:
-            if not f.contained or f.false_fire:
-                print(f"       at {f.position} {f.origin}: {tok.decode(f.ids)!r}"
-                      f"{'' if f.contained else ' NOT CONTAINED'}"
-                      f"{' FALSE FIRE' if f.false_fire else ''}", file=out)
-    return results
+            if f.contained and not f.false_fire and f.classed:
+                continue
+            cls = f.certainty if f.classed else "MISSING-CLASS"
+            note = "" if f.determined or not f.classed else " (verified: does not fail)"
+            print(f"       at {f.position} {f.origin} [{cls}]: {tok.decode(f.ids)!r}"
+                  f"{'' if f.contained else ' NOT CONTAINED'}"
+                  f"{' FALSE FIRE' if f.false_fire else ''}{note}", file=out)
+    return results, unclassed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -235,19 +270,27 @@ def run(args: argparse.Namespace) -> int:
                       "pass --tools FILE (an OpenAI tools array) or add tools/default.json to the corpus")
     families = list(FAMILIES) if args.family == "all" else [args.family]
     results: list[CaseResult] = []
+    unclassed = 0
     for family in families:
-        results += audit_family(family, tools, args.corpus)
+        family_results, family_unclassed = audit_family(family, tools, args.corpus)
+        results += family_results
+        unclassed += family_unclassed
     bad = [r for r in results if not r.ok]
+    fires = [f for r in results for f in r.fires]
     total_inj = sum(r.injected for r in results)
     total_tok = sum(r.tokens for r in results)
-    print(f"cases={len(results)} failed={len(bad)} fires={sum(len(r.fires) for r in results)} "
+    per_class = " ".join(f"{c}_fires={sum(f.certainty == c for f in fires)}" for c in CERTAINTIES)
+    print(f"cases={len(results)} failed={len(bad)} fires={len(fires)} ({per_class}) "
           f"injected={total_inj}/{total_tok} tokens "
           f"containment_failures={sum(r.containment_failures for r in results)} "
           f"false_fires={sum(r.false_fires for r in results)} "
-          f"missed={sum(r.missed for r in results)}")
+          f"determined_failures={sum(r.determined_failures for r in results)} "
+          f"missed={sum(r.missed for r in results)} unclassed_rows={unclassed}")
     if args.json:
         report = [{**asdict(r), "injected": r.injected, "ok": r.ok,
                    "containment_failures": r.containment_failures,
-                   "false_fires": r.false_fires, "missed": r.missed} for r in results]
-        args.json.write_text(json.dumps({"cases": report}, indent=1))
-    return 1 if bad or not results else 0
+                   "false_fires": r.false_fires, "determined_failures": r.determined_failures,
+                   "missed": r.missed} for r in results]
+        args.json.write_text(json.dumps({"cases": report, "unclassed_rows": unclassed},
+                                        indent=1))
+    return 1 if bad or unclassed or not results else 0

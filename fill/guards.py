@@ -16,6 +16,13 @@ Two layers establish that:
   parses only when it ends right after a complete delimiter (``</parameter>``, never
   ``</parameter`` followed by ``ization>``), with full input consumption and no repair. The
   ``generic`` syntax parses nothing, so every guarded decision declines.
+
+Values are raw text in ``xml`` and ``glm`` (``CallSyntax.raw_values``): a value may hold any
+delimiter of the syntax, the call's end and start markers included, so a parser state after a
+value has begun is never certain that the value has ended (``mlx_fill.rows.certainty`` classes
+the rows that fire there ``likely``). In ``hermes-json`` values are JSON: a string cannot hold an
+unescaped quote, so the guard reads call markers only outside strings and a ``</tool_call>``
+written inside a string value neither ends the call nor opens another.
 """
 
 from __future__ import annotations
@@ -127,10 +134,15 @@ class _Closers:
 
 @dataclass(frozen=True)
 class CallSyntax:
-    """A tool-call body syntax: ``parse(body)`` returns the prefix state or None (decline)."""
+    """A tool-call body syntax: ``parse(body)`` returns the prefix state or None (decline).
+
+    ``raw_values``: argument values are raw text that may hold any of the syntax's delimiters
+    (False only where values are quoted JSON).
+    """
 
     name: str
     grammar_file: str | None
+    raw_values: bool = True
 
     def parse(self, body: str) -> CallPrefix | None:
         if self.grammar_file is None:
@@ -157,7 +169,7 @@ def _parser(grammar_file: str) -> tuple[Lark, Transformer]:
 
 SYNTAXES: dict[str, CallSyntax] = {
     "xml": CallSyntax("xml", "xml_call.lark"),
-    "hermes-json": CallSyntax("hermes-json", "hermes_json.lark"),
+    "hermes-json": CallSyntax("hermes-json", "hermes_json.lark", raw_values=False),
     "glm": CallSyntax("glm", "glm_call.lark"),
     "generic": CallSyntax("generic", None),
 }
@@ -199,6 +211,9 @@ class Markers:
 
 
 _FENCE = "```"
+# What ends a run of JSON string content: the closing quote, an escape, or a raw newline (which
+# a JSON string cannot hold, as in the grammar: the string was malformed and has ended).
+_STRING_STOP = re.compile(r'["\\\n]')
 
 
 class TurnGuard:
@@ -228,6 +243,8 @@ class TurnGuard:
                                             markers.think_start, markers.think_end, _FENCE))
         self._parsed_len = -1
         self._parsed: CallPrefix | None = None
+        self._in_string = False  # JSON bodies: inside a string value (markers are text there)
+        self._escape = False
 
     def feed(self, text: str) -> None:
         i = 0
@@ -244,6 +261,8 @@ class TurnGuard:
     def _feed_call(self, text: str, i: int) -> int:
         """Consume call-body text from ``text[i:]`` up to and including the end marker, in one
         piece (a long argument value costs O(its length), not O(length^2))."""
+        if not self.syntax.raw_values:
+            return self._feed_json_call(text, i)
         m = self.markers
         scan = self._tail + text[i:]
         end = scan.find(m.call_end)
@@ -259,6 +278,44 @@ class TurnGuard:
             self._line = ""                    # a call may follow a call directly
             self.calls_ended += 1
         return i + len(chunk)
+
+    def _feed_json_call(self, text: str, i: int) -> int:
+        """:meth:`_feed_call` for JSON bodies: markers count only outside string values."""
+        m = self.markers
+        start = i
+        while i < len(text):
+            if self._in_string:
+                if self._escape:
+                    self._escape, i = False, i + 1
+                    continue
+                stop = _STRING_STOP.search(text, i)
+                if stop is None:
+                    i = len(text)
+                    continue
+                if stop.group() == "\n":
+                    self._in_string, i = False, stop.start()
+                elif stop.group() == "\\":
+                    self._escape, i = True, stop.end()
+                else:
+                    self._in_string, self._tail, i = False, "", stop.end()
+                continue
+            ch = text[i]
+            i += 1
+            if ch == '"':
+                self._in_string, self._tail = True, ""
+                continue
+            self._tail = (self._tail + ch)[-self._window:]
+            if self._ends(m.call_start):
+                self.declined = True           # a start marker inside a call body
+            if self._ends(m.call_end):
+                self.body += text[start:i]
+                self.last_body = self.body[: -len(m.call_end)]
+                self.role, self.body, self.declined = Role.CONTENT, "", False
+                self._line = ""
+                self.calls_ended += 1
+                return i
+        self.body += text[start:i]
+        return i
 
     def _step(self, ch: str) -> None:
         """One character outside a call body: reasoning or content."""
@@ -276,6 +333,7 @@ class TurnGuard:
         elif not self._in_fence and self._ends(m.call_start) and self._opens_here():
             self.role, self.body, self.declined = Role.CALL, "", False
             self._tail, self._parsed_len = "", -1
+            self._in_string = self._escape = False
 
     def _opens_here(self) -> bool:
         """Is the start marker that just completed in a structural position?"""

@@ -4,7 +4,10 @@ Every ``verify`` outcome of a ledger-tracked row is an agreement (the target pro
 proposed id) or a disagreement. A row is promoted from ``verify`` to ``assert`` only once it has
 ``promote_after`` agreements and zero disagreements, and only for rows in ``eligible``; the first
 disagreement demotes it for good (its counter stays nonzero). Promotion never applies at
-temperature > 0. Echo is not eligible unless the operator lists it (off by default).
+temperature > 0. Echo is not eligible unless the operator lists it (off by default). A strict
+row whose certainty class is ``likely`` (:func:`mlx_fill.rows.certainty`: what follows a raw-text
+value, spacing inside a JSON arguments object) is never promoted, whatever ``eligible`` lists
+and however much evidence it has; the ledger logs that once per row.
 
 Counters live in ``user_cache_dir()/"ledger"/<slug>.json``, one file per model/template pair,
 written atomically on :meth:`Ledger.save`.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -22,6 +26,7 @@ from pathlib import Path
 from .paths import user_cache_dir
 
 DEFAULT_PROMOTE_AFTER = 50
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -41,6 +46,7 @@ class Ledger:
     eligible: frozenset[str] = frozenset()
     rows: dict[str, RowEvidence] = field(default_factory=dict)
     path: Path | None = None
+    _refused: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.promote_after < 1:
@@ -58,10 +64,18 @@ class Ledger:
         return row in self.eligible or any(
             e.endswith(":") and row.startswith(e) for e in self.eligible)
 
-    def promoted(self, row: str, temperature: float = 0.0) -> bool:
-        """True iff ``row`` may be asserted: eligible, temperature 0, enough agreements, none
-        against."""
+    def promoted(self, row: str, temperature: float = 0.0, *,
+                 certainty: str | None = None) -> bool:
+        """True iff ``row`` may be asserted: not a ``likely`` strict row, eligible, temperature
+        0, enough agreements, none against. ``certainty`` is the row's class (None for sources
+        that are not compiled rows)."""
         if temperature > 0 or not self.is_eligible(row):
+            return False
+        if certainty != "determined" and certainty is not None:
+            if row not in self._refused:
+                self._refused.add(row)
+                log.info("evidence ledger: %s is a %s strict row; it stays verify whatever "
+                         "MLX_FILL_PROMOTE says", row, certainty)
             return False
         ev = self.rows.get(row)
         return ev is not None and ev.disagreements == 0 and ev.agreements >= self.promote_after

@@ -227,7 +227,7 @@ def _fill_loop(
         lead = 1 if pending is not None else 0
         cap = None if remaining is None else remaining - lead
         ids = list(proposal.ids if cap is None else proposal.ids[:cap])
-        applied = Proposal(tuple(ids), proposal.policy, proposal.origin)
+        applied = replace(proposal, ids=tuple(ids))
         position = len(emitted) + lead
         if proposal.policy == "assert":
             need_next = cap is None or len(ids) < cap

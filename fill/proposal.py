@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import IO, TYPE_CHECKING, Literal, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:
@@ -46,11 +46,14 @@ class DecodeView:
 
 @dataclass(frozen=True)
 class Proposal:
-    """Ids for the next slots. ``origin`` names the source/row (telemetry, ledger, trace)."""
+    """Ids for the next slots. ``origin`` names the source/row (telemetry, ledger, trace);
+    ``certainty`` is a compiled strict row's class (``determined`` / ``likely``, see
+    :func:`mlx_fill.rows.certainty`), None for sources that are not compiled rows."""
 
     ids: tuple[int, ...]
     policy: Policy
     origin: str
+    certainty: str | None = None
 
     def __post_init__(self) -> None:
         if not self.ids:
@@ -91,6 +94,7 @@ class FillStats:
     parse_fallbacks: int = 0
     checkpoint_ms: float = 0.0
     by_origin: Counter = field(default_factory=Counter)
+    by_certainty: Counter = field(default_factory=Counter)  # committed ids per strict row class
 
     @property
     def forwards_saved(self) -> int:
@@ -101,6 +105,7 @@ class FillStats:
         d["refusals"] = dict(self.refusals)
         d["source_errors"] = dict(self.source_errors)
         d["by_origin"] = dict(self.by_origin)
+        d["by_certainty"] = dict(self.by_certainty)
         d["forwards_saved"] = self.forwards_saved
         d["checkpoint_ms"] = round(self.checkpoint_ms, 3)
         return d
@@ -168,7 +173,7 @@ class FillSession:
                     break
             if not ids:
                 continue
-            return p if len(ids) == len(p.ids) else Proposal(tuple(ids), p.policy, p.origin)
+            return p if len(ids) == len(p.ids) else replace(p, ids=tuple(ids))
         return None
 
     def feedback(self, proposal: Proposal, accepted: int, position: int) -> None:
@@ -176,6 +181,8 @@ class FillSession:
         s = self.stats
         s.events += 1
         s.by_origin[proposal.origin] += accepted
+        if proposal.certainty is not None:
+            s.by_certainty[proposal.certainty] += accepted
         if proposal.policy == "assert":
             s.injected += accepted
         else:
@@ -192,7 +199,8 @@ class FillSession:
                     self.sources.remove(src)
                 break
         if self.trace is not None:
-            self.trace.write(json.dumps({
-                "t": time.time(), "position": position, "origin": proposal.origin,
-                "policy": proposal.policy, "ids": list(proposal.ids), "accepted": accepted,
-            }) + "\n")
+            event = {"t": time.time(), "position": position, "origin": proposal.origin,
+                     "policy": proposal.policy, "ids": list(proposal.ids), "accepted": accepted}
+            if proposal.certainty is not None:
+                event["certainty"] = proposal.certainty
+            self.trace.write(json.dumps(event) + "\n")

@@ -10,7 +10,7 @@ rendering, so every cut is a token boundary of a stream the model could produce.
 knows a tool-call syntax: Qwen3 JSON, Qwen3-Coder/Qwen3.5 XML and GLM compile through the same
 diff (the syntax is only detected, for the guard, by which grammar reads the rendered call).
 
-Rows (all ``assert``):
+Rows:
 
 * ``scaffold`` -- right after the model's own call-start token: the template text up to where
   the real tool names diverge (with one tool: through the name, and through the sole key when
@@ -19,6 +19,12 @@ Rows (all ``assert``):
   name-to-arguments punctuation, and the sole key when certain.
 * ``close`` -- after a complete value delimiter, when the guard says no further argument can
   legally follow: the rest of the call through its end marker.
+
+Every row carries a certainty class (:data:`Certainty`), decided here by :func:`certainty` and
+nowhere else: ``determined`` rows are ids that the template, the schema and a parser state
+that cannot be entered from inside an argument value force; ``likely`` rows are what the
+template suggests, and may only ever be verified (``mlx_fill.strict`` states the rule for each
+supported syntax and for the other call syntaxes in the assets).
 
 Spans shorter than 2 ids or containing an EOS id are dropped. Plans are cached under an exact
 identity key (template, tools, tokenizer, kwargs); a cached plan is reused for a new
@@ -31,11 +37,11 @@ import hashlib
 import json
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Literal, Sequence, get_args
 
 import jinja2
 
-from .guards import Markers, Role, detect_syntax
+from .guards import SYNTAXES, Markers, Role, detect_syntax
 from .tokenbytes import ids_bytes, token_bytes
 from .toolspec import ToolSpec, tool_specs
 
@@ -52,6 +58,46 @@ CONTENT_PROBE = "Hello."
 REASONING_PROBE = "Thinking."
 MIN_SPAN = 2
 
+Certainty = Literal["determined", "likely"]
+CERTAINTIES: tuple[str, ...] = get_args(Certainty)
+
+
+def certainty(kind: str, syntax: str, *, after_call: bool = False,
+              into_arguments: bool = False) -> Certainty:
+    """The certainty class of a row -- the one statement of the rule.
+
+    * ``scaffold`` / ``name`` rows are ``determined``: they fire right after the call-start
+      token (``name``: after the tool name's distinguishing token too), where the template
+      writes the rest of the name and the schema forces the sole key. Two exceptions are
+      ``likely``: in a raw-text syntax (``CallSyntax.raw_values``: XML, GLM), a call that
+      opens after an earlier call of the same turn has ended (``after_call``) may be text
+      inside that call's last value (a value can hold the call's end marker and a new start
+      marker); and a Hermes-JSON row that reaches into the ``arguments`` object
+      (``into_arguments``), whose spacing is the model's own JSON (a template inserts string
+      arguments verbatim, so ``{ "k"`` is as valid as ``{"k"``).
+    * ``close`` rows are ``likely`` in every supported syntax: in XML and GLM they fire after
+      ``</parameter>`` / ``</arg_value>``, which a raw-text value can contain; in Hermes JSON
+      they fire only after a closed string (a JSON string cannot hold an unescaped quote, so
+      they never fire inside a value) but propose the ``arguments`` object's closing, whose
+      spacing is again the model's.
+    """
+    if kind not in ("scaffold", "name", "close"):
+        raise ValueError(f"unknown row kind {kind!r}")
+    raw_values = SYNTAXES[syntax].raw_values
+    if kind == "close" or into_arguments or (after_call and raw_values):
+        return "likely"
+    return "determined"
+
+
+def _into_arguments(syntax: str, body_text: str | None) -> bool:
+    """Does a Hermes-JSON row's call-body text (key + span) reach the ``arguments`` object?"""
+    if syntax != "hermes-json":
+        return False
+    if body_text is None:
+        return True
+    at = body_text.find('"arguments"')
+    return at >= 0 and "{" in body_text[at:]
+
 
 @dataclass(frozen=True)
 class Row:
@@ -59,7 +105,8 @@ class Row:
 
     ``key`` is the text the guard must see: the call body so far (``scaffold``/``name``) or
     the text written since the last argument value ended (``close``). ``trigger`` are ids the
-    emitted stream must end with; ``span`` the ids to assert.
+    emitted stream must end with; ``span`` the ids to propose; ``certainty`` its class (only a
+    ``determined`` row may ever be asserted). A row without a valid class cannot be built.
     """
 
     kind: str
@@ -67,6 +114,12 @@ class Row:
     key: str
     trigger: tuple[int, ...]
     span: tuple[int, ...]
+    certainty: Certainty
+
+    def __post_init__(self) -> None:
+        if self.certainty not in CERTAINTIES:
+            raise ValueError(f"row {self.origin}: certainty must be one of {CERTAINTIES}, "
+                             f"got {self.certainty!r}")
 
     @property
     def origin(self) -> str:
@@ -75,7 +128,12 @@ class Row:
 
 @dataclass(frozen=True)
 class RowPlan:
-    """Compiled rows for one (template, tools, tokenizer, kwargs) identity."""
+    """Compiled rows for one (template, tools, tokenizer, kwargs) identity.
+
+    ``head`` rows serve a turn's first call; ``later_head`` the same spans for a call that
+    opens after an earlier call of the turn has ended, classed by :func:`certainty` with
+    ``after_call`` (they differ only in class).
+    """
 
     syntax: str
     markers: Markers
@@ -84,9 +142,16 @@ class RowPlan:
     close: dict[str, Row]
     reference_body: tuple[int, ...]
     close_keys: tuple[str, ...] = field(default=())
+    later_head: dict[str, Row] = field(default_factory=dict)
 
     def rows(self) -> list[Row]:
-        return [*self.head.values(), *self.close.values()]
+        """Every distinct compiled row (a later-call head row only where its class differs)."""
+        later = [r for k, r in self.later_head.items() if self.head.get(k) != r]
+        return [*self.head.values(), *later, *self.close.values()]
+
+    def head_rows(self, calls_ended: int) -> dict[str, Row]:
+        """The head rows for a call opening after ``calls_ended`` calls of this turn."""
+        return self.later_head if calls_ended else self.head
 
 
 @dataclass(frozen=True)
@@ -282,7 +347,9 @@ def _clean(span: list[int], eos: set[int]) -> tuple[int, ...] | None:
     return tuple(span)
 
 
-def _head_rows(bodies: list[_Body], table, eos: set[int]) -> dict[str, Row]:
+def _head_rows(bodies: list[_Body], table, eos: set[int], syntax: str,
+               after_call: bool) -> dict[str, Row]:
+    """Scaffold and name rows, classed for a turn's first call or (``after_call``) a later one."""
     root = _Trie()
     for b in bodies:
         root.add(b.ids, b.tool)
@@ -296,7 +363,9 @@ def _head_rows(bodies: list[_Body], table, eos: set[int]) -> dict[str, Row]:
     only = next(iter(root.tools)) if len(root.tools) == 1 else ""
     span = _clean(scaffold, eos)
     if span is not None:
-        rows[""] = Row("scaffold", only, "", trigger, span)
+        into = _into_arguments(syntax, _decode(table, span))
+        rows[""] = Row("scaffold", only, "", trigger, span,
+                       certainty("scaffold", syntax, after_call=after_call, into_arguments=into))
     node = root
     for t in scaffold:
         node = node.children[t]
@@ -308,7 +377,10 @@ def _head_rows(bodies: list[_Body], table, eos: set[int]) -> dict[str, Row]:
                 key = _decode(table, p)
                 span = _clean(child.chain(), eos)
                 if key is not None and span is not None:
-                    rows[key] = Row("name", next(iter(child.tools)), key, (*trigger, *p), span)
+                    into = _into_arguments(syntax, _decode(table, p + list(span)))
+                    rows[key] = Row("name", next(iter(child.tools)), key, (*trigger, *p), span,
+                                    certainty("name", syntax, after_call=after_call,
+                                              into_arguments=into))
             else:
                 walk(child, p)
 
@@ -362,7 +434,7 @@ def _close_rows(prober: _Prober, markers: Markers, specs: list[ToolSpec], syntax
             if len(set(parts)) != 1:
                 break
             common.insert(0, parts[0])
-        rows[key] = Row("close", "", key, tuple(common), span)
+        rows[key] = Row("close", "", key, tuple(common), span, certainty("close", syntax.name))
     return rows
 
 
@@ -393,14 +465,15 @@ def compile_plan(tokenizer, messages: list[dict], tools: list[dict] | None,
         markers = replace(markers, inline_calls=before_call.endswith(CONTENT_PROBE))
         ref = bodies[0]
         syntax = detect_syntax(ref.text, probes[0][0], tuple(probes[0][1]))
-        head = _head_rows(bodies, prober.table, eos)
+        head = _head_rows(bodies, prober.table, eos, syntax.name, after_call=False)
+        later = _head_rows(bodies, prober.table, eos, syntax.name, after_call=True)
         close = _close_rows(prober, markers, specs, syntax, eos) if syntax.grammar_file else {}
     except (TemplateError, jinja2.TemplateError):
         return None  # the template cannot render tool calls after the generation prompt
     if syntax.grammar_file is None:
-        head, close = {}, {}
+        head, later, close = {}, {}, {}
     return RowPlan(syntax.name, markers, {s.name: s for s in specs}, head, close, ref.ids,
-                   tuple(sorted(close, key=len, reverse=True)))
+                   tuple(sorted(close, key=len, reverse=True)), later)
 
 
 def reference_body(tokenizer, messages: list[dict], tools: list[dict], kwargs: dict,

@@ -11,15 +11,53 @@ when the guard puts the stream in the row's structural state:
   duplicated, and the tool's schema allows no further argument.
 
 Policy: every row is proposed as ``verify`` (the same forward checks it; a model that strays
-from its template costs nothing but the check) until the evidence ledger promotes it to
-``assert`` after enough agreements and no disagreement (``mlx_fill.ledger``; strict rows are
-eligible when the ledger lists ``"strict:"``). Hermes-JSON name and close rows are never
-promoted: they reach into the ``arguments`` object, whose spacing is the model's own JSON (a
-template inserts string arguments verbatim, so ``{ "k"`` is as valid as ``{"k"``). The
-fixtures showed why the default is verify: an undertrained model that emits ``<tool_call>``
-does not always continue with the template's scaffold. A call whose body
-does not parse once it has ended, after rows fired in it, counts a ``parse_fallback`` and
-disarms the source for the rest of the request.
+from its template costs nothing but the check). Only a ``determined`` row (its certainty class,
+decided when the row is compiled: :func:`mlx_fill.rows.certainty`) can ever become ``assert``,
+and only once the evidence ledger promotes it after enough agreements and no disagreement
+(``mlx_fill.ledger``; strict rows are eligible when the ledger lists ``"strict:"``). A
+``likely`` row stays ``verify`` whatever the ledger has seen: the ledger refuses to promote it.
+The fixtures showed why the default is verify: an undertrained model that emits
+``<tool_call>`` does not always continue with the template's scaffold. A call whose body does
+not parse once it has ended, after rows fired in it, counts a ``parse_fallback`` and disarms the
+source for the rest of the request.
+
+Certainty per call syntax. A row is ``determined`` only where the template, the schema and a
+parser state that cannot be entered from inside an argument value force its ids:
+
+* Qwen3-Coder / Qwen3.5 XML and GLM ``arg_key/arg_value``: values are raw text, so a value can
+  hold ``</parameter>``, ``</function>``, ``</arg_value>``, ``</tool_call>`` and a new
+  ``<tool_call>`` (a heredoc writing XML, ``echo '</arg_value>' > f``). Determined: the
+  scaffold after the turn's first call-start token and the rest of a tool name once it is
+  unambiguous, with the sole key the schema forces. Likely: every ``close`` row, and the head
+  rows of any later call in the turn (it opens after an end marker a value can contain).
+* Qwen3 Hermes JSON: a string cannot hold an unescaped quote, and the guard reads call markers
+  only outside strings, so no row fires inside a value (``"}}`` or ``</tool_call>`` in a string
+  is text). Determined: the scaffold ``\\n{"name": "`` and the head rows of later calls.
+  Likely: rows that reach into the ``arguments`` object (the name rows' ``{"key":``, a
+  single-tool scaffold through the key, the close row's ``}}``): a template inserts string
+  arguments verbatim, so their spacing is the model's own JSON (recorded SWE-agent calls use
+  ``{ "key"``).
+
+The other call syntaxes in the assets, thought through the same way (not compiled today):
+
+* Llama 3.x JSON (``{"name": NAME, "parameters": ARGS}`` as the whole reply, no call-start
+  token): a reply that begins with ``{"name": "`` may be prose JSON, so nothing is certain
+  until the name; then determined: the rest of an unambiguous name and ``", "parameters": ``
+  (template text). Likely: the parameters object (``tojson`` spacing is the model's) and its
+  closing ``}}`` (after a closed string, so never inside a value). ``<|eot_id|>`` ends the call
+  and is EOS, never proposed. The 3.1 ``<|python_tag|>`` body is raw code ended by
+  ``<|eom_id|>`` (EOS): nothing after it can be determined.
+* Mistral ``[TOOL_CALLS]`` (a control token): determined: ``[{"name": "`` after it, the rest
+  of an unambiguous name with ``", "arguments": ``, and, once the arguments object has closed
+  outside any string, the template's ``, "id": "``; after the 9 alphanumeric id characters the
+  template forces ``"}``. Likely: the arguments object itself and the choice between ``]`` +
+  EOS and ``, `` + another call.
+* gpt-oss harmony: ``<|channel|>``, ``<|message|>`` and ``<|call|>`` are special tokens that
+  text inside the JSON arguments never produces. Determined: the rest of an unambiguous name
+  after `` to=functions.``. Likely: the channel/constraint header after the name (the vendor
+  template writes ``<|channel|>commentary json<|message|>``, the model is trained on
+  ``<|channel|>commentary <|constrain|>json<|message|>``, and ``to=`` may follow the channel)
+  and the arguments; the call ends with ``<|call|>``, a stop token never proposed.
 """
 
 from __future__ import annotations
@@ -77,8 +115,9 @@ class StrictSource:
         g = self.guard
         if g.role is not Role.CALL or g.declined:
             return None
-        if len(g.body) <= self._max_head_key and g.body in self.plan.head:
-            row = self.plan.head[g.body]
+        head = self.plan.head_rows(g.calls_ended)
+        if len(g.body) <= self._max_head_key and g.body in head:
+            row = head[g.body]
             if _ends_with(emitted, row.trigger):
                 return row
             return None
@@ -116,12 +155,12 @@ class StrictSource:
             return None
         self.stats.fires += 1
         self._fired_in_call = True
-        return Proposal(row.span, self._policy(row), row.origin)
+        return Proposal(row.span, self._policy(row), row.origin, row.certainty)
 
     def _policy(self, row: Row) -> str:
-        if self.plan.syntax == "hermes-json" and row.kind in ("name", "close"):
-            return "verify"
-        promoted = self.ledger is not None and self.ledger.promoted(row.origin)
+        """``assert`` only for a row the ledger promotes; the ledger refuses ``likely`` rows."""
+        promoted = self.ledger is not None and self.ledger.promoted(row.origin,
+                                                                    certainty=row.certainty)
         return "assert" if promoted else "verify"
 
     def feedback(self, proposal: Proposal, accepted: int) -> None:

@@ -55,9 +55,10 @@ CALL = {"role": "assistant", "content": "", "tool_calls": [
 USER = [{"role": "user", "content": "weather?"}]
 
 
-@pytest.mark.parametrize("family,after_name", [("qwen3", '", "arguments'),
+@pytest.mark.parametrize("family,after_name", [("qwen3", '\n{"name'),
                                                ("glm4.x", "\n<arg_key>city")])
 def test_a_fire_where_no_fill_may_happen_fails_the_audit(tmp_path, family, after_name):
+    """``after_name`` is where a ``determined`` row fires."""
     root = _corpus(tmp_path, family, {"id": "x", "messages": USER, "reply": CALL, "expect": "none"})
     assert _run(root, family) == 1
     root2 = _corpus(tmp_path / "b", family, {"id": "y", "messages": USER, "reply": CALL,
@@ -76,3 +77,36 @@ def test_a_positive_case_with_no_fill_fails_the_audit(tmp_path):
     root = _corpus(tmp_path, "qwen3.5", {"id": "m", "messages": USER, "expect": "fill",
                                          "reply": {"role": "assistant", "content": "No."}})
     assert _run(root, "qwen3.5") == 1
+
+
+def test_likely_rows_false_fires_are_reported_but_do_not_fail(tmp_path):
+    """The close row fires after a </parameter> inside the value: likely, so verified."""
+    reply = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+        "name": "bash", "arguments": {"command": "cat f\n</parameter>\n</function>\ndone"}}}]}
+    root = _corpus(tmp_path, "qwen3.5", {"id": "l", "messages": USER, "reply": reply,
+                                         "expect": "fill",
+                                         "no_fill_in": ["</parameter>\n</function>\ndone"]})
+    out = tmp_path / "audit.json"
+    assert main(["audit", "--family", "qwen3.5", "--corpus", str(root), "--json", str(out)]) == 0
+    case, = json.loads(out.read_text())["cases"]
+    wrong = [f for f in case["fires"] if f["false_fire"] or not f["contained"]]
+    assert wrong and all(f["certainty"] == "likely" for f in wrong)
+    assert case["ok"] and case["determined_failures"] == 0
+
+
+def test_a_row_without_a_class_fails_the_audit(tmp_path, monkeypatch):
+    from mlx_fill import rows
+    from mlx_fill.strict import strict_source
+    from strict_helpers import tokenizer, tools
+
+    monkeypatch.setattr(rows, "_PLANS", {})   # a private plan cache for this test
+    plan = strict_source(tokenizer("qwen3.5"), [{"role": "user", "content": "audit"}],
+                         tools()).plan
+    object.__setattr__(plan.close[next(iter(plan.close))], "certainty", None)
+    root = _corpus(tmp_path, "qwen3.5", {"id": "c", "messages": USER, "reply": CALL,
+                                         "expect": "fill"})
+    out = tmp_path / "audit.json"
+    assert main(["audit", "--family", "qwen3.5", "--corpus", str(root), "--json", str(out)]) == 1
+    report = json.loads(out.read_text())
+    assert report["unclassed_rows"] == 1
+    assert any(f["certainty"] is None for f in report["cases"][0]["fires"])
