@@ -82,9 +82,9 @@ _META_VALIDATORS: dict[type, type] = {}
 
 
 def _meta_validator(params: dict):
-    """The meta-schema validator ``check_schema`` would use for ``params``, with
-    :func:`_unique_items`; one class per JSON Schema draft."""
-    cls = jsonschema.validators.validator_for(params)
+    """The meta-schema validator ``check_schema`` would use for ``params`` (an unknown
+    ``$schema`` means the latest draft), with :func:`_unique_items`; one per JSON Schema draft."""
+    cls = jsonschema.validators.validator_for(params, default=jsonschema.Draft202012Validator)
     if cls not in _META_VALIDATORS:
         meta = jsonschema.validators.validator_for(cls.META_SCHEMA, default=cls)
         fast = jsonschema.validators.extend(meta, {"uniqueItems": _unique_items})
@@ -104,6 +104,8 @@ def _check_schema(params: dict) -> tuple[tuple, str] | None:
     (whose check recurses per level) sees them."""
     if value_depth(params) > SCHEMA_DEPTH_CAP:
         return (), f"nested deeper than {SCHEMA_DEPTH_CAP} levels"
+    if not isinstance(params.get("$schema", ""), str):
+        return ("$schema",), "must be a string"
     try:
         error = next(iter(_meta_validator(params).iter_errors(params)), None)
     except RecursionError:
@@ -125,9 +127,11 @@ class _Memo:
         self.max_entries, self.max_bytes = max_entries, max_bytes
         self.entries: OrderedDict[bytes, tuple[tuple[tuple, str] | None, int]] = OrderedDict()
         self.bytes = 0
+        self.hits = 0
 
     def get(self, digest: bytes, compute):
         if digest in self.entries:
+            self.hits += 1
             self.entries.move_to_end(digest)
             return self.entries[digest][0]
         result = compute()
