@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import sys
 import threading
 import time
 import uuid
@@ -571,7 +572,11 @@ def limits_from(args: argparse.Namespace) -> Limits:
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
-    limits = limits_from(args)
+    try:
+        limits = limits_from(args)
+    except ValueError as e:
+        print(f"mlx-fill serve: {e}", file=sys.stderr)
+        return 2
     engine = Engine(args.model, fill=args.fill, draft_model=args.draft_model,
                     prompt_cache_size=args.prompt_cache_size, max_tokens=args.max_tokens,
                     limits=limits, prefill_step_size=args.prefill_step_size,
