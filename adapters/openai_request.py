@@ -5,8 +5,9 @@
 of the wrong type, 400 for a well-typed value that is not acceptable (malformed tools or JSON
 schemas, an unknown tool in ``tool_choice``, a malformed ``prediction``, a request-supplied chat
 template or a ``chat_template_kwargs`` key the model's template does not read, a ``seed``
-outside uint64, anything over the operator's :class:`~mlx_fill.limits.Limits`, and ``logprobs`` or a ``response_format`` other than text, which the endpoint does not
-implement). Nothing here touches the model.
+outside uint64, anything over the operator's :class:`~mlx_fill.limits.Limits`, and ``logprobs``
+or a ``response_format`` other than text, which the endpoint does not implement). Nothing here
+touches the model.
 """
 
 from __future__ import annotations
@@ -135,13 +136,14 @@ def _tools(value: Any, limits: Limits) -> list[dict] | None:
     if not isinstance(value, list):
         raise RequestError(422, "tools: expected an array", "tools")
     if len(value) > limits.max_tools:
-        raise RequestError(400, f"tools: at most {limits.max_tools} tools, got {len(value)}", "tools")
+        raise RequestError(400, f"tools: at most {limits.max_tools} tools, got {len(value)}",
+                           "tools")
     for i, tool in enumerate(value):
         fn = tool.get("function", tool) if isinstance(tool, dict) else None
         params = fn.get("parameters") if isinstance(fn, dict) else None
         if params is None:
             continue
-        where = f"tools[{i}].function.parameters" if "function" in tool else f"tools[{i}].parameters"
+        where = f"tools[{i}]" + (".function.parameters" if "function" in tool else ".parameters")
         if value_depth(params) > limits.max_schema_depth:
             raise RequestError(400, f"{where}: nested deeper than {limits.max_schema_depth} levels",
                                where)

@@ -3,17 +3,22 @@
 Routes: ``GET /v1/models``, ``POST /v1/chat/completions`` (tools, tool_choice, stream with SSE
 and ``stream_options.include_usage``, stop, max_tokens, temperature, top_p, prediction),
 ``GET /health`` (also reports MLX active/peak memory). Errors are OpenAI-shaped
-(``{"error": {message, type, param, code}}``): 400 for malformed tools/schemas/predictions, 413
-for bodies over ``--max-request-bytes``, 422 for values of the wrong type; bad input never
-yields a 500.
+(``{"error": {message, type, param, code}}``, 404/405 included): 400 for malformed
+tools/schemas/predictions and anything over a :class:`~mlx_fill.limits.Limits` bound (JSON and
+schema depth and size, tools, rendered prompt tokens, ``max_tokens``), 413 for bodies over
+``--max-request-bytes``, 422 for values of the wrong type; bad input never yields a 500, and a
+bad streamed request fails before its first chunk. Request checks run off the event loop.
 
 One worker thread owns the model (MLX work never runs on two threads). Prompts are rendered with
-the model directory's own chat template (requests cannot supply one) through transformers'
+the model directory's own chat template (requests cannot supply one, and
+``chat_template_kwargs`` may set only the variables that template reads) through transformers'
 ``ImmutableSandboxedEnvironment``. mlx-lm's ``LRUPromptCache`` keeps the KV cache of each
 finished turn under prompt + generated ids, so the next turn of a conversation only prefills
 its new suffix; the fill loop's invariant (cache == prompt + yielded ids, also when a client
-disconnects mid-span) keeps those entries exact. A client that disconnects from a stream cancels
-its generation at the next token. Binds 127.0.0.1 unless ``--host`` says otherwise.
+disconnects mid-span) keeps those entries exact. A client that disconnects cancels its
+generation at the next token, or during prefill at the next chunk (a cut prefill is not cached);
+at shutdown in-flight requests get ``--shutdown-grace-s``, then stop the same way. Binds
+127.0.0.1 unless ``--host`` says otherwise.
 """
 
 from __future__ import annotations

@@ -46,7 +46,8 @@ tools = st.lists(st.fixed_dictionaries(
 KWARG_KEYS = ["enable_thinking", "chat_template", "tokenize", "padding", "max_length",
               "return_tensors", "return_dict", "tools", "messages", "add_generation_prompt",
               "content", "x"]
-template_kwargs = st.dictionaries(st.sampled_from(KWARG_KEYS), json_values, max_size=3) | json_values
+template_kwargs = (st.dictionaries(st.sampled_from(KWARG_KEYS), json_values, max_size=3)
+                   | json_values)
 
 messages = st.lists(st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "assistant", "system", "tool", "nobody"]) | json_values},
