@@ -44,7 +44,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..limits import DEFAULT_LIMITS, Limits, json_depth, over_compile_budget
+from ..limits import DEFAULT_LIMITS, Limits, deep_member, json_depth, over_compile_budget
 from .openai_request import ChatRequest, RequestError, parse_chat_request
 from .template_vars import tokenizer_template_variables
 
@@ -377,9 +377,8 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(RequestError(status, message, param).body(), status_code=status)
 
 
-async def read_body(request: Request, limits: Limits) -> Any:
-    """The decoded JSON body: 413 over ``max_request_bytes`` (read no further), 400 for invalid
-    JSON or nesting deeper than ``max_json_depth`` (measured on the bytes, before parsing)."""
+async def read_body(request: Request, limits: Limits) -> bytes:
+    """The raw body; 413 over ``max_request_bytes`` (read no further)."""
     too_large = RequestError(413, f"request body exceeds {limits.max_request_bytes} bytes")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limits.max_request_bytes:
@@ -389,9 +388,17 @@ async def read_body(request: Request, limits: Limits) -> Any:
         raw += chunk
         if len(raw) > limits.max_request_bytes:
             raise too_large
+    return bytes(raw)
+
+
+def decode_body(raw: bytes, limits: Limits) -> Any:
+    """The decoded JSON body; 400 for invalid JSON or nesting deeper than ``max_json_depth``
+    (measured on the bytes, before the recursive parser runs; ``param`` names the top-level
+    member)."""
     if json_depth(raw) > limits.max_json_depth:
-        raise RequestError(400, f"request body: JSON nested deeper than {limits.max_json_depth} "
-                                f"levels")
+        member = deep_member(raw, limits.max_json_depth)
+        raise RequestError(400, f"{member or 'request body'}: JSON nested deeper than "
+                                f"{limits.max_json_depth} levels", member)
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
@@ -445,8 +452,9 @@ def create_app(engine: Engine):
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await read_body(request, engine.limits)
-        req = await run_in_threadpool(engine.parse, body)  # schema checks off the event loop
+        raw = await read_body(request, engine.limits)
+        body = await run_in_threadpool(decode_body, raw, engine.limits)  # off the event loop
+        req = await run_in_threadpool(engine.parse, body)  # schema checks too
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         name = req.model or model_id
         loop = asyncio.get_running_loop()

@@ -1,9 +1,9 @@
 """Per-request work bounds of a serving process, with their defaults stated once.
 
 :class:`Limits` is what an operator can set (``mlx-fill serve`` turns every field into a
-``--flag``; the ``MLX_FILL`` hook uses the defaults). :func:`json_depth` measures the nesting of
-raw JSON bytes without recursion, so a body can be refused before a recursive parser sees it;
-:func:`value_depth` does the same for a decoded value.
+``--flag``; the ``MLX_FILL`` hook uses the defaults). :func:`json_depth` measures the nesting
+of raw JSON bytes without recursion, so a body can be refused before a recursive parser sees
+it (:func:`deep_member` names where); :func:`value_depth` does the same for a decoded value.
 """
 
 from __future__ import annotations
@@ -61,20 +61,43 @@ class Limits:
 DEFAULT_LIMITS = Limits()
 
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_COLON = re.compile(rb"\s*:")
 _DELTA = np.zeros(256, dtype=np.int8)
 _DELTA[[ord("["), ord("{")]] = 1
 _DELTA[[ord("]"), ord("}")]] = -1
 
 
+def _steps(bare: bytes) -> np.ndarray:
+    return np.cumsum(_DELTA[np.frombuffer(bare, dtype=np.uint8)].astype(np.int32))
+
+
 def json_depth(raw: bytes) -> int:
     """The deepest bracket nesting of ``raw`` (brackets inside JSON strings do not count).
-    Linear time, no recursion; for text that is not JSON the result is only an estimate, and
-    the parser rejects such text anyway."""
+    Linear time in C, no recursion; for text that is not JSON the result is only an estimate,
+    and the parser rejects such text anyway."""
     bare = _STRING.sub(b"", bytes(raw))
-    if not bare:
-        return 0
-    steps = _DELTA[np.frombuffer(bare, dtype=np.uint8)].astype(np.int32)
-    return int(max(0, np.cumsum(steps).max()))
+    return int(max(0, _steps(bare).max())) if bare else 0
+
+
+def deep_member(raw: bytes, limit: int) -> str | None:
+    """The top-level member of a JSON object ``raw`` in which the nesting first goes past
+    ``limit``; None when it is not inside a member (or never goes past ``limit``). Linear time;
+    meant for bodies :func:`json_depth` already refused."""
+    raw = bytes(raw)
+    strings = list(_STRING.finditer(raw))
+    blank = _STRING.sub(lambda m: b" " * len(m.group()), raw)  # positions kept
+    over = np.flatnonzero(_steps(blank) > limit) if blank else []
+    if not len(over):
+        return None
+    depth = _steps(blank)
+    for m in reversed(strings):  # the last top-level key before the first level past the limit
+        if m.start() < over[0] and depth[m.start()] == 1 and _COLON.match(blank, m.end()):
+            try:
+                key = json.loads(m.group())
+            except ValueError:
+                return None
+            return key if isinstance(key, str) else None
+    return None
 
 
 def value_depth(value: object) -> int:

@@ -17,7 +17,7 @@ from mlx_fill.adapters import server_patch
 from mlx_fill.adapters.openai_request import parse_chat_request
 from mlx_fill.adapters.serve import Engine, create_app
 from mlx_fill.adapters.template_vars import RENDERER_VARS, template_variables
-from mlx_fill.limits import DEFAULT_LIMITS, JSON_DEPTH_CAP, Limits, json_depth
+from mlx_fill.limits import DEFAULT_LIMITS, JSON_DEPTH_CAP, Limits, deep_member, json_depth
 from mlx_fill.toolspec import _Memo, tool_specs
 
 USER = [{"role": "user", "content": "hi"}]
@@ -74,13 +74,18 @@ def test_deeply_nested_json_anywhere_is_400(client, where):
     deep = b"[" * 1000 + b"]" * 1000
     raw = (b'{"messages": ' + deep + b"}" if where == "messages"
            else b'{"messages": [{"role": "user", "content": "hi"}], "metadata": ' + deep + b"}")
-    err = error(post(client, raw=raw), 400)
+    err = error(post(client, raw=raw), 400, where)
     assert "nested deeper" in err["message"]
 
 
-def test_json_depth_ignores_brackets_in_strings():
-    assert json_depth(json.dumps({"a": "[[[[{{{{", "b": [[1]]}).encode()) == 3
-    assert json_depth(b"[" * 5000) == 5000
+def test_json_depth_ignores_brackets_in_strings_and_names_the_member():
+    raw = json.dumps({"a": "[[[[{{{{", "b": [[1]], "c": {"d": [[[2]]]}}).encode()
+    assert json_depth(raw) == 5
+    assert deep_member(raw, 2) == "b" and deep_member(raw, 3) == "c"
+    assert deep_member(raw, 5) is None
+    assert deep_member(json.dumps({"k": {"x\"y:": [1]}}).encode(), 2) == "k"
+    assert json_depth(b"[" * 5000) == 5000 and deep_member(b"[" * 5000, 64) is None
+    assert json_depth(b"") == 0
 
 
 def test_deep_tool_schema_is_400_naming_the_tool(client, engine, monkeypatch):
