@@ -4,8 +4,10 @@
 :class:`RequestError` carrying the HTTP status and the offending parameter path: 422 for a value
 of the wrong type, 400 for a well-typed value that is not acceptable (malformed tools or JSON
 schemas, an unknown tool in ``tool_choice``, a malformed ``prediction``, a request-supplied chat
-template, and ``logprobs`` or a ``response_format`` other than text, which the endpoint does not
-implement). Nothing here touches the model.
+template or a ``chat_template_kwargs`` key the model's template does not read, a ``seed``
+outside uint64, anything over the operator's :class:`~mlx_fill.limits.Limits`, and ``logprobs``
+or a ``response_format`` other than text, which the endpoint does not implement). Nothing here
+touches the model.
 """
 
 from __future__ import annotations
@@ -14,8 +16,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-import jsonschema
-
+from ..limits import DEFAULT_LIMITS, Limits, value_depth
 from ..prediction import prediction_text
 from ..toolspec import tool_specs
 
@@ -23,17 +24,21 @@ MAX_STOP = 4
 
 
 class RequestError(ValueError):
-    """A client error: ``status`` (400, 413 or 422), ``param`` (the offending path)."""
+    """A client error: ``status`` (4xx), ``param`` (the offending path), ``code`` (OpenAI's
+    error code where one applies, e.g. ``context_length_exceeded``)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None):
         super().__init__(message)
         self.status = status
         self.param = param
+        self.code = code
 
     def body(self) -> dict:
         kind = "invalid_request_error"
-        return {"error": {"message": str(self), "type": kind, "param": self.param,
-                          "code": {413: "request_too_large", 422: "invalid_type"}.get(self.status)}}
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large",
+                422: "invalid_type"}.get(self.status, self.code)
+        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": code}}
 
 
 @dataclass
@@ -123,26 +128,52 @@ def _call_for_template(call: Any, where: str) -> dict:
     return dict(call, function=fn)
 
 
-def _tools(value: Any) -> list[dict] | None:
+def _tools(value: Any, limits: Limits) -> list[dict] | None:
+    """Validated tools: at most ``limits.max_tools``, each parameters schema within the depth and
+    size limits (checked before the meta-schema check, whose cost grows with both)."""
     if value is None:
         return None
     if not isinstance(value, list):
         raise RequestError(422, "tools: expected an array", "tools")
+    if len(value) > limits.max_tools:
+        raise RequestError(400, f"tools: at most {limits.max_tools} tools, got {len(value)}",
+                           "tools")
+    for i, tool in enumerate(value):
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        params = fn.get("parameters") if isinstance(fn, dict) else None
+        if params is None:
+            continue
+        where = f"tools[{i}]" + (".function.parameters" if "function" in tool else ".parameters")
+        if value_depth(params) > limits.max_schema_depth:
+            raise RequestError(400, f"{where}: nested deeper than {limits.max_schema_depth} levels",
+                               where)
+        size = len(json.dumps(params, ensure_ascii=False).encode())
+        if size > limits.max_schema_bytes:
+            raise RequestError(400, f"{where}: {size} bytes of JSON schema, at most "
+                                    f"{limits.max_schema_bytes}", where)
     try:
         tool_specs(value)
     except ValueError as e:
         raise RequestError(400, str(e), str(e).split(":", 1)[0]) from None
-    for i, tool in enumerate(value):
-        params = tool["function"].get("parameters")
-        if params is None:
-            continue
-        try:
-            jsonschema.validators.validator_for(params).check_schema(params)
-        except jsonschema.SchemaError as e:
-            path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.path)
-            where = f"tools[{i}].function.parameters{path}"
-            raise RequestError(400, f"{where}: invalid JSON schema ({e.message})", where) from None
     return value or None
+
+
+def _template_kwargs(body: dict, allowed: frozenset[str]) -> dict:
+    kwargs = _typed(body, "chat_template_kwargs", (dict,), "an object") or {}
+    for key in kwargs:
+        if key not in allowed:
+            where = f"chat_template_kwargs.{key}"
+            known = ", ".join(sorted(allowed)) or "none"
+            raise RequestError(400, f"{where}: not a variable the model's chat template reads "
+                                    f"(allowed: {known})", where)
+    return kwargs
+
+
+def _seed(body: dict) -> int | None:
+    seed = _typed(body, "seed", (int,), "an integer")
+    if seed is not None and not 0 <= seed < 1 << 64:
+        raise RequestError(400, f"seed: must be between 0 and 2**64 - 1, got {seed}", "seed")
+    return seed
 
 
 def _tool_choice(value: Any, tools: list[dict] | None) -> Any:
@@ -160,14 +191,17 @@ def _tool_choice(value: Any, tools: list[dict] | None) -> Any:
     if value.get("type") != "function" or not isinstance(name, str):
         raise RequestError(400, "tool_choice: expected {'type': 'function', 'function': {'name': str}}",
                            "tool_choice")
-    if name not in {t["function"]["name"] for t in tools or []}:
+    if name not in {t.get("function", t)["name"] for t in tools or []}:
         raise RequestError(400, f"tool_choice.function.name: no tool named {name!r}",
                            "tool_choice.function.name")
     return value
 
 
-def parse_chat_request(body: Any) -> ChatRequest:
-    """A validated :class:`ChatRequest`; :class:`RequestError` for anything a client got wrong."""
+def parse_chat_request(body: Any, *, limits: Limits = DEFAULT_LIMITS,
+                       template_vars: frozenset[str] = frozenset()) -> ChatRequest:
+    """A validated :class:`ChatRequest`; :class:`RequestError` for anything a client got wrong
+    or anything over ``limits``. ``template_vars``: the ``chat_template_kwargs`` keys allowed
+    (the variables the model's chat template reads; see :mod:`.template_vars`)."""
     if not isinstance(body, dict):
         raise RequestError(422, "request body: expected a JSON object")
     if "chat_template" in body:
@@ -177,7 +211,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         raise RequestError(400, "n: only n=1 is supported", "n")
     if "messages" not in body:
         raise RequestError(400, "messages: required", "messages")
-    tools = _tools(body.get("tools"))
+    tools = _tools(body.get("tools"), limits)
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -189,8 +223,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
     name = "max_completion_tokens"
     if max_tokens is None:
         max_tokens, name = _typed(body, "max_tokens", (int,), "an integer"), "max_tokens"
-    if max_tokens is not None and max_tokens < 1:
-        raise RequestError(400, f"{name}: must be >= 1", name)
+    if max_tokens is not None and not 1 <= max_tokens <= limits.max_tokens_ceiling:
+        raise RequestError(400, f"{name}: must be between 1 and {limits.max_tokens_ceiling}", name)
     options = _typed(body, "stream_options", (dict,), "an object") or {}
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
@@ -207,7 +241,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     response_format = _typed(body, "response_format", (dict,), "an object")
     if response_format not in (None, {"type": "text"}):
         raise RequestError(400, "response_format: only {'type': 'text'} is supported", "response_format")
-    kwargs = _typed(body, "chat_template_kwargs", (dict,), "an object") or {}
+    kwargs = _template_kwargs(body, template_vars)
     return ChatRequest(
         messages=_messages(body["messages"]),
         model=_typed(body, "model", (str,), "a string"),
@@ -219,7 +253,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 0.0, 2.0, 0.0),
         top_p=_number(body, "top_p", 0.0, 1.0, 1.0),
-        seed=_typed(body, "seed", (int,), "an integer"),
+        seed=_seed(body),
         prediction=prediction,
         chat_template_kwargs=kwargs,
     )

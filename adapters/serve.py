@@ -3,23 +3,30 @@
 Routes: ``GET /v1/models``, ``POST /v1/chat/completions`` (tools, tool_choice, stream with SSE
 and ``stream_options.include_usage``, stop, max_tokens, temperature, top_p, prediction),
 ``GET /health`` (also reports MLX active/peak memory). Errors are OpenAI-shaped
-(``{"error": {message, type, param, code}}``): 400 for malformed tools/schemas/predictions, 413
-for bodies over ``--max-request-bytes``, 422 for values of the wrong type; bad input never
-yields a 500.
+(``{"error": {message, type, param, code}}``, 404/405 included): 400 for malformed
+tools/schemas/predictions and anything over a :class:`~mlx_fill.limits.Limits` bound (JSON and
+schema depth and size, tools, rendered prompt tokens, ``max_tokens``), 413 for bodies over
+``--max-request-bytes``, 422 for values of the wrong type; bad input never yields a 500, and a
+bad streamed request fails before its first chunk. Request checks run off the event loop.
 
 One worker thread owns the model (MLX work never runs on two threads). Prompts are rendered with
-the model directory's own chat template (requests cannot supply one) through transformers'
+the model directory's own chat template (requests cannot supply one, and
+``chat_template_kwargs`` may set only the variables that template reads) through transformers'
 ``ImmutableSandboxedEnvironment``. mlx-lm's ``LRUPromptCache`` keeps the KV cache of each
 finished turn under prompt + generated ids, so the next turn of a conversation only prefills
 its new suffix; the fill loop's invariant (cache == prompt + yielded ids, also when a client
-disconnects mid-span) keeps those entries exact. A client that disconnects from a stream cancels
-its generation at the next token. Binds 127.0.0.1 unless ``--host`` says otherwise.
+disconnects mid-span) keeps those entries exact. A client that disconnects cancels its
+generation at the next token, or during prefill at the next chunk (a cut prefill is not cached);
+at shutdown in-flight requests get ``--shutdown-grace-s``, then stop the same way. Binds
+127.0.0.1 unless ``--host`` says otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import json
 import threading
 import time
@@ -31,13 +38,22 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import UserError, model_ref
+from ..limits import DEFAULT_LIMITS, Limits, deep_member, json_depth, over_compile_budget
 from .openai_request import ChatRequest, RequestError, parse_chat_request
+from .template_vars import tokenizer_template_variables
 
 DEFAULT_MAX_TOKENS = 512
-DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+DEFAULT_PREFILL_STEP = 2048
+DEFAULT_PROMPT_CACHE_BYTES = 8 << 30
+
+
+class PrefillCancelled(Exception):
+    """Raised between prefill chunks when the client left or the server is shutting down."""
 
 
 @dataclass
@@ -57,7 +73,9 @@ class Engine:
     :class:`App` calls it from one worker thread only."""
 
     def __init__(self, model_path: str, *, fill: str = "strict", draft_model: str | None = None,
-                 prompt_cache_size: int = 8, max_tokens: int = DEFAULT_MAX_TOKENS):
+                 prompt_cache_size: int = 8, max_tokens: int = DEFAULT_MAX_TOKENS,
+                 limits: Limits = DEFAULT_LIMITS, prefill_step_size: int = DEFAULT_PREFILL_STEP,
+                 prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES):
         import mlx_lm
         from mlx_lm.models.cache import LRUPromptCache
 
@@ -71,8 +89,12 @@ class Engine:
             from ..spec.draft import check_same_tokenizer
             self.draft, draft_tokenizer = mlx_lm.load(draft_model)
             check_same_tokenizer(draft_tokenizer, self.tokenizer)
-        self.prompt_cache = LRUPromptCache(prompt_cache_size)
-        self.max_tokens = max_tokens
+        self.prompt_cache = LRUPromptCache(prompt_cache_size, max_bytes=prompt_cache_bytes)
+        self.limits = limits
+        self.max_tokens = min(max_tokens, limits.max_tokens_ceiling)
+        self.prefill_step_size = prefill_step_size
+        self.template_vars = tokenizer_template_variables(self.tokenizer)
+        self.stopping = threading.Event()  # set at shutdown: every generation stops
         self.ledger = None
         if self.fill != "off":
             from ..session import server_ledger
@@ -82,7 +104,13 @@ class Engine:
             from ..spec.suffix import GlobalSuffixTree
             self.global_tree = GlobalSuffixTree()
 
+    def parse(self, body: Any) -> ChatRequest:
+        """:func:`parse_chat_request` under this engine's limits and template variables."""
+        return parse_chat_request(body, limits=self.limits, template_vars=self.template_vars)
+
     def render(self, req: ChatRequest) -> list[int]:
+        """The prompt ids; RequestError (400 ``context_length_exceeded``) above
+        ``limits.max_prompt_tokens``."""
         tools = None if req.tool_choice == "none" else req.tools
         try:
             ids = self.tokenizer.apply_chat_template(
@@ -91,15 +119,20 @@ class Engine:
         except Exception as e:  # noqa: BLE001 -- template errors are the request's (e.g. a role it rejects)
             raise RequestError(400, f"messages: the model's chat template rejected the request "
                                     f"({type(e).__name__}: {e})", "messages") from None
+        if len(ids) > self.limits.max_prompt_tokens:
+            raise RequestError(400, f"messages: the rendered prompt is {len(ids)} tokens, at most "
+                                    f"{self.limits.max_prompt_tokens}", "messages",
+                               "context_length_exceeded")
         return list(ids)
 
     def _session(self, req: ChatRequest, prompt_ids: list[int]):
         from ..session import build_session
+        refuse = "compile_budget" if over_compile_budget(req.tools, self.limits) else None
         session = build_session(
             self.fill, model=self.model, tokenizer=self.tokenizer, prompt_ids=prompt_ids,
             messages=req.messages, tools=req.tools, template_kwargs=req.chat_template_kwargs,
             temperature=req.temperature, seed=req.seed, prediction=req.prediction,
-            global_tree=self.global_tree, ledger=self.ledger)
+            global_tree=self.global_tree, ledger=self.ledger, refuse=refuse)
         if session is not None and self.draft is not None and session.refused is None:
             from ..spec.base import DraftProposalSource
             from ..spec.draft import DraftModelSource
@@ -146,7 +179,9 @@ class Engine:
                  on_text: Callable[[str], None] | None = None) -> Outcome | None:
         """Run one prepared request; ``on_text`` receives content deltas as they become final
         (tool-call text and text that may still turn into a marker or stop string are held
-        back). Returns None when cancelled before it started."""
+        back). ``cancelled`` (or the engine's ``stopping``) stops it at the next token, or
+        between two prefill chunks. Returns None when cancelled before its first token; a
+        prefill cut short leaves no prompt-cache entry."""
         import mlx.core as mx
         from mlx_lm.sample_utils import make_sampler
 
@@ -155,7 +190,14 @@ class Engine:
         from .mlx_lm import generate_step
 
         req, prompt_ids, session = prepared.req, prepared.prompt_ids, prepared.session
-        if cancelled.is_set():
+        def stop() -> bool:
+            return cancelled.is_set() or self.stopping.is_set()
+
+        def between_chunks(_done: int, _total: int) -> None:
+            if stop():
+                raise PrefillCancelled
+
+        if stop():
             finish_session(session)
             return None
         cache, rest = self._cache_for(prompt_ids)
@@ -170,11 +212,15 @@ class Engine:
         tokens: list[int] = []
         finish = "length"
         steps = generate_step(mx.array(rest), self.model, fill=session, max_tokens=max_tokens,
-                              sampler=sampler, prompt_cache=cache)
+                              sampler=sampler, prompt_cache=cache,
+                              prefill_step_size=self.prefill_step_size,
+                              prompt_progress_callback=between_chunks)
+        prefilled = False
         try:
             for token, _ in steps:
+                prefilled = True
                 tokens.append(token)
-                if cancelled.is_set():
+                if stop():
                     finish = "cancelled"
                     break
                 if token in eos:
@@ -184,12 +230,17 @@ class Engine:
                 if splitter.feed(detok.last_segment):
                     finish = "stop"
                     break
+        except PrefillCancelled:
+            finish = "cancelled"
         finally:
             steps.close()  # the cache now holds prompt + every yielded id
             finish_session(session)
             if session is not None and self.ledger is not None:
                 self.ledger.save()
-            self.prompt_cache.insert_cache(self.model_path, prompt_ids + tokens, cache)
+            if prefilled:  # a prefill cut between chunks holds only part of the prompt
+                self.prompt_cache.insert_cache(self.model_path, prompt_ids + tokens, cache)
+        if not prefilled:
+            return None
         if finish == "length":
             detok.finalize()
             splitter.feed(detok.last_segment)
@@ -325,10 +376,46 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(RequestError(status, message, param).body(), status_code=status)
 
 
-def create_app(engine: Engine, *, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
-    """The FastAPI application serving ``engine``."""
+async def read_body(request: Request, limits: Limits) -> bytes:
+    """The raw body; 413 over ``max_request_bytes`` (read no further)."""
+    too_large = RequestError(413, f"request body exceeds {limits.max_request_bytes} bytes")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limits.max_request_bytes:
+        raise too_large
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limits.max_request_bytes:
+            raise too_large
+    return bytes(raw)
 
-    app = FastAPI(title="mlx-fill", docs_url=None, redoc_url=None)
+
+def decode_body(raw: bytes, limits: Limits) -> Any:
+    """The decoded JSON body; 400 for invalid JSON or nesting deeper than ``max_json_depth``
+    (measured on the bytes, before the recursive parser runs; ``param`` names the top-level
+    member)."""
+    if json_depth(raw) > limits.max_json_depth:
+        member = deep_member(raw, limits.max_json_depth)
+        raise RequestError(400, f"{member or 'request body'}: JSON nested deeper than "
+                                f"{limits.max_json_depth} levels", member)
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise RequestError(400, f"request body: invalid JSON ({e})") from None
+
+
+def create_app(engine: Engine):
+    """The FastAPI application serving ``engine`` under ``engine.limits``. At shutdown the
+    engine's ``stopping`` flag stops any generation still running (within one token or one
+    prefill chunk)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        engine.stopping.set()
+        worker.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="mlx-fill", docs_url=None, redoc_url=None, lifespan=lifespan)
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-fill-gen")
     model_id = Path(engine.model_path).name or engine.model_path
     created = int(time.time())
@@ -336,6 +423,14 @@ def create_app(engine: Engine, *, max_request_bytes: int = DEFAULT_MAX_REQUEST_B
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, e: RequestError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        message = {404: f"no route {request.url.path}",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(
+                       e.status_code, str(e.detail))
+        return JSONResponse(RequestError(e.status_code, message).body(), status_code=e.status_code,
+                            headers=e.headers)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, e: Exception):
@@ -356,19 +451,9 @@ def create_app(engine: Engine, *, max_request_bytes: int = DEFAULT_MAX_REQUEST_B
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_request_bytes:
-            return _error(413, f"request body exceeds {max_request_bytes} bytes")
-        raw = bytearray()
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > max_request_bytes:
-                return _error(413, f"request body exceeds {max_request_bytes} bytes")
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return _error(400, f"request body: invalid JSON ({e})")
-        req = parse_chat_request(body)
+        raw = await read_body(request, engine.limits)
+        body = await run_in_threadpool(decode_body, raw, engine.limits)  # off the event loop
+        req = await run_in_threadpool(engine.parse, body)  # schema checks too
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         name = req.model or model_id
         loop = asyncio.get_running_loop()
@@ -376,10 +461,14 @@ def create_app(engine: Engine, *, max_request_bytes: int = DEFAULT_MAX_REQUEST_B
         prepared = await loop.run_in_executor(worker, engine.prepare, req)
         if not req.stream:
             future = loop.run_in_executor(worker, engine.generate, prepared, cancelled, None)
-            while not future.done():
-                await asyncio.wait({future}, timeout=0.25)
-                if not future.done() and await request.is_disconnected():
-                    cancelled.set()  # the client is gone: stop at the next token
+            try:
+                while not future.done():
+                    await asyncio.wait({future}, timeout=0.25)
+                    if not future.done() and await request.is_disconnected():
+                        cancelled.set()  # the client is gone: stop at the next token or chunk
+            finally:
+                if not future.done():
+                    cancelled.set()  # this handler was cancelled (shutdown past its grace)
             out = await future
             if out is None:
                 return _error(499, "client closed the request")
@@ -477,21 +566,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="completion length when a request gives none")
     parser.add_argument("--prompt-cache-size", type=int, default=8,
                         help="KV caches kept for reuse across turns")
-    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
+    parser.add_argument("--prompt-cache-bytes", type=int, default=DEFAULT_PROMPT_CACHE_BYTES,
+                        help="bytes of KV caches kept for reuse across turns")
+    parser.add_argument("--prefill-step-size", type=int, default=DEFAULT_PREFILL_STEP,
+                        help="prompt tokens per prefill chunk (a cancelled request stops "
+                             "between chunks)")
+    for f in dataclasses.fields(Limits):
+        parser.add_argument("--" + f.name.replace("_", "-"), type=int,
+                            default=f.default, help=f"{f.metadata['help']} (default {f.default})")
     parser.add_argument("--log-level", default="warning")
+
+
+def limits_from(args: argparse.Namespace) -> Limits:
+    """The :class:`Limits` named by the parsed ``--max-*`` flags."""
+    return Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
     try:
+        limits = limits_from(args)
+    except ValueError as err:
+        raise UserError(str(err)) from err
+    try:
         engine = Engine(args.model, fill=args.fill, draft_model=args.draft_model,
-                        prompt_cache_size=args.prompt_cache_size, max_tokens=args.max_tokens)
+                        prompt_cache_size=args.prompt_cache_size, max_tokens=args.max_tokens,
+                        limits=limits, prefill_step_size=args.prefill_step_size,
+                        prompt_cache_bytes=args.prompt_cache_bytes)
     except (OSError, ValueError) as err:
         remote = [m for m in (args.model, args.draft_model) if m and not Path(m).exists()]
         if not remote:
             raise
         raise UserError(f"could not download {', '.join(remote)} from the Hugging Face Hub "
                         f"({str(err).splitlines()[0]}); pass a local mlx-lm model directory") from err
-    app = create_app(engine, max_request_bytes=args.max_request_bytes)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=limits.shutdown_grace_s)
     return 0

@@ -11,6 +11,10 @@ mark in a context variable on the generation thread; ``mlx_lm.server.stream_gene
 name server.py bound at import) is wrapped to build the request's :class:`FillSession` and pass
 ``fill=`` to the fill-aware ``generate_step`` (installed in ``mlx_lm.generate`` by the same hook).
 
+Bounded work: a request whose tools are over the compile budget, or whose
+``chat_template_kwargs`` go beyond the variables of the model's template, is served without fill
+(``usage.fill.refusals``: ``compile_budget`` / ``template_kwargs``) before any schema is checked.
+
 Responses: ``usage.fill`` (the session's stats) and, with a ``prediction``,
 ``usage.completion_tokens_details.{accepted,rejected}_prediction_tokens``, in the final
 response and in the streamed usage chunk (``stream_options.include_usage``).
@@ -22,13 +26,16 @@ checked before any is replaced; a mismatch raises, and the hook turns that into 
 from __future__ import annotations
 
 import contextvars
+import hashlib
 import inspect
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ..ledger import Ledger
+from ..limits import over_compile_budget
 from ..prediction import prediction_usage
 from ..proposal import FillSession
 from ..session import (
@@ -38,6 +45,7 @@ from ..session import (
     predicted_count,
     server_ledger,
 )
+from .template_vars import template_variables
 
 ROUTED_KEYS = ("tools", "tool_choice", "prediction")
 log = logging.getLogger("mlx_fill")
@@ -130,13 +138,47 @@ def _ledger_for(model_key: str, tokenizer: Any) -> Ledger | None:
     return _ledgers[key]
 
 
+_template_vars: dict[str, frozenset[str]] = {}
+
+
+def _allowed_kwargs(tokenizer: Any) -> frozenset[str]:
+    """The ``chat_template_kwargs`` keys the tokenizer's template reads, computed once per
+    template."""
+    template = getattr(tokenizer, "chat_template", None)
+    key = hashlib.sha256(json.dumps(template, sort_keys=True, default=str).encode()).hexdigest()
+    if key not in _template_vars:
+        _template_vars[key] = template_variables(template)
+    return _template_vars[key]
+
+
+def _budget_refusal(body: dict, tokenizer: Any) -> str | None:
+    """Why fill must not even look at this request's tools or template arguments: tools over
+    the default :class:`~mlx_fill.limits.Limits` compile budget (checked without recursion or
+    jsonschema, so the generation thread never spends long on them), or
+    ``chat_template_kwargs`` beyond the model template's variables (fill renders only the
+    model directory's template)."""
+    if over_compile_budget(body.get("tools")):
+        return "compile_budget"
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not (isinstance(kwargs, dict)
+                                   and set(kwargs) <= _allowed_kwargs(tokenizer)):
+        return "template_kwargs"
+    return None
+
+
 def _open_session(fill_request: FillRequest, args: Any, kwargs: dict,
                   ledger: Ledger | None = None) -> FillSession | None:
-    """The request's session; a request fill cannot serve (malformed tools or prediction) gets
-    a refused session, so it decodes exactly as without fill and says why in ``usage.fill``."""
+    """The request's session; a request fill cannot serve (malformed tools or prediction) or
+    must not compile (:func:`_budget_refusal`) gets a refused session, so it decodes exactly as
+    without fill and says why in ``usage.fill``."""
     body = fill_request.body
     tokenizer = kwargs["tokenizer"]
     prompt_ids = fill_request.prompt_ids or []
+    refusal = _budget_refusal(body, tokenizer)
+    if refusal is not None:
+        session = FillSession([], prompt_ids=prompt_ids)
+        session.refuse(refusal)
+        return session
     try:
         fill_request.predicted = predicted_count(tokenizer, body.get("prediction"))
         return build_session(

@@ -9,8 +9,9 @@ every mode but ``off``.
 A request that fill must not touch still gets a session, refused with a counted reason, so the
 reason shows in ``usage.fill.refusals``: ``logprobs`` (forced tokens have no real logprobs),
 ``seed`` (a fixed user seed must reproduce the serial sample stream), ``response_format``
-(grammar-constrained output), ``media``. At temperature > 0 ``assert`` proposals are dropped
-(``allow_assert=False``); ``verify`` stays lossless in distribution.
+(grammar-constrained output), ``media``, and a reason the caller gives (``compile_budget``: tool
+schemas over the server's fill compile budget). At temperature > 0 ``assert`` proposals are
+dropped (``allow_assert=False``); ``verify`` stays lossless in distribution.
 
 Environment knobs: ``MLX_FILL_MAX_SPAN`` (ids per proposal, default 64), ``MLX_FILL_TRACE`` (a
 JSONL file every fill event is appended to), ``MLX_FILL_PLAN`` (a dispatch plan file, read by
@@ -141,12 +142,15 @@ def build_session(
     spec: str | Sequence[str] | None = None,
     global_tree: Any = None,
     ledger: Any = None,
+    refuse: str | None = None,
 ) -> FillSession | None:
     """The fill session for one request; None when ``mode`` is ``off``.
 
     ``prompt_ids``: the full rendered prompt (cached prefix included). ``logprobs`` is true when
     the client asked for logprobs or top_logprobs. ``prediction``: an OpenAI Predicted Outputs
-    object. ``max_span`` / ``trace_path`` default to ``MLX_FILL_MAX_SPAN`` / ``MLX_FILL_TRACE``.
+    object. ``refuse``: a reason the caller already has to serve without fill (e.g.
+    ``compile_budget``); no source is built then. ``max_span`` / ``trace_path`` default to
+    ``MLX_FILL_MAX_SPAN`` / ``MLX_FILL_TRACE``.
     Raises ValueError for a bad mode, malformed tools/schemas or a malformed prediction.
     The caller closes the trace with :func:`finish_session` when generation ends.
     """
@@ -154,7 +158,8 @@ def build_session(
     if mode == "off":
         return None
     max_span = max_span if max_span is not None else env_max_span()
-    refusal = _refusal(logprobs=logprobs, seed=seed, response_format=response_format, media=media)
+    refusal = refuse or _refusal(logprobs=logprobs, seed=seed, response_format=response_format,
+                                 media=media)
     eos_ids = sorted(getattr(tokenizer, "eos_token_ids", ()) or ())
     sources: list[ProposalSource] = []
     if refusal is None:

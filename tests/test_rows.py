@@ -149,7 +149,7 @@ def test_malformed_tools_raise_with_the_offending_path(bad, path):
 def test_schema_check_is_memoized_yet_every_request_gets_its_error():
     """The meta-schema check is cached on the schema's JSON; a bad schema still fails on every
     request (with the path of the tool it sits in now), a good one is not re-checked."""
-    from mlx_fill.toolspec import _check_schema_json
+    from mlx_fill.toolspec import _memo
 
     bad = {"type": "object", "properties": {"x": {"type": 5}}}
     good = {"type": "object", "properties": {"x": {"type": "string"}}}
@@ -159,9 +159,9 @@ def test_schema_check_is_memoized_yet_every_request_gets_its_error():
         with pytest.raises(ValueError) as err:
             tool_specs(tools)
         assert str(err.value).startswith(f"tools[{index}].function.parameters.properties.x"), str(err.value)
-    hits = _check_schema_json.cache_info().hits
+    hits = _memo.hits
     tool_specs([{"type": "function", "function": {"name": "g", "parameters": dict(good)}}])
-    assert _check_schema_json.cache_info().hits == hits + 1
+    assert _memo.hits == hits + 1
     with pytest.raises(ValueError, match=r"tools\[0\]\.function\.parameters"):
         tool_specs([{"type": "function", "function": {"name": "n", "parameters": {"type": float("nan")}}}])
 

@@ -1,0 +1,130 @@
+"""Per-request work bounds of a serving process, with their defaults stated once.
+
+:class:`Limits` is what an operator can set (``mlx-fill serve`` turns every field into a
+``--flag``; the ``MLX_FILL`` hook uses the defaults). :func:`json_depth` measures the nesting
+of raw JSON bytes without recursion, so a body can be refused before a recursive parser sees
+it (:func:`deep_member` names where); :func:`value_depth` does the same for a decoded value.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+# jsonschema's meta-schema check recurses ~10 Python frames per level: past ~95 levels it
+# exhausts the default recursion limit. No schema deeper than this reaches jsonschema.
+SCHEMA_DEPTH_CAP = 64
+# json.loads recurses once per level (RecursionError from ~963 levels on).
+JSON_DEPTH_CAP = 512
+
+
+def _limit(default, what: str):
+    return field(default=default, metadata={"help": what})
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on one request's work. Invariants (checked on construction): every bound is
+    positive, ``max_json_depth <= JSON_DEPTH_CAP``, ``max_schema_depth <= SCHEMA_DEPTH_CAP``."""
+
+    max_request_bytes: int = _limit(4 << 20, "request body bytes (413 above)")
+    max_json_depth: int = _limit(64, "nesting depth of the JSON body, anywhere in it (400 above; "
+                                     f"at most {JSON_DEPTH_CAP})")
+    max_schema_depth: int = _limit(32, "nesting depth of one tool's parameters schema (400 above; "
+                                       f"at most {SCHEMA_DEPTH_CAP})")
+    max_schema_bytes: int = _limit(256 << 10, "JSON bytes of one tool's parameters schema "
+                                              "(400 above)")
+    max_tools: int = _limit(128, "entries in tools (400 above)")
+    max_prompt_tokens: int = _limit(32768, "rendered prompt tokens, checked before any prefill "
+                                           "(400 context_length_exceeded above)")
+    max_tokens_ceiling: int = _limit(4096, "ceiling on a request's max_tokens / "
+                                           "max_completion_tokens (400 above)")
+    fill_compile_bytes: int = _limit(128 << 10, "JSON bytes of all tool schemas together above "
+                                                "which a request is served without fill "
+                                                "(usage.fill.refusals.compile_budget)")
+    shutdown_grace_s: int = _limit(10, "seconds in-flight requests may finish after SIGTERM "
+                                       "before they are cancelled")
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if getattr(self, f.name) < 1:
+                raise ValueError(f"{f.name} must be >= 1, got {getattr(self, f.name)}")
+        if self.max_json_depth > JSON_DEPTH_CAP:
+            raise ValueError(f"max_json_depth must be <= {JSON_DEPTH_CAP}")
+        if self.max_schema_depth > SCHEMA_DEPTH_CAP:
+            raise ValueError(f"max_schema_depth must be <= {SCHEMA_DEPTH_CAP}")
+
+
+DEFAULT_LIMITS = Limits()
+
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_COLON = re.compile(rb"\s*:")
+_DELTA = np.zeros(256, dtype=np.int8)
+_DELTA[[ord("["), ord("{")]] = 1
+_DELTA[[ord("]"), ord("}")]] = -1
+
+
+def _steps(bare: bytes) -> np.ndarray:
+    return np.cumsum(_DELTA[np.frombuffer(bare, dtype=np.uint8)].astype(np.int32))
+
+
+def json_depth(raw: bytes) -> int:
+    """The deepest bracket nesting of ``raw`` (brackets inside JSON strings do not count).
+    Linear time in C, no recursion; for text that is not JSON the result is only an estimate,
+    and the parser rejects such text anyway."""
+    bare = _STRING.sub(b"", bytes(raw))
+    return int(max(0, _steps(bare).max())) if bare else 0
+
+
+def deep_member(raw: bytes, limit: int) -> str | None:
+    """The top-level member of a JSON object ``raw`` in which the nesting first goes past
+    ``limit``; None when it is not inside a member (or never goes past ``limit``). Linear time;
+    meant for bodies :func:`json_depth` already refused."""
+    raw = bytes(raw)
+    strings = list(_STRING.finditer(raw))
+    blank = _STRING.sub(lambda m: b" " * len(m.group()), raw)  # positions kept
+    over = np.flatnonzero(_steps(blank) > limit) if blank else []
+    if not len(over):
+        return None
+    depth = _steps(blank)
+    for m in reversed(strings):  # the last top-level key before the first level past the limit
+        if m.start() < over[0] and depth[m.start()] == 1 and _COLON.match(blank, m.end()):
+            try:
+                key = json.loads(m.group())
+            except ValueError:
+                return None
+            return key if isinstance(key, str) else None
+    return None
+
+
+def value_depth(value: object) -> int:
+    """Nesting depth of a decoded JSON value (a scalar is 0, ``[]`` / ``{}`` are 1), iteratively."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            node = list(node.values())
+        elif not isinstance(node, list):
+            continue
+        deepest = max(deepest, depth + 1)
+        stack.extend((child, depth + 1) for child in node)
+    return deepest
+
+
+def over_compile_budget(tools: object, limits: Limits = DEFAULT_LIMITS) -> bool:
+    """True when fill should not compile ``tools`` (an OpenAI ``tools`` value, unvalidated):
+    more than ``max_tools`` entries, a schema deeper than ``max_schema_depth``, or more than
+    ``fill_compile_bytes`` of JSON in all. Linear in the size of ``tools``; never recurses."""
+    if not isinstance(tools, list) or not tools:
+        return False
+    nesting = 3  # tools[i].function.parameters
+    if len(tools) > limits.max_tools or value_depth(tools) > limits.max_schema_depth + nesting:
+        return True
+    try:
+        size = len(json.dumps(tools, ensure_ascii=False).encode())
+    except (TypeError, ValueError):
+        return True
+    return size > limits.fill_compile_bytes
