@@ -65,6 +65,9 @@ class Engine:
         self.fill = check_mode(fill)
         check_env()
         self.model, self.tokenizer = mlx_lm.load(model_path)
+        if self.fill != "off":  # the dispatch plan, qualified here on first use, not in a request
+            from ..resolve import prepare
+            prepare(self.model)
         self.draft = None
         if draft_model is not None:
             from ..spec.draft import check_same_tokenizer

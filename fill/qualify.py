@@ -14,6 +14,7 @@ import argparse
 import statistics
 import sys
 import time
+from datetime import date
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from .exactness import arrays_equal, cache_content
-from .plan import DispatchPlan, PlanKey, config_key, save_plan
+from .plan import DispatchPlan, PlanKey, config_key, format_key, save_plan
 from .primitive import Unsupported, append, cache_offset, check_supported, checkpoint, rewind
 
 FULL_SIZES = tuple(range(1, 17)) + (32,)
@@ -141,19 +142,36 @@ def measure_cost(model: Any, sizes: tuple[int, ...], vocab: int, repeats: int) -
     return {m: round(statistics.median(t) / one, 3) for m, t in times.items()}
 
 
-def qualify(model: Any, *, quick: bool, vocab: int, repeats: int | None = None) -> tuple[DispatchPlan, list[Check]]:
-    """Measure exactness and cost for ``model`` on the default device; return the plan."""
+def vocab_of(model: Any) -> int:
+    """The model's vocabulary size: from its mlx-lm configuration, else one forward's logits."""
+    args = getattr(model, "args", None)
+    text = getattr(args, "text_config", None)
+    for holder in (args, text if isinstance(text, dict) else None):
+        value = holder.get("vocab_size") if isinstance(holder, dict) else getattr(holder, "vocab_size", None)
+        if value:
+            return int(value)
+    return int(model(mx.array([[0]]), cache=make_prompt_cache(model)).shape[-1])
+
+
+def qualify(model: Any, *, quick: bool, vocab: int | None = None, repeats: int | None = None,
+            bar: bool = True, note: str = "") -> tuple[DispatchPlan, list[Check]]:
+    """Measure exactness and cost for ``model`` on the default device; return the plan, keyed
+    by :func:`~mlx_fill.plan.config_key` as measured here. ``bar``: a tqdm bar on stderr (when
+    it is a terminal); ``note`` is stored in the plan with the date."""
     sizes = QUICK_SIZES if quick else FULL_SIZES
     kv_lengths = QUICK_KV if quick else FULL_KV
+    vocab = vocab or vocab_of(model)
+    key = config_key(model)
     from tqdm import tqdm
     with tqdm(total=len(kv_lengths) * (len(sizes) - 1) * 2, desc="exactness", file=sys.stderr,
-              disable=None) as bar:
-        checks = check_exactness(model, sizes, kv_lengths, vocab, bar)
-    plan = derive_plan(config_key(model), checks, sizes)
+              disable=None if bar else True) as progress:
+        checks = check_exactness(model, sizes, kv_lengths, vocab, progress)
+    plan = derive_plan(key, checks, sizes)
     if plan.max_chunk > 1 and not confirm_plan(model, plan, kv_lengths, vocab):
         plan = replace(plan, max_chunk=1, kv_boundaries=())
     cost = measure_cost(model, sizes, vocab, repeats or (3 if quick else 7))
-    plan = replace(plan, cost=cost)
+    stamp = f"{'quick' if quick else 'full'} qualify, {date.today().isoformat()}"
+    plan = replace(plan, cost=cost, note=f"{note}; {stamp}" if note else stamp)
     return plan, checks
 
 
@@ -161,7 +179,7 @@ def format_table(plan: DispatchPlan, checks: list[Check]) -> str:
     sizes = sorted({c.size for c in checks})
     kvs = sorted({c.kv for c in checks})
     head = "KV \\ M " + " ".join(f"{m:>4}" for m in sizes)
-    lines = [f"configuration: {plan.key}", "exact (chunk starting at / crossing the KV length):",
+    lines = [*format_key(plan.key), "exact (chunk starting at / crossing the KV length):",
              head]
     for kv in kvs:
         cells = []
@@ -194,7 +212,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"mlx-fill qualify: unsupported cache for fill: {e}", file=sys.stderr)
         return 2
     vocab = int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size"))
-    plan, checks = qualify(model, quick=args.quick, vocab=vocab, repeats=args.repeats)
+    plan, checks = qualify(model, quick=args.quick, vocab=vocab, repeats=args.repeats,
+                           note=f"mlx-fill qualify on {Path(args.model).name}")
     print(format_table(plan, checks))
     print(f"wrote {save_plan(plan, args.out)}")
     return 0

@@ -16,7 +16,8 @@ from mlx_fill.primitive import Unsupported, check_supported
 from mlx_fill.qualify import Check, derive_plan
 from mlx_fill.random_models import build, config_for, save
 
-KEY = PlanKey("cpu", "x86_64", "bfloat16", "none")
+KEY = PlanKey("cpu", "x86_64", "0.32.4", "0.32.2", "libblas", "3.10.0", "", "bfloat16", "none",
+              "qwen3 layers=4")
 
 
 @pytest.fixture(scope="module")
