@@ -6,8 +6,10 @@ from __future__ import annotations
 import ctypes.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -177,3 +179,34 @@ def test_fake_blas_identity_reaches_the_key(model, monkeypatch):
     key = config_key(model)
     assert (key.blas, key.blas_version, key.blas_core) == ("openblas", "0.3.21", "SkylakeX")
     assert replace(key, blas_core="Haswell").differences(key) == ["blas_core"]
+
+
+@pytest.fixture
+def tiny_served_dir(tmp_path):
+    """A tiny random qwen3 (512 ids) with the real qwen3 tokenizer: loadable by both servers."""
+    from adapter_models import TOKENIZER_FILES, assets
+    path = save(*build(config_for("qwen3"), seed=5), tmp_path / "served")
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(assets.family_dir("qwen3") / name, path / name)
+    return path
+
+
+def test_serve_engine_qualifies_at_start_up(tiny_served_dir, plan_dirs, qualify_calls):
+    from mlx_fill.adapters.serve import Engine
+    engine = Engine(str(tiny_served_dir), fill="strict")
+    assert len(qualify_calls) == 1 and qualify_calls[0] == config_key(engine.model)
+    assert list((plan_dirs.parent / "cache" / "plans").glob("*.json"))
+
+
+def test_mlx_lm_server_hook_qualifies_at_model_load(tiny_served_dir, tmp_path):
+    from adapter_models import BIN, free_port, running_server
+    cache, log, port = tmp_path / "cache", tmp_path / "server.log", free_port()
+    argv = [str(BIN / "mlx_lm.server"), "--model", str(tiny_served_dir), "--port", str(port)]
+    with running_server(argv, port, env={"MLX_FILL": "strict", "MLX_FILL_CACHE": str(cache)},
+                        log=log):
+        deadline = time.monotonic() + 120
+        while "saved to" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.3)
+    text = log.read_text()
+    assert text.count("qualifying this model once") == 1, text[-2000:]
+    assert len(list((cache / "plans").glob("*.json"))) == 1  # before any request was sent
