@@ -3,10 +3,10 @@
 A plan is measured by ``mlx-fill qualify`` and belongs to the configuration it was measured
 under, its :class:`PlanKey`: everything that changes the kernels an append runs or what a
 forward costs. That is the backend and device (GPU architecture on Metal/CUDA), the MLX and
-mlx-lm versions, on the CPU the BLAS actually serving MLX's matrix products with its version and core
-type (:mod:`mlx_fill.kernels`), the activation dtype, the weight quantization, and the model
-shape (:func:`model_shape`: the mlx-lm model configuration; a plan applies to exactly that
-configuration, no tolerance). A plan applies only where every field matches; a mismatch never
+mlx-lm versions, on the CPU the BLAS actually serving MLX's matrix products with its version
+and core type (:mod:`mlx_fill.kernels`), the activation dtype, the weight quantization, and the
+model shape (:func:`model_shape`: the mlx-lm model configuration; a plan applies to exactly
+that configuration, no tolerance). A plan applies only where every field matches; a mismatch never
 means "nearest plan" (:mod:`mlx_fill.resolve` qualifies instead).
 
 ``exact`` plans cut chunks at ``max_chunk`` and at every KV length in ``kv_boundaries`` (where a

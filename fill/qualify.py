@@ -101,13 +101,14 @@ def derive_plan(key: PlanKey, checks: list[Check], sizes: tuple[int, ...]) -> Di
     """Largest M exact at every start that does not cross a KV length; KV lengths crossed by a
     failing chunk become boundaries. On the CPU backend, where no kernel switches at a KV
     length, any failing check makes M inexact: a BLAS that rounds M rows differently at one
-    tested length does so at untested ones too (OpenBLAS does, every 128 to 256 positions),
-    which a list of boundaries cannot describe."""
+    tested length does so wherever the data brings it out, also at untested lengths (OpenBLAS
+    does; see the CHANGELOG), which a list of boundaries cannot describe."""
     boundaries: set[int] = set()
     max_chunk = 1
+    on_cpu = key is not None and key.backend == "cpu"
     for m in sorted(s for s in sizes if s > 1):
         mine = [c for c in checks if c.size == m]
-        if not all(c.exact for c in mine if c.start == c.kv or (key is not None and key.backend == "cpu")):
+        if not all(c.exact for c in mine if c.start == c.kv or on_cpu):
             break
         crossing_failures = {c.kv for c in mine if not c.exact and c.start < c.kv}
         boundaries |= crossing_failures
@@ -151,8 +152,7 @@ def vocab_of(model: Any) -> int:
     """The model's vocabulary size: from its mlx-lm configuration, else one forward's logits."""
     args = getattr(model, "args", None)
     text = getattr(args, "text_config", None)
-    for holder in (args, text if isinstance(text, dict) else None):
-        value = holder.get("vocab_size") if isinstance(holder, dict) else getattr(holder, "vocab_size", None)
+    for value in (getattr(args, "vocab_size", None), (text or {}).get("vocab_size")):
         if value:
             return int(value)
     return int(model(mx.array([[0]]), cache=make_prompt_cache(model)).shape[-1])
@@ -184,7 +184,7 @@ def format_table(plan: DispatchPlan, checks: list[Check]) -> str:
     sizes = sorted({c.size for c in checks})
     kvs = sorted({c.kv for c in checks})
     head = "KV \\ M " + " ".join(f"{m:>4}" for m in sizes)
-    lines = [*format_key(plan.key), "exact (chunk starting at / crossing the KV length):",
+    lines = [*format_key(plan.key), "exact (chunk crossing / starting at the KV length):",
              head]
     for kv in kvs:
         cells = []

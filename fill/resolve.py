@@ -144,7 +144,7 @@ def format_resolution(res: Resolution) -> str:
     lines.append("other plans:" if others else "other plans: none")
     for c in others:
         lines.append(f"  {c.origin} {c.path}: {c.problem or 'applies too (an earlier one wins)'}")
-        if c.plan is not None and c.plan.key is not None and c.problem and c.problem.startswith("key"):
+        if c.plan is not None and c.plan.key is not None and (c.problem or "").startswith("key"):
             for name in c.plan.key.differences(res.lookup.key):
                 lines.append(f"      {name}: {getattr(c.plan.key, name)!r} in the plan, "
                              f"{getattr(res.lookup.key, name)!r} here")

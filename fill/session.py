@@ -14,7 +14,8 @@ reason shows in ``usage.fill.refusals``: ``logprobs`` (forced tokens have no rea
 
 Environment knobs: ``MLX_FILL_MAX_SPAN`` (ids per proposal, default 64), ``MLX_FILL_TRACE`` (a
 JSONL file every fill event is appended to), ``MLX_FILL_PLAN`` (a dispatch plan file, tried
-first by :func:`~mlx_fill.resolve.resolve`), ``MLX_FILL_SPEC`` (comma-separated extra sources for ``all``),
+first by :func:`~mlx_fill.resolve.resolve`),
+``MLX_FILL_SPEC`` (comma-separated extra sources for ``all``),
 ``MLX_FILL_PROMOTE`` (comma-separated ledger rows, or prefixes ending in ``:`` such as
 ``strict:``, that the evidence ledger may promote from ``verify`` to ``assert``; default none)
 and ``MLX_FILL_PROMOTE_AFTER`` (agreements needed, default 50), read by :func:`server_ledger`.
