@@ -79,9 +79,13 @@ def _exact(model: Any, cache: list[Any], ids: list[int], plan: DispatchPlan) -> 
 
 
 def check_exactness(model: Any, sizes: tuple[int, ...], kv_lengths: tuple[int, ...],
-                    vocab: int, progress: Any = None) -> list[Check]:
-    """Run every (M, L) check: a chunk starting at L and one crossing L (start L - M//2)."""
+                    vocab: int, progress: Any = None, *, stop_after_failure: bool = False,
+                    ) -> list[Check]:
+    """Run every (M, L) check: a chunk starting at L and one crossing L (start L - M//2).
+    ``stop_after_failure`` (where any failure makes a size inexact, see :func:`derive_plan`):
+    once a size fails, that size and larger ones are not checked again."""
     checks: list[Check] = []
+    failed = max(sizes) + 1  # smallest size found inexact so far
     for kv in kv_lengths:
         cache = make_prompt_cache(model)
         for start in sorted({s for m in sizes if m > 1 for s in (kv, max(0, kv - m // 2))}):
@@ -89,11 +93,15 @@ def check_exactness(model: Any, sizes: tuple[int, ...], kv_lengths: tuple[int, .
             for m in sizes:
                 if m == 1 or start not in (kv, max(0, kv - m // 2)):
                     continue
+                if progress:
+                    progress.update(1)
+                if stop_after_failure and m >= failed:
+                    continue
                 plan = DispatchPlan(key=None, max_chunk=m, qualified=True)
                 ids = _random_ids(m, vocab, 7 * m + start)
                 checks.append(Check(m, kv, start, _exact(model, cache, ids, plan)))
-                if progress:
-                    progress.update(1)
+                if not checks[-1].exact:
+                    failed = min(failed, m)
     return checks
 
 
@@ -170,7 +178,8 @@ def qualify(model: Any, *, quick: bool, vocab: int | None = None, repeats: int |
     from tqdm import tqdm
     with tqdm(total=len(kv_lengths) * (len(sizes) - 1) * 2, desc="exactness", file=sys.stderr,
               disable=None if bar else True) as progress:
-        checks = check_exactness(model, sizes, kv_lengths, vocab, progress)
+        checks = check_exactness(model, sizes, kv_lengths, vocab, progress,
+                                 stop_after_failure=key.backend == "cpu")
     plan = derive_plan(key, checks, sizes)
     if plan.max_chunk > 1 and not confirm_plan(model, plan, kv_lengths, vocab):
         plan = replace(plan, max_chunk=1, kv_boundaries=())
@@ -181,7 +190,7 @@ def qualify(model: Any, *, quick: bool, vocab: int | None = None, repeats: int |
 
 
 def format_table(plan: DispatchPlan, checks: list[Check]) -> str:
-    sizes = sorted({c.size for c in checks})
+    sizes = sorted({c.size for c in checks} | {m for m in plan.cost if m > 1})
     kvs = sorted({c.kv for c in checks})
     head = "KV \\ M " + " ".join(f"{m:>4}" for m in sizes)
     lines = [*format_key(plan.key), "exact (chunk crossing / starting at the KV length):",
@@ -192,6 +201,7 @@ def format_table(plan: DispatchPlan, checks: list[Check]) -> str:
             mine = [c for c in checks if c.size == m and c.kv == kv]
             cells.append(f"{''.join('y' if c.exact else 'N' for c in mine):>4}")
         lines.append(f"{kv:>6} " + " ".join(cells))
+    lines.append("(blank: not checked, a smaller size had failed)")
     lines.append("cost c(M) = time(M-row forward) / time(1-row forward):")
     lines.append("  " + "  ".join(f"c({m})={c:.2f}" for m, c in sorted(plan.cost.items())))
     lines.append(f"plan: mode=exact max_chunk={plan.max_chunk} "
