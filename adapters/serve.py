@@ -83,12 +83,17 @@ class Engine:
         self.model_path = model_path
         self.fill = check_mode(fill)
         check_env()
+        from ..resolve import prepare  # dispatch plans: qualified at start-up, not in a request
         self.model, self.tokenizer = mlx_lm.load(model_path)
+        if self.fill != "off":
+            prepare(self.model)
         self.draft = None
         if draft_model is not None:
             from ..spec.draft import check_same_tokenizer
             self.draft, draft_tokenizer = mlx_lm.load(draft_model)
             check_same_tokenizer(draft_tokenizer, self.tokenizer)
+            if self.fill != "off":
+                prepare(self.draft)
         self.prompt_cache = LRUPromptCache(prompt_cache_size, max_bytes=prompt_cache_bytes)
         self.limits = limits
         self.max_tokens = min(max_tokens, limits.max_tokens_ceiling)

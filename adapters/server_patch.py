@@ -19,6 +19,10 @@ Responses: ``usage.fill`` (the session's stats) and, with a ``prediction``,
 ``usage.completion_tokens_details.{accepted,rejected}_prediction_tokens``, in the final
 response and in the streamed usage chunk (``stream_options.include_usage``).
 
+Dispatch plan: ``ModelProvider._load`` is wrapped to resolve the loaded model's plan right
+after loading (:func:`mlx_fill.resolve.prepare`; quick-qualified once when no plan applies), so
+the server measures at start-up, before its first fill request, not inside one.
+
 Every wrapper carries ``__mlx_fill__ = True`` (idempotence) and ``__wrapped__``. All targets are
 checked before any is replaced; a mismatch raises, and the hook turns that into one warning.
 """
@@ -59,6 +63,7 @@ TARGETS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("ResponseGenerator", "_is_batchable", ("self", "args")),
     ("ResponseGenerator", "_serve_single", ("self", "request", "stream")),
     ("ResponseGenerator", "_tokenize", ("self", "tokenizer", "request", "args")),
+    ("ModelProvider", "_load", ("self", "model_path")),
 )
 
 
@@ -211,6 +216,7 @@ def apply(server: Any, mode: str) -> bool:
     usage_response, generate = API.completion_usage_response, RG.generate
     is_batchable, serve_single, tokenize = RG._is_batchable, RG._serve_single, RG._tokenize
     stream_generate = server.stream_generate
+    load = server.ModelProvider._load
 
     def handle_completion_w(self, request, stop_words, *a, **kw):
         body = getattr(self, "body", None)
@@ -269,7 +275,15 @@ def apply(server: Any, mode: str) -> bool:
         fill_request.session = session
         return _finishing(stream_generate(fill=session, **kw), session, ledger)
 
+    def load_w(self, *a, **kw):
+        out = load(self, *a, **kw)
+        if getattr(self, "model", None) is not None:
+            from ..resolve import prepare
+            prepare(self.model)
+        return out
+
     install_generate_step()
+    server.ModelProvider._load = _wrap(load, load_w)
     API.handle_completion = _wrap(handle_completion, handle_completion_w)
     API.generate_response = _wrap(generate_response, generate_response_w)
     API.completion_usage_response = _wrap(usage_response, usage_response_w)

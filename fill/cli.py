@@ -17,6 +17,7 @@ from .errors import UserError
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("mlx_fill.demo", "run a multi-turn tool-calling exchange with fill off and on"),
     "qualify": ("mlx_fill.qualify", "measure exact chunk sizes and the cost curve; write a plan"),
+    "plan": ("mlx_fill.resolve", "show the dispatch plan a model gets, its key and source"),
     "fixture": ("mlx_fill.fixtures", "print the path of a loadable fixture model directory"),
     "assets": ("mlx_fill.assets", "resolve or fetch tokenizer/template assets"),
     "audit": ("mlx_fill.audit", "compile strict rows for tools and audit them on a corpus"),

@@ -33,7 +33,7 @@ from mlx_lm.generate import generation_stream, maybe_quantize_kv_cache
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
-from .plan import load_plan
+from .resolve import plan_for
 from .primitive import Checkpoint, Unsupported, append, cache_offset, check_supported, checkpoint, rewind
 from .proposal import DecodeView, FillSession, Proposal
 from .spec.verifier import process_row, verify_rows
@@ -107,7 +107,7 @@ def _fill_loop(
     if len(prompt) == 0:
         raise ValueError("Either input_embeddings or prompt (or both) must be provided.")
 
-    plan = fill.plan or load_plan(model)
+    plan = fill.plan if fill.plan is not None else plan_for(model)
     if kv_bits is not None:
         # Serial decode quantizes the cache right after the step that reaches the threshold;
         # a chunk must end there too so later rows attend over the same (quantized) keys.

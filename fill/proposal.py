@@ -131,8 +131,8 @@ class FillSession:
         trace: IO[str] | None = None,
     ) -> None:
         """``prompt_ids``: the full rendered prompt (the decode loop may only see the suffix
-        after a prompt-cache hit); ``plan``: the dispatch plan (default: ``load_plan(model)``
-        in exact mode, resolved by the decode loop)."""
+        after a prompt-cache hit); ``plan``: the dispatch plan (``build_session`` resolves it once per
+        request; None: the decode loop resolves it with ``resolve.plan_for(model)``)."""
         self.sources = list(sources)
         self.prompt_ids = list(prompt_ids) if prompt_ids is not None else None
         self.eos_ids = frozenset(int(t) for t in eos_ids)

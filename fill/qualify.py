@@ -14,6 +14,7 @@ import argparse
 import statistics
 import sys
 import time
+from datetime import date
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -23,15 +24,17 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from .errors import model_dir
 from .exactness import arrays_equal, cache_content
-from .plan import DispatchPlan, PlanKey, config_key, save_plan
+from .plan import DispatchPlan, PlanKey, config_key, format_key, save_plan
 from .primitive import Unsupported, append, cache_offset, check_supported, checkpoint, rewind
 
 FULL_SIZES = tuple(range(1, 17)) + (32,)
 QUICK_SIZES = (1, 2, 3, 4, 8, 16)
 # KV allocation grows in steps of 256; CUDA's cuDNN SDPA switches on kL % 256 and kL >= 256;
-# Metal's 2-pass attention switches at kL 1024 / 4096; powers of two cover the rest.
+# Metal's 2-pass attention switches at kL 1024 / 4096; powers of two cover the rest. The quick
+# set reaches 512: OpenBLAS (Haswell kernels) rounds 2- and 3-row attention products
+# differently from one row at KV 384, 512, 768, 1024, 2048 but not at 0-257 (qwen3-json).
 FULL_KV = (0, 1, 255, 256, 257, 511, 512, 1023, 1024, 2048, 4095, 4096, 8192)
-QUICK_KV = (0, 1, 255, 256, 257)
+QUICK_KV = (0, 1, 255, 256, 257, 511, 512)
 COST_KV = 512
 
 
@@ -77,9 +80,13 @@ def _exact(model: Any, cache: list[Any], ids: list[int], plan: DispatchPlan) -> 
 
 
 def check_exactness(model: Any, sizes: tuple[int, ...], kv_lengths: tuple[int, ...],
-                    vocab: int, progress: Any = None) -> list[Check]:
-    """Run every (M, L) check: a chunk starting at L and one crossing L (start L - M//2)."""
+                    vocab: int, progress: Any = None, *, stop_after_failure: bool = False,
+                    ) -> list[Check]:
+    """Run every (M, L) check: a chunk starting at L and one crossing L (start L - M//2).
+    ``stop_after_failure`` (where any failure makes a size inexact, see :func:`derive_plan`):
+    once a size fails, that size and larger ones are not checked again."""
     checks: list[Check] = []
+    failed = max(sizes) + 1  # smallest size found inexact so far
     for kv in kv_lengths:
         cache = make_prompt_cache(model)
         for start in sorted({s for m in sizes if m > 1 for s in (kv, max(0, kv - m // 2))}):
@@ -87,22 +94,30 @@ def check_exactness(model: Any, sizes: tuple[int, ...], kv_lengths: tuple[int, .
             for m in sizes:
                 if m == 1 or start not in (kv, max(0, kv - m // 2)):
                     continue
+                if progress:
+                    progress.update(1)
+                if stop_after_failure and m >= failed:
+                    continue
                 plan = DispatchPlan(key=None, max_chunk=m, qualified=True)
                 ids = _random_ids(m, vocab, 7 * m + start)
                 checks.append(Check(m, kv, start, _exact(model, cache, ids, plan)))
-                if progress:
-                    progress.update(1)
+                if not checks[-1].exact:
+                    failed = min(failed, m)
     return checks
 
 
 def derive_plan(key: PlanKey, checks: list[Check], sizes: tuple[int, ...]) -> DispatchPlan:
     """Largest M exact at every start that does not cross a KV length; KV lengths crossed by a
-    failing chunk become boundaries."""
+    failing chunk become boundaries. On the CPU backend, where no kernel switches at a KV
+    length, any failing check makes M inexact: a BLAS that rounds M rows differently at one
+    tested length does so wherever the data brings it out, also at untested lengths (OpenBLAS
+    does; see the CHANGELOG), which a list of boundaries cannot describe."""
     boundaries: set[int] = set()
     max_chunk = 1
+    on_cpu = key is not None and key.backend == "cpu"
     for m in sorted(s for s in sizes if s > 1):
         mine = [c for c in checks if c.size == m]
-        if not all(c.exact for c in mine if c.start == c.kv):
+        if not all(c.exact for c in mine if c.start == c.kv or on_cpu):
             break
         crossing_failures = {c.kv for c in mine if not c.exact and c.start < c.kv}
         boundaries |= crossing_failures
@@ -142,27 +157,44 @@ def measure_cost(model: Any, sizes: tuple[int, ...], vocab: int, repeats: int) -
     return {m: round(statistics.median(t) / one, 3) for m, t in times.items()}
 
 
-def qualify(model: Any, *, quick: bool, vocab: int, repeats: int | None = None) -> tuple[DispatchPlan, list[Check]]:
-    """Measure exactness and cost for ``model`` on the default device; return the plan."""
+def vocab_of(model: Any) -> int:
+    """The model's vocabulary size: from its mlx-lm configuration, else one forward's logits."""
+    args = getattr(model, "args", None)
+    text = getattr(args, "text_config", None)
+    for value in (getattr(args, "vocab_size", None), (text or {}).get("vocab_size")):
+        if value:
+            return int(value)
+    return int(model(mx.array([[0]]), cache=make_prompt_cache(model)).shape[-1])
+
+
+def qualify(model: Any, *, quick: bool, vocab: int | None = None, repeats: int | None = None,
+            bar: bool = True, note: str = "") -> tuple[DispatchPlan, list[Check]]:
+    """Measure exactness and cost for ``model`` on the default device; return the plan, keyed
+    by :func:`~mlx_fill.plan.config_key` as measured here. ``bar``: a tqdm bar on stderr (when
+    it is a terminal); ``note`` is stored in the plan with the date."""
     sizes = QUICK_SIZES if quick else FULL_SIZES
     kv_lengths = QUICK_KV if quick else FULL_KV
+    vocab = vocab or vocab_of(model)
+    key = config_key(model)
     from tqdm import tqdm
     with tqdm(total=len(kv_lengths) * (len(sizes) - 1) * 2, desc="exactness", file=sys.stderr,
-              disable=None) as bar:
-        checks = check_exactness(model, sizes, kv_lengths, vocab, bar)
-    plan = derive_plan(config_key(model), checks, sizes)
+              disable=None if bar else True) as progress:
+        checks = check_exactness(model, sizes, kv_lengths, vocab, progress,
+                                 stop_after_failure=key.backend == "cpu")
+    plan = derive_plan(key, checks, sizes)
     if plan.max_chunk > 1 and not confirm_plan(model, plan, kv_lengths, vocab):
         plan = replace(plan, max_chunk=1, kv_boundaries=())
     cost = measure_cost(model, sizes, vocab, repeats or (3 if quick else 7))
-    plan = replace(plan, cost=cost)
+    stamp = f"{'quick' if quick else 'full'} qualify, {date.today().isoformat()}"
+    plan = replace(plan, cost=cost, note=f"{note}; {stamp}" if note else stamp)
     return plan, checks
 
 
 def format_table(plan: DispatchPlan, checks: list[Check]) -> str:
-    sizes = sorted({c.size for c in checks})
+    sizes = sorted({c.size for c in checks} | {m for m in plan.cost if m > 1})
     kvs = sorted({c.kv for c in checks})
     head = "KV \\ M " + " ".join(f"{m:>4}" for m in sizes)
-    lines = [f"configuration: {plan.key}", "exact (chunk starting at / crossing the KV length):",
+    lines = [*format_key(plan.key), "exact (chunk crossing / starting at the KV length):",
              head]
     for kv in kvs:
         cells = []
@@ -170,6 +202,7 @@ def format_table(plan: DispatchPlan, checks: list[Check]) -> str:
             mine = [c for c in checks if c.size == m and c.kv == kv]
             cells.append(f"{''.join('y' if c.exact else 'N' for c in mine):>4}")
         lines.append(f"{kv:>6} " + " ".join(cells))
+    lines.append("(blank: not checked, a smaller size had failed)")
     lines.append("cost c(M) = time(M-row forward) / time(1-row forward):")
     lines.append("  " + "  ".join(f"c({m})={c:.2f}" for m, c in sorted(plan.cost.items())))
     lines.append(f"plan: mode=exact max_chunk={plan.max_chunk} "
@@ -195,7 +228,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"mlx-fill qualify: unsupported cache for fill: {e}", file=sys.stderr)
         return 2
     vocab = int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size"))
-    plan, checks = qualify(model, quick=args.quick, vocab=vocab, repeats=args.repeats)
+    plan, checks = qualify(model, quick=args.quick, vocab=vocab, repeats=args.repeats,
+                           note=f"mlx-fill qualify on {Path(args.model).name}")
     print(format_table(plan, checks))
     print(f"wrote {save_plan(plan, args.out)}")
     return 0

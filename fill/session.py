@@ -14,8 +14,9 @@ schemas over the server's fill compile budget). At temperature > 0 ``assert`` pr
 dropped (``allow_assert=False``); ``verify`` stays lossless in distribution.
 
 Environment knobs: ``MLX_FILL_MAX_SPAN`` (ids per proposal, default 64), ``MLX_FILL_TRACE`` (a
-JSONL file every fill event is appended to), ``MLX_FILL_PLAN`` (a dispatch plan file, read by
-:func:`~mlx_fill.plan.load_plan`), ``MLX_FILL_SPEC`` (comma-separated extra sources for ``all``),
+JSONL file every fill event is appended to), ``MLX_FILL_PLAN`` (a dispatch plan file, tried
+first by :func:`~mlx_fill.resolve.resolve`),
+``MLX_FILL_SPEC`` (comma-separated extra sources for ``all``),
 ``MLX_FILL_PROMOTE`` (comma-separated ledger rows, or prefixes ending in ``:`` such as
 ``strict:``, that the evidence ledger may promote from ``verify`` to ``assert``; default none)
 and ``MLX_FILL_PROMOTE_AFTER`` (agreements needed, default 50), read by :func:`server_ledger`.
@@ -27,7 +28,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from .plan import load_plan
+from .plan import unqualified
+from .resolve import plan_for
 from .prediction import PredictionSource, prediction_text
 from .proposal import FillSession, ProposalSource
 
@@ -151,7 +153,9 @@ def build_session(
     object. ``refuse``: a reason the caller already has to serve without fill (e.g.
     ``compile_budget``); no source is built then. ``max_span`` / ``trace_path`` default to
     ``MLX_FILL_MAX_SPAN`` / ``MLX_FILL_TRACE``.
-    Raises ValueError for a bad mode, malformed tools/schemas or a malformed prediction.
+    The session carries the dispatch plan (:func:`~mlx_fill.resolve.plan_for`: looked up once
+    per configuration and process, quick-qualified on the loaded model the first time no plan
+    applies). Raises ValueError for a bad mode, malformed tools/schemas or a malformed prediction.
     The caller closes the trace with :func:`finish_session` when generation ends.
     """
     mode = check_mode(mode)
@@ -162,6 +166,7 @@ def build_session(
                                  media=media)
     eos_ids = sorted(getattr(tokenizer, "eos_token_ids", ()) or ())
     sources: list[ProposalSource] = []
+    plan = unqualified()
     if refusal is None:
         strict = _strict_source(tokenizer, messages, tools, template_kwargs, ledger)
         if strict is not None:
@@ -170,19 +175,20 @@ def build_session(
             ids = tokenizer.encode(prediction_text(prediction), add_special_tokens=False)
             if ids:
                 sources.append(PredictionSource(ids, max_span=max_span))
+        plan = plan_for(model)  # after the request's own validation: a bad request measures nothing
         names = list(_MODE_SOURCES[mode])
         if mode == "all":
             names += [n for n in spec_names(spec) if n not in names]
         if names:
             from .spec.roster import make_sources
-            sources += make_sources(names, plan=load_plan(model), tokenizer=tokenizer,
+            sources += make_sources(names, plan=plan, tokenizer=tokenizer,
                                     prompt_ids=prompt_ids, global_tree=global_tree,
                                     ledger=ledger, max_span=max_span)
     trace_path = trace_path if trace_path is not None else os.environ.get("MLX_FILL_TRACE") or None
     trace = (open(trace_path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 -- closed by finish_session
              if trace_path else None)
-    session = FillSession(sources, prompt_ids=prompt_ids, eos_ids=eos_ids, max_span=max_span,
-                          allow_assert=temperature == 0, trace=trace)
+    session = FillSession(sources, prompt_ids=prompt_ids, eos_ids=eos_ids, plan=plan,
+                          max_span=max_span, allow_assert=temperature == 0, trace=trace)
     if refusal is not None:
         session.refuse(refusal)
     return session

@@ -31,7 +31,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step as stock_generate_step
 
 from mlx_fill.loop import generate_step
-from mlx_fill.plan import load_plan
+from mlx_fill.resolve import plan_for
 from mlx_fill.proposal import FillSession
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,16 +98,16 @@ def e2e_session(arm: str, *, model, tok, ids, row, draft=None, mtp_head=None) ->
         return None
     if arm in ("ngram", "suffix"):
         from mlx_fill.spec.roster import make_sources
-        sources = make_sources([arm], plan=load_plan(model), tokenizer=tok, prompt_ids=ids)
+        sources = make_sources([arm], plan=plan_for(model), tokenizer=tok, prompt_ids=ids)
         return FillSession(sources, prompt_ids=ids, eos_ids=tok.eos_token_ids)
     if arm == "mtp":
         from mlx_fill.spec.mtp import make_mtp_source
-        src = make_mtp_source(model, mtp_head, plan=load_plan(model))
+        src = make_mtp_source(model, mtp_head, plan=plan_for(model))
         return FillSession([src], prompt_ids=ids, eos_ids=tok.eos_token_ids)
     if arm == "draft":
         from mlx_fill.spec.draft import make_draft_source
         src = make_draft_source(draft[0], tokenizer=draft[1], target_tokenizer=tok,
-                                plan=load_plan(model))
+                                plan=plan_for(model))
         return FillSession([src], prompt_ids=ids, eos_ids=tok.eos_token_ids)
     if arm == "off":
         return FillSession([], prompt_ids=ids, eos_ids=tok.eos_token_ids)
@@ -259,7 +259,7 @@ def run_mechanism(quick: bool, repeats: int) -> dict:
     for label, dtype, bits in configs:
         model, _ = build(dict(config_for("qwen3", "0.5b"), vocab_size=len(tok._tokenizer)),
                          dtype=dtype, bits=bits)
-        plan = load_plan(model)
+        plan = plan_for(model)
         acc = {a: Arm(a) for a in arms}
         for turn in turns:
             # the prompt is prefilled once; every arm decodes from that cache, trimmed back after

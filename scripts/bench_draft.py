@@ -34,7 +34,8 @@ from mlx_lm.utils import load_model
 
 from mlx_fill.fixtures import FixtureMissing, fixture_path
 from mlx_fill.loop import generate_step
-from mlx_fill.plan import DispatchPlan, load_plan
+from mlx_fill.plan import DispatchPlan
+from mlx_fill.resolve import plan_for
 from mlx_fill.proposal import FillSession
 from mlx_fill.random_models import build, config_for, save
 from mlx_fill.spec.draft import make_draft_source
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     pairs.append(("random qwen3 + noisy copy", build(config_for("qwen3"))[0],
                   noisy_copy("qwen3", 0.05, seed=7), random_prompts(args.prompts)))
     for name, target, draft, prompts in pairs:
-        plan, dplan = load_plan(target, args.mode), load_plan(draft, args.mode)
+        plan, dplan = plan_for(target).with_mode(args.mode), plan_for(draft).with_mode(args.mode)
         arms = {}
         for k in args.lengths:
             arms[f"draft k={k}"] = fill_arm(
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         mtp_pairs.append((f"{args.mtp_target.name} + MTP head from {args.mtp_head or 'itself'}",
                           target, head, agent_prompts(tok, args.prompts)))
     for name, target, head, prompts in mtp_pairs:
-        plan = load_plan(target, args.mode)
+        plan = plan_for(target).with_mode(args.mode)
         arms = {f"mtp k={k}": fill_arm(target, lambda k=k: make_mtp_source(target, head,
                                                                              num_draft_tokens=k),
                                        args.tokens, plan) for k in args.lengths}

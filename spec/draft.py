@@ -19,7 +19,8 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..plan import DispatchPlan, load_plan
+from ..plan import DispatchPlan
+from ..resolve import plan_for
 from ..primitive import Checkpoint, append, checkpoint, rewind
 from .base import DraftProposalSource
 
@@ -64,7 +65,8 @@ class DraftModelSource:
     ``tokenizer`` / ``target_tokenizer``: pass both to have the pair checked at construction
     (:class:`TokenizerMismatch` on any difference); passing only one is an error. Passing
     neither means the caller vouches that the vocabularies are the same.
-    ``plan``: the dispatch plan for the draft model's appends (default ``load_plan(draft)``).
+    ``plan``: the dispatch plan for the draft model's appends (default: the draft's own,
+    ``resolve.plan_for(draft)``, qualified on first use).
     """
 
     name = "draft"
@@ -76,7 +78,7 @@ class DraftModelSource:
         if tokenizer is not None:
             check_same_tokenizer(tokenizer, target_tokenizer)
         self.model = draft_model
-        self.plan = plan or load_plan(draft_model)
+        self.plan = plan or plan_for(draft_model)
         self._cache: list[Any] | None = None
         self._pending: list[int] = []
         self._round: Checkpoint | None = None

@@ -18,7 +18,7 @@ def test_wheel_layout_and_import(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     for module in ("mlx_fill/__init__.py", "mlx_fill/primitive.py", "mlx_fill/spec/verifier.py",
                    "mlx_fill/adapters/serve.py", "mlx_fill/grammars/hermes_json.lark",
-                   "mlx_fill/plans/cpu-x86_64-bfloat16-none.json",
+                   "mlx_fill/plans/cpu-x86_64-float32-none-qwen3-json.json",
                    "mlx_fill.pth", "mlx_fill.start"):
         assert module in names, module
     assert not any(n.startswith(("fill/", "spec/", "adapters/", "tests/")) for n in names)

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import mlx.core as mx
 import pytest
@@ -16,7 +17,9 @@ from mlx_fill.primitive import Unsupported, check_supported
 from mlx_fill.qualify import Check, derive_plan
 from mlx_fill.random_models import build, config_for, save
 
-KEY = PlanKey("cpu", "x86_64", "bfloat16", "none")
+KEY = PlanKey("cuda", "sm_90 NVIDIA H200", "0.32.4", "0.32.2", "none", "", "", "bfloat16", "none",
+              "qwen3 layers=4")
+CPU_KEY = replace(KEY, backend="cpu", device="x86_64", blas="libblas", blas_version="3.10.0")
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +92,11 @@ def test_derive_plan_stops_at_first_inexact_size():
     spec[(4, 0, 0)] = False  # not a crossing: M=4 itself is inexact
     plan = derive_plan(KEY, checks(spec), (1, 2, 4, 8))
     assert plan.max_chunk == 2
+
+
+def test_on_cpu_a_crossing_failure_makes_the_size_inexact():
+    spec = {(m, kv, s): True for m in (2, 4, 8) for kv in (0, 256)
+            for s in {kv, max(0, kv - m // 2)}}
+    spec[(4, 256, 254)] = False
+    plan = derive_plan(CPU_KEY, checks(spec), (1, 2, 4, 8))
+    assert plan.max_chunk == 2 and plan.kv_boundaries == ()
