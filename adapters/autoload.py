@@ -40,7 +40,7 @@ def warn_once(message: str) -> None:
 def _patch(name: str, module) -> None:
     """Apply the patch for ``name`` to the executed ``module``; fail open on any mismatch."""
     try:
-        from ..session import check_env, check_mode
+        from mlx_fill.session import check_env, check_mode
         mode = check_mode(os.environ.get(ENV))
         check_env()
         version = getattr(sys.modules.get("mlx_lm"), "__version__", "")

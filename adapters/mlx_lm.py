@@ -1,10 +1,10 @@
 """The loop drop-in: mlx-lm's ``generate_step`` and ``stream_generate`` with ``fill=``.
 
 ``generate_step(prompt, model, stream=generation_stream, *, fill=None, **kw)`` is
-:func:`mlx_fill.loop.generate_step`: mlx-lm's signature plus ``fill=``, the stock generator when
+:func:`mlx_fill.core.loop.generate_step`: mlx-lm's signature plus ``fill=``, the stock generator when
 ``fill`` is None. ``stream_generate(model, tokenizer, prompt, fill=..., **kw)`` is mlx-lm's
 ``stream_generate``; with a session every :class:`~mlx_lm.generate.GenerationResponse` it yields
-carries ``response.fill``, the session's live :class:`~mlx_fill.proposal.FillStats` (final once
+carries ``response.fill``, the session's live :class:`~mlx_fill.core.proposal.FillStats` (final once
 the response with a ``finish_reason`` arrives; ``.as_dict()`` is the ``usage.fill`` block).
 """
 
@@ -15,8 +15,8 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from ..loop import generate_step
-from ..proposal import FillSession
+from mlx_fill.core.loop import generate_step
+from mlx_fill.core.proposal import FillSession
 
 __all__ = ["generate_step", "install_generate_step", "stream_generate"]
 

@@ -20,7 +20,7 @@ Responses: ``usage.fill`` (the session's stats) and, with a ``prediction``,
 response and in the streamed usage chunk (``stream_options.include_usage``).
 
 Dispatch plan: ``ModelProvider._load`` is wrapped to resolve the loaded model's plan right
-after loading (:func:`mlx_fill.resolve.prepare`; quick-qualified once when no plan applies), so
+after loading (:func:`mlx_fill.core.resolve.prepare`; quick-qualified once when no plan applies), so
 the server measures at start-up, before its first fill request, not inside one.
 
 Every wrapper carries ``__mlx_fill__ = True`` (idempotence) and ``__wrapped__``. All targets are
@@ -38,18 +38,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..ledger import Ledger
-from ..limits import over_compile_budget
-from ..prediction import prediction_usage
-from ..proposal import FillSession
-from ..session import (
+from mlx_fill.sources.ledger import Ledger
+from mlx_fill.limits import over_compile_budget
+from mlx_fill.sources.prediction import prediction_usage
+from mlx_fill.core.proposal import FillSession
+from mlx_fill.session import (
     build_session,
     check_env,
     finish_session,
     predicted_count,
     server_ledger,
 )
-from .template_vars import template_variables
+from mlx_fill.adapters.server.template_vars import template_variables
 
 ROUTED_KEYS = ("tools", "tool_choice", "prediction")
 log = logging.getLogger("mlx_fill")
@@ -278,7 +278,7 @@ def apply(server: Any, mode: str) -> bool:
     def load_w(self, *a, **kw):
         out = load(self, *a, **kw)
         if getattr(self, "model", None) is not None:
-            from ..resolve import prepare
+            from mlx_fill.core.resolve import prepare
             prepare(self.model)
         return out
 

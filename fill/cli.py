@@ -1,7 +1,7 @@
 """``mlx-fill`` command line. Each subcommand lives in its own module, imported only when used.
 
 A command module exposes ``add_arguments(parser)`` and ``run(args) -> int`` (the exit code).
-A user mistake (a bad argument, or a :class:`~mlx_fill.errors.UserError` raised where it is
+A user mistake (a bad argument, or a :class:`~mlx_fill.core.errors.UserError` raised where it is
 detected) prints one line, ``mlx-fill COMMAND: what is wrong and what to do``, on stderr and
 exits 2; any other exception is a bug and keeps its traceback.
 """
@@ -12,20 +12,20 @@ import argparse
 import importlib
 import sys
 
-from .errors import UserError
+from mlx_fill.core.errors import UserError
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("mlx_fill.demo", "run a multi-turn tool-calling exchange with fill off and on"),
-    "qualify": ("mlx_fill.qualify", "measure exact chunk sizes and the cost curve; write a plan"),
-    "plan": ("mlx_fill.resolve", "show the dispatch plan a model gets, its key and source"),
-    "fixture": ("mlx_fill.fixtures", "print the path of a loadable fixture model directory"),
-    "assets": ("mlx_fill.assets", "resolve or fetch tokenizer/template assets"),
-    "audit": ("mlx_fill.audit", "compile strict rows for tools and audit them on a corpus"),
-    "serve": ("mlx_fill.adapters.serve", "OpenAI-compatible endpoint with fill"),
-    "study": ("mlx_fill.study", "model-free corpus study of proposal sources"),
-    "replay": ("mlx_fill.replay", "replay agent sessions against an OpenAI endpoint"),
-    "ab": ("mlx_fill.replay", "paired A/B replay against two endpoints"),
-    "report": ("mlx_fill.report", "agreement and wall-clock verdicts for replay runs"),
+    "demo": ("mlx_fill.evidence.demo", "run a multi-turn tool-calling exchange with fill off and on"),
+    "qualify": ("mlx_fill.core.qualify", "measure exact chunk sizes and the cost curve; write a plan"),
+    "plan": ("mlx_fill.core.resolve", "show the dispatch plan a model gets, its key and source"),
+    "fixture": ("mlx_fill.assets.fixtures", "print the path of a loadable fixture model directory"),
+    "assets": ("mlx_fill.assets.store", "resolve or fetch tokenizer/template assets"),
+    "audit": ("mlx_fill.evidence.audit", "compile strict rows for tools and audit them on a corpus"),
+    "serve": ("mlx_fill.adapters.server.serve", "OpenAI-compatible endpoint with fill"),
+    "study": ("mlx_fill.evidence.study", "model-free corpus study of proposal sources"),
+    "replay": ("mlx_fill.evidence.replay", "replay agent sessions against an OpenAI endpoint"),
+    "ab": ("mlx_fill.evidence.replay", "paired A/B replay against two endpoints"),
+    "report": ("mlx_fill.evidence.report", "agreement and wall-clock verdicts for replay runs"),
 }
 
 
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name == "--version":
-        from . import __version__
+        from mlx_fill import __version__
         print(__version__)
         return 0
     if name not in COMMANDS:

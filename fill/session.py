@@ -3,7 +3,7 @@
 Modes (``MLX_FILL`` / ``--fill``): ``off`` -> no session; ``strict`` -> the strict source only
 (spans the template/schema and parser state determine); ``echo`` -> strict + echo; ``all`` ->
 strict + echo + suffix + ngram, plus the sources named in ``spec`` / ``MLX_FILL_SPEC``. An OpenAI
-``prediction`` adds a :class:`~mlx_fill.prediction.PredictionSource` (``verify``: lossless) in
+``prediction`` adds a :class:`~mlx_fill.sources.prediction.PredictionSource` (``verify``: lossless) in
 every mode but ``off``.
 
 A request that fill must not touch still gets a session, refused with a counted reason, so the
@@ -15,7 +15,7 @@ dropped (``allow_assert=False``); ``verify`` stays lossless in distribution.
 
 Environment knobs: ``MLX_FILL_MAX_SPAN`` (ids per proposal, default 64), ``MLX_FILL_TRACE`` (a
 JSONL file every fill event is appended to), ``MLX_FILL_PLAN`` (a dispatch plan file, tried
-first by :func:`~mlx_fill.resolve.resolve`),
+first by :func:`~mlx_fill.core.resolve.resolve`),
 ``MLX_FILL_SPEC`` (comma-separated extra sources for ``all``),
 ``MLX_FILL_PROMOTE`` (comma-separated ledger rows, or prefixes ending in ``:`` such as
 ``strict:``, that the evidence ledger may promote from ``verify`` to ``assert``; default none)
@@ -28,10 +28,10 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from .plan import unqualified
-from .resolve import plan_for
-from .prediction import PredictionSource, prediction_text
-from .proposal import FillSession, ProposalSource
+from mlx_fill.core.plan import unqualified
+from mlx_fill.core.resolve import plan_for
+from mlx_fill.sources.prediction import PredictionSource, prediction_text
+from mlx_fill.core.proposal import FillSession, ProposalSource
 
 MODES = ("off", "strict", "echo", "all")
 DEFAULT_MAX_SPAN = 64
@@ -70,7 +70,7 @@ def spec_names(spec: str | Sequence[str] | None) -> list[str]:
 def env_promote() -> tuple[frozenset[str], int]:
     """(rows the ledger may promote, agreements needed) from ``MLX_FILL_PROMOTE`` /
     ``MLX_FILL_PROMOTE_AFTER``."""
-    from .ledger import DEFAULT_PROMOTE_AFTER
+    from mlx_fill.sources.ledger import DEFAULT_PROMOTE_AFTER
     rows = frozenset(r.strip() for r in os.environ.get("MLX_FILL_PROMOTE", "").split(",") if r.strip())
     raw = os.environ.get("MLX_FILL_PROMOTE_AFTER")
     after = int(raw) if raw else DEFAULT_PROMOTE_AFTER
@@ -83,7 +83,7 @@ def server_ledger(model_key: str, tokenizer: Any):
     """The persisted evidence ledger a server keeps for its model and chat template: every
     verified strict row and corroborated echo span is recorded, and only the rows named by
     ``MLX_FILL_PROMOTE`` can ever be promoted. Raises ValueError for a corrupt ledger file."""
-    from .ledger import load_ledger
+    from mlx_fill.sources.ledger import load_ledger
     eligible, after = env_promote()
     template = getattr(tokenizer, "chat_template", None) or ""
     return load_ledger(model_key, template, promote_after=after, eligible=eligible)
@@ -94,7 +94,7 @@ def check_env() -> None:
     variable, instead of every request failing later."""
     env_max_span()
     env_promote()
-    from .spec.roster import NAMES
+    from mlx_fill.spec.roster import NAMES
     unknown = [n for n in spec_names(None) if n not in NAMES]
     if unknown:
         raise ValueError(f"MLX_FILL_SPEC: unknown sources {unknown}; known: {list(NAMES)}")
@@ -106,7 +106,7 @@ def _strict_source(tokenizer: Any, messages: Any, tools: Any, template_kwargs: A
     if messages is None:
         return None
     try:
-        from .strict import lazy_strict_source
+        from mlx_fill.strict.source import lazy_strict_source
     except ImportError:
         return None
     return lazy_strict_source(tokenizer, messages, tools, template_kwargs or {}, ledger)
@@ -153,7 +153,7 @@ def build_session(
     object. ``refuse``: a reason the caller already has to serve without fill (e.g.
     ``compile_budget``); no source is built then. ``max_span`` / ``trace_path`` default to
     ``MLX_FILL_MAX_SPAN`` / ``MLX_FILL_TRACE``.
-    The session carries the dispatch plan (:func:`~mlx_fill.resolve.plan_for`: looked up once
+    The session carries the dispatch plan (:func:`~mlx_fill.core.resolve.plan_for`: looked up once
     per configuration and process, quick-qualified on the loaded model the first time no plan
     applies). Raises ValueError for a bad mode, malformed tools/schemas or a malformed prediction.
     The caller closes the trace with :func:`finish_session` when generation ends.
@@ -180,7 +180,7 @@ def build_session(
         if mode == "all":
             names += [n for n in spec_names(spec) if n not in names]
         if names:
-            from .spec.roster import make_sources
+            from mlx_fill.spec.roster import make_sources
             sources += make_sources(names, plan=plan, tokenizer=tokenizer,
                                     prompt_ids=prompt_ids, global_tree=global_tree,
                                     ledger=ledger, max_span=max_span)

@@ -1,7 +1,7 @@
 """The speculative roster's seam: :class:`DraftSource`, and its adapter to a fill source.
 
 A drafter never decides what is emitted: every drafted id is checked by the target through the
-one verifier (``mlx_fill.spec.verifier``) on the shared append-and-rewind primitive.
+one verifier (``mlx_fill.core.acceptance``) on the shared append-and-rewind primitive.
 
 Contract of a :class:`DraftSource`:
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Callable, Protocol, Sequence, runtime_checkable
 
-from ..proposal import DecodeView, Proposal
+from mlx_fill.core.proposal import DecodeView, Proposal
 
 
 @runtime_checkable

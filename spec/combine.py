@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from typing import Any, Hashable, Sequence
 
-from ..plan import DispatchPlan
-from ..proposal import DecodeView, Proposal
+from mlx_fill.core.plan import DispatchPlan
+from mlx_fill.core.proposal import DecodeView, Proposal
 from .cost import AcceptanceByPosition, round_costs
 
 
 class BestOf:
-    """A :class:`~mlx_fill.proposal.ProposalSource` over model-free DraftSources that expose
+    """A :class:`~mlx_fill.core.proposal.ProposalSource` over model-free DraftSources that expose
     ``confidence() -> Hashable`` for their last draft. ``plan=None``: propose the full draft
     of the best member (the corpus study's oracle setting). ``stats`` carries the calibration
     across requests (pass the same dict to every request's BestOf)."""

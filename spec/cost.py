@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..plan import DispatchPlan
+from mlx_fill.core.plan import DispatchPlan
 
 
 class AcceptanceByPosition:

@@ -19,9 +19,9 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..plan import DispatchPlan
-from ..resolve import plan_for
-from ..primitive import Checkpoint, append, checkpoint, rewind
+from mlx_fill.core.plan import DispatchPlan
+from mlx_fill.core.resolve import plan_for
+from mlx_fill.core.primitive import Checkpoint, append, checkpoint, rewind
 from .base import DraftProposalSource
 
 PROBE = "Hello, world! <tool_call>{\"name\": \"read_file\", \"arguments\": {\"path\": \"/tmp/x.py\"}}"

@@ -33,8 +33,8 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from ..plan import DispatchPlan, unqualified
-from ..primitive import Checkpoint, cache_offset, checkpoint, rewind
+from mlx_fill.core.plan import DispatchPlan, unqualified
+from mlx_fill.core.primitive import Checkpoint, cache_offset, checkpoint, rewind
 from .base import DraftProposalSource
 
 PREFILL_CHUNK = 512

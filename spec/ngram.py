@@ -4,7 +4,7 @@ The longest trailing n-gram, ``n`` from ``n_max`` down to ``n_min``, that occurr
 prompt + output is matched; the up to ``k`` tokens that followed that occurrence are the draft.
 ``occurrence="first"`` takes the earliest occurrence (the reference PLD behaviour, used for the
 study's baseline row); ``"last"`` the most recent one, which suits agents that revisit what they
-just read. Lookups use the shared :class:`~mlx_fill.echo.EchoIndex`, so they are O(1) in the
+just read. Lookups use the shared :class:`~mlx_fill.sources.echo.EchoIndex`, so they are O(1) in the
 context length (the reference implementation rescans the whole context every step).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Literal, Sequence
 
-from ..echo import EchoIndex, IndexedDraft
+from mlx_fill.core.index import EchoIndex, IndexedDraft
 
 Occurrence = Literal["first", "last"]
 

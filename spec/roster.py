@@ -1,6 +1,6 @@
 """The model-free roster: builds ``echo``, ``ngram`` and ``suffix`` fill sources for a request.
 
-All sources of one request share one :class:`~mlx_fill.echo.EchoIndex` (the index is idempotent
+All sources of one request share one :class:`~mlx_fill.sources.echo.EchoIndex` (the index is idempotent
 under several readers of the same token stream). With a ``plan`` each source's round length is
 chosen by its own :class:`~mlx_fill.spec.cost.CostGate` from the plan's cost curve; with
 ``plan=None`` every round proposes up to ``max_span`` ids (the corpus study's oracle setting).
@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Any, Collection, Sequence
 
-from ..echo import EchoDraft, EchoIndex, EchoSource
-from ..ledger import Ledger
-from ..plan import DispatchPlan
-from ..proposal import ProposalSource
+from mlx_fill.core.index import EchoIndex
+from mlx_fill.sources.echo import EchoDraft, EchoSource
+from mlx_fill.sources.ledger import Ledger
+from mlx_fill.core.plan import DispatchPlan
+from mlx_fill.core.proposal import ProposalSource
 from .base import DraftProposalSource, DraftSource
 from .combine import BestOf
 from .cost import AcceptanceByPosition, CostGate

@@ -1,7 +1,7 @@
 """``suffix``: SuffixDecoding-style drafting (Oliaro et al., arXiv 2411.04975) as a DraftSource.
 
 Two sources of evidence, as in the paper: the request itself (prompt + output, the shared
-:class:`~mlx_fill.echo.EchoIndex`) and a cross-request store of earlier responses
+:class:`~mlx_fill.sources.echo.EchoIndex`) and a cross-request store of earlier responses
 (:class:`GlobalSuffixTree`, one per server, bounded, FIFO eviction).
 
 The suffix tree is kept implicitly, the way a suffix array represents one: the node for a context
@@ -26,7 +26,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..echo import EchoIndex, IndexedDraft
+from mlx_fill.core.index import EchoIndex, IndexedDraft
 
 _END_BITS = 32
 

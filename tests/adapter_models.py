@@ -10,11 +10,11 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from mlx_fill import assets
-from mlx_fill.demo import DEFAULT_MESSAGES, DEFAULT_TOOLS
-from mlx_fill.fixtures import TOKENIZER_FILES, fixture_emits_calls, fixture_path
-from mlx_fill.paths import user_cache_dir
-from mlx_fill.random_models import build, config_for, save
+from mlx_fill.assets import store as assets
+from mlx_fill.evidence.demo import DEFAULT_MESSAGES, DEFAULT_TOOLS
+from mlx_fill.assets.fixtures import TOKENIZER_FILES, fixture_emits_calls, fixture_path
+from mlx_fill.core.paths import user_cache_dir
+from mlx_fill.assets.random_models import build, config_for, save
 
 QWEN3_VOCAB = 151936
 

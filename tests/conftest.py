@@ -9,8 +9,8 @@ import os
 import mlx.core as mx
 import pytest
 
-from mlx_fill.paths import user_cache_dir
-from mlx_fill.random_models import build, config_for
+from mlx_fill.core.paths import user_cache_dir
+from mlx_fill.assets.random_models import build, config_for
 
 # The families are fetched on first use into this run's user cache (``MLX_FILL_CACHE``); naming
 # that folder as ``MLX_FILL_ASSETS`` keeps it visible to the tests that point MLX_FILL_CACHE at a

@@ -10,8 +10,8 @@ from collections import defaultdict
 from itertools import zip_longest
 from typing import Any
 
-from mlx_fill.replay import load_sessions, session_turns
-from mlx_fill.paths import TRANSCRIPTS
+from mlx_fill.evidence.replay import load_sessions, session_turns
+from mlx_fill.core.paths import TRANSCRIPTS
 
 
 def _with_argument_objects(messages: list[dict]) -> list[dict]:

@@ -6,8 +6,8 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
-from mlx_fill.assets import load_tokenizer
-from mlx_fill.proposal import DecodeView, FillSession
+from mlx_fill.assets.store import load_tokenizer
+from mlx_fill.core.proposal import DecodeView, FillSession
 
 FAMILIES = ("qwen3", "qwen3-coder", "qwen3.5", "glm4.x")
 TOOLS_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "audit" / "tools"

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from mlx_fill import fixtures
+from mlx_fill.assets import fixtures
 from mlx_fill.cli import COMMANDS, main
 
 # pip runs first in every asset fetch and finds nothing without an index

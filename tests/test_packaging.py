@@ -16,9 +16,11 @@ def test_wheel_layout_and_import(tmp_path):
                     "-q", "-w", str(tmp_path), str(ROOT)], check=True, timeout=300)
     wheel = next(tmp_path.glob("mlx_fill-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    for module in ("mlx_fill/__init__.py", "mlx_fill/primitive.py", "mlx_fill/spec/verifier.py",
-                   "mlx_fill/adapters/serve.py", "mlx_fill/grammars/hermes_json.lark",
-                   "mlx_fill/plans/cpu-x86_64-float32-none-qwen3-json.json",
+    for module in ("mlx_fill/__init__.py", "mlx_fill/core/primitive.py",
+                   "mlx_fill/core/acceptance.py", "mlx_fill/spec/roster.py",
+                   "mlx_fill/adapters/server/serve.py", "mlx_fill/strict/grammars/hermes_json.lark",
+                   "mlx_fill/core/plans/cpu-x86_64-float32-none-qwen3-json.json",
+                   "mlx_fill/assets/manifest/qwen3.json", "mlx_fill/evidence/study.py",
                    "mlx_fill.pth", "mlx_fill.start"):
         assert module in names, module
     assert not any(n.startswith(("fill/", "spec/", "adapters/", "tests/")) for n in names)
@@ -26,7 +28,7 @@ def test_wheel_layout_and_import(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
                     str(target), str(wheel)], check=True, timeout=300)
     env = dict(os.environ, PYTHONPATH=str(target))
-    code = ("import mlx_fill, mlx_fill.spec.verifier, mlx_fill.adapters.mlx_lm, mlx_fill.loop;"
+    code = ("import mlx_fill, mlx_fill.core.acceptance, mlx_fill.adapters.mlx_lm, mlx_fill.core.loop;"
             "print(mlx_fill.__file__)")
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path,
                          capture_output=True, text=True, check=True, timeout=120).stdout

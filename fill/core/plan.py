@@ -1,0 +1,282 @@
+"""Dispatch plans: which chunk sizes and chunk ends keep an append bit-identical to serial decode.
+
+A plan is measured by ``mlx-fill qualify`` and belongs to the configuration it was measured
+under, its :class:`PlanKey`: everything that changes the kernels an append runs or what a
+forward costs. That is the backend and device (GPU architecture on Metal/CUDA), the MLX and
+mlx-lm versions, on the CPU the BLAS actually serving MLX's matrix products with its version
+and core type (:mod:`mlx_fill.core.kernels`), the activation dtype, the weight quantization, and the
+model shape (:func:`model_shape`: the mlx-lm model configuration; a plan applies to exactly
+that configuration, no tolerance). A plan applies only where every field matches; a mismatch never
+means "nearest plan" (:mod:`mlx_fill.core.resolve` qualifies instead).
+
+``exact`` plans cut chunks at ``max_chunk`` and at every KV length in ``kv_boundaries`` (where a
+backend switches attention or matmul kernels); ``fast`` plans use the largest chunk and accept
+batched-verify numerics. A configuration with no qualified plan gets chunks of one token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import mlx.core as mx
+
+from . import kernels
+from .paths import user_cache_dir
+
+PlanMode = Literal["exact", "fast"]
+FAST_MAX_CHUNK = 64
+
+
+@dataclass(frozen=True)
+class PlanKey:
+    """The configuration a plan was qualified under. Every field must match for a plan to
+    apply; a field a plan file lacks reads ``unknown`` and matches nothing."""
+
+    backend: str
+    device: str
+    mlx: str
+    mlx_lm: str
+    blas: str
+    blas_version: str
+    blas_core: str
+    dtype: str
+    quant: str
+    shape: str
+
+    def differences(self, other: "PlanKey") -> list[str]:
+        """Names of the fields whose values differ between ``self`` and ``other``."""
+        return [f.name for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+
+    def slug(self) -> str:
+        """A file name stem: readable head plus a digest of every field."""
+        digest = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
+        head = "-".join((self.backend, self.device.split()[0] if self.device else "", self.dtype,
+                         self.quant))
+        return "".join(c if c.isalnum() or c in "-_." else "_" for c in head) + f"-{digest[:12]}"
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "PlanKey":
+        return cls(**{f.name: str(d.get(f.name, kernels.UNKNOWN)) for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class DispatchPlan:
+    """Chunking rule for appends. ``cost[m]`` = time(m-row forward) / time(1-row forward)."""
+
+    key: PlanKey | None
+    mode: PlanMode = "exact"
+    max_chunk: int = 1
+    kv_boundaries: tuple[int, ...] = ()
+    cost: dict[int, float] = field(default_factory=dict)
+    qualified: bool = False
+    note: str = ""  # how and on what it was measured (free text, shown by ``mlx-fill plan``)
+
+    def chunks(self, start: int, n: int) -> list[int]:
+        """Sizes of consecutive chunks covering ``n`` ids appended at KV length ``start``.
+
+        Every chunk is at most ``max_chunk`` long and, in ``exact`` mode, no chunk crosses a
+        KV length listed in ``kv_boundaries`` (a chunk may end exactly at one).
+        """
+        limit = self.max_chunk if self.mode == "exact" else max(self.max_chunk, FAST_MAX_CHUNK)
+        sizes: list[int] = []
+        pos, end = start, start + n
+        cuts = sorted(b for b in self.kv_boundaries if start < b < end) if self.mode == "exact" else []
+        while pos < end:
+            stop = min(end, pos + limit)
+            for b in cuts:
+                if pos < b < stop:
+                    stop = b
+                    break
+            sizes.append(stop - pos)
+            pos = stop
+        return sizes
+
+    def cost_of(self, m: int) -> float:
+        """c(m) in one-row-forward units: measured where known, linear interpolation between
+        measured points, linear extrapolation (pessimistic) beyond them, ``m`` when unmeasured."""
+        if m <= 1:
+            return 1.0
+        if not self.cost:
+            return float(m)
+        pts = sorted({1: 1.0, **self.cost}.items())
+        for (m0, c0), (m1, c1) in zip(pts, pts[1:]):
+            if m0 <= m <= m1:
+                return c0 + (c1 - c0) * (m - m0) / (m1 - m0)
+        (m0, c0), (m1, c1) = pts[-2], pts[-1]
+        return c1 + (c1 - c0) / (m1 - m0) * (m - m1)
+
+    def with_mode(self, mode: PlanMode) -> "DispatchPlan":
+        return replace(self, mode=mode)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["cost"] = {str(k): v for k, v in self.cost.items()}
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "DispatchPlan":
+        key = PlanKey.from_json(d["key"]) if d.get("key") else None
+        return cls(key=key, mode=d.get("mode", "exact"), max_chunk=int(d["max_chunk"]),
+                   kv_boundaries=tuple(int(b) for b in d.get("kv_boundaries", ())),
+                   cost={int(k): float(v) for k, v in d.get("cost", {}).items()},
+                   qualified=bool(d.get("qualified", False)), note=str(d.get("note", "")))
+
+
+def unqualified(key: PlanKey | None = None) -> DispatchPlan:
+    """The safe fallback: one token per forward, which is serial decoding itself."""
+    return DispatchPlan(key=key, mode="exact", max_chunk=1, qualified=False)
+
+
+def _quant_of(model: Any) -> str:
+    for _, m in model.named_modules():
+        bits = getattr(m, "bits", None)
+        if bits is not None and hasattr(m, "group_size"):
+            return f"q{bits}g{m.group_size}-{getattr(m, 'mode', 'affine')}"
+    return "none"
+
+
+def _dtype_of(model: Any) -> str:
+    from mlx.utils import tree_flatten
+    for name, p in tree_flatten(model.parameters()):
+        if name.endswith("weight") and p.dtype in (mx.float32, mx.float16, mx.bfloat16):
+            return str(p.dtype).replace("mlx.core.", "")
+    return "unknown"
+
+
+_SHAPE_FIELDS = (("layers", "num_hidden_layers"), ("hidden", "hidden_size"),
+                 ("ffn", "intermediate_size"), ("heads", "num_attention_heads"),
+                 ("kv_heads", "num_key_value_heads"), ("head_dim", "head_dim"),
+                 ("vocab", "vocab_size"))
+
+
+def _model_args(model: Any) -> dict[str, Any]:
+    args = getattr(model, "args", None)
+    if dataclasses.is_dataclass(args) and not isinstance(args, type):
+        return asdict(args)
+    return dict(args) if isinstance(args, dict) else {}
+
+
+def model_shape(model: Any) -> str:
+    """The model's shape: architecture and main sizes, readable, then ``config=`` a digest of its
+    mlx-lm configuration (``model.args``), class and parameter shapes. Two models share a shape
+    only when all of these are equal (a fine-tune of the same base does; any resize does not)."""
+    from mlx.utils import tree_flatten
+    args = _model_args(model)
+    text = args.get("text_config") if isinstance(args.get("text_config"), dict) else {}
+    parts = [str(args.get("model_type") or text.get("model_type") or type(model).__module__)]
+    for short, name in _SHAPE_FIELDS:
+        value = args.get(name, text.get(name))
+        if value is not None:
+            parts.append(f"{short}={value}")
+    identity = {"class": f"{type(model).__module__}.{type(model).__qualname__}", "args": args,
+                "params": [(n, list(p.shape)) for n, p in tree_flatten(model.parameters())]}
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
+    return " ".join(parts + [f"config={digest[:12]}"])
+
+
+def config_key(model: Any) -> PlanKey:
+    """The :class:`PlanKey` of ``model`` on the current default device, in this process."""
+    blas = kernels.blas()
+    return PlanKey(kernels.backend(), kernels.device(), kernels.mlx_version(),
+                   kernels.mlx_lm_version(), blas.library, blas.version, blas.core,
+                   _dtype_of(model), _quant_of(model), model_shape(model))
+
+
+def shipped_dir() -> Path:
+    """The plans shipped in the package (``mlx_fill/plans``)."""
+    return Path(str(resources.files("mlx_fill.core") / "plans"))
+
+
+def cached_dir() -> Path:
+    """Plans qualified on this machine: ``<user cache>/plans``."""
+    return user_cache_dir() / "plans"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One plan file considered for a key. ``problem`` says why it does not apply (None: it
+    does); ``origin`` is ``MLX_FILL_PLAN``, ``cached`` or ``shipped``."""
+
+    path: Path
+    origin: str
+    plan: DispatchPlan | None
+    problem: str | None
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """The plan files considered for ``key``, in lookup order, and the first that applies."""
+
+    key: PlanKey
+    candidates: tuple[Candidate, ...]
+
+    @property
+    def chosen(self) -> Candidate | None:
+        return next((c for c in self.candidates if c.problem is None), None)
+
+
+def _plan_files() -> list[tuple[str, Path]]:
+    files: list[tuple[str, Path]] = []
+    if os.environ.get("MLX_FILL_PLAN"):
+        files.append(("MLX_FILL_PLAN", Path(os.environ["MLX_FILL_PLAN"])))
+    for origin, folder in (("cached", cached_dir()), ("shipped", shipped_dir())):
+        if folder.is_dir():
+            files.extend((origin, p) for p in sorted(folder.glob("*.json")))
+    return files
+
+
+def _candidate(origin: str, path: Path, key: PlanKey) -> Candidate:
+    try:
+        plan = DispatchPlan.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return Candidate(path, origin, None, f"unreadable ({type(e).__name__}: {e})")
+    if not plan.qualified:
+        return Candidate(path, origin, plan, "not qualified")
+    if plan.key is None:
+        return Candidate(path, origin, plan, "no key")
+    differ = plan.key.differences(key)
+    if differ:
+        return Candidate(path, origin, plan, "key differs in " + ", ".join(differ))
+    return Candidate(path, origin, plan, None)
+
+
+def find_plan(key: PlanKey) -> Lookup:
+    """Every plan file for ``key`` from ``$MLX_FILL_PLAN``, the user cache, then the plans
+    shipped in the package, with the reason each one that does not apply is rejected."""
+    return Lookup(key, tuple(_candidate(origin, path, key) for origin, path in _plan_files()))
+
+
+def load_plan(model: Any, mode: PlanMode = "exact") -> DispatchPlan:
+    """The first plan whose key equals ``model``'s configuration (:func:`find_plan`);
+    :func:`unqualified` when none does. Never measures anything (see :mod:`mlx_fill.core.resolve`)."""
+    key = config_key(model)
+    chosen = find_plan(key).chosen
+    plan = chosen.plan if chosen is not None and chosen.plan is not None else unqualified(key)
+    return plan.with_mode(mode)
+
+
+def save_plan(plan: DispatchPlan, path: Path | None = None) -> Path:
+    """Write ``plan`` as JSON (default: the user cache, one file per full key). The file is
+    replaced atomically, so a concurrent reader sees the old plan or the new one."""
+    if path is None:
+        assert plan.key is not None
+        path = cached_dir() / f"{plan.key.slug()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(plan.to_json(), indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def format_key(key: PlanKey | None) -> list[str]:
+    """The key as ``  field: value`` lines under a ``key:`` line (``key: none`` without one)."""
+    if key is None:
+        return ["key: none"]
+    return ["key:"] + [f"  {f.name}: {getattr(key, f.name) or '-'}" for f in fields(key)]

@@ -1,0 +1,206 @@
+"""The proposal layer: what a fill source sees, what it returns, and the per-request session.
+
+A :class:`ProposalSource` looks at the decode state (:class:`DecodeView`) after each emitted
+token and may propose the ids of the next slots. ``assert`` proposals are written into the
+cache without sampling (only for spans the template/schema and parser state determine);
+``verify`` proposals are checked against the target's own samples and the rejected tail is
+rewound. The decode loop applies both through the one append-and-rewind primitive.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field, replace
+from typing import IO, TYPE_CHECKING, Literal, Protocol, Sequence, runtime_checkable
+
+if TYPE_CHECKING:
+    from .plan import DispatchPlan
+
+Policy = Literal["assert", "verify"]
+
+
+@dataclass(frozen=True)
+class DecodeView:
+    """Read-only decode state handed to sources.
+
+    ``prompt`` is the full rendered prompt (cached prefix included); ``emitted`` every token
+    yielded so far in this turn, injected ones included. The next proposal's first id is for
+    the slot right after ``emitted[-1]`` (or after the prompt when nothing was emitted).
+    ``pending`` is True when ``emitted[-1]`` was sampled by a fill round and is not yet in the
+    target's cache (it will lead the forward that checks the proposal); sources that read the
+    target's hidden state at the last position must propose nothing then.
+    """
+
+    prompt: Sequence[int]
+    emitted: Sequence[int]
+    eos_ids: frozenset[int] = frozenset()
+    temperature: float = 0.0
+    pending: bool = False
+
+    @property
+    def tokens(self) -> list[int]:
+        return [*self.prompt, *self.emitted]
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Ids for the next slots. ``origin`` names the source/row (telemetry, ledger, trace);
+    ``certainty`` is a compiled strict row's class (``determined`` / ``likely``, see
+    :func:`mlx_fill.strict.rows.certainty`), None for sources that are not compiled rows."""
+
+    ids: tuple[int, ...]
+    policy: Policy
+    origin: str
+    certainty: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.ids:
+            raise ValueError("a proposal needs at least one id")
+        if self.policy not in ("assert", "verify"):
+            raise ValueError(f"unknown policy {self.policy!r}")
+
+
+@runtime_checkable
+class ProposalSource(Protocol):
+    """A fill source. ``propose`` must be cheap and must not mutate the view.
+
+    ``feedback`` reports how many leading ids of a proposal were committed (all of an
+    ``assert`` proposal that was applied; the verified prefix of a ``verify`` proposal).
+    """
+
+    name: str
+
+    def propose(self, view: DecodeView) -> Proposal | None: ...
+
+    def feedback(self, proposal: Proposal, accepted: int) -> None: ...
+
+
+@dataclass
+class FillStats:
+    """Per-request telemetry, reported as ``usage.fill``."""
+
+    emitted: int = 0
+    forwards: int = 0
+    injected: int = 0
+    events: int = 0
+    wasted_samples: int = 0
+    verify_proposed: int = 0
+    verify_accepted: int = 0
+    verify_rejected: int = 0
+    refusals: Counter = field(default_factory=Counter)
+    source_errors: Counter = field(default_factory=Counter)
+    parse_fallbacks: int = 0
+    checkpoint_ms: float = 0.0
+    by_origin: Counter = field(default_factory=Counter)
+    by_certainty: Counter = field(default_factory=Counter)  # committed ids per strict row class
+
+    @property
+    def forwards_saved(self) -> int:
+        return max(0, self.emitted - self.forwards)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["refusals"] = dict(self.refusals)
+        d["source_errors"] = dict(self.source_errors)
+        d["by_origin"] = dict(self.by_origin)
+        d["by_certainty"] = dict(self.by_certainty)
+        d["forwards_saved"] = self.forwards_saved
+        d["checkpoint_ms"] = round(self.checkpoint_ms, 3)
+        return d
+
+
+class FillSession:
+    """Per-request fill state: sources in priority order, caps, telemetry and trace.
+
+    A source that raises is disarmed for the rest of the request (counted in
+    ``stats.source_errors``); generation continues without it. ``allow_assert`` is False at
+    temperature > 0 unless explicitly enabled, in which case ``assert`` proposals are dropped.
+    """
+
+    def __init__(
+        self,
+        sources: Sequence[ProposalSource],
+        *,
+        prompt_ids: Sequence[int] | None = None,
+        eos_ids: Sequence[int] = (),
+        plan: "DispatchPlan | None" = None,
+        max_span: int = 64,
+        allow_assert: bool = True,
+        trace: IO[str] | None = None,
+    ) -> None:
+        """``prompt_ids``: the full rendered prompt (the decode loop may only see the suffix
+        after a prompt-cache hit); ``plan``: the dispatch plan (``build_session`` resolves it once per
+        request; None: the decode loop resolves it with ``resolve.plan_for(model)``)."""
+        self.sources = list(sources)
+        self.prompt_ids = list(prompt_ids) if prompt_ids is not None else None
+        self.eos_ids = frozenset(int(t) for t in eos_ids)
+        self.plan = plan
+        self.max_span = max_span
+        self.allow_assert = allow_assert
+        self.trace = trace
+        self.stats = FillStats()
+        self.refused: str | None = None
+        for src in self.sources:  # sources that report their own counters (parse fallbacks)
+            if hasattr(src, "bind_stats"):
+                src.bind_stats(self.stats)
+
+    def refuse(self, reason: str) -> None:
+        """Turn fill off for this request with a counted reason (e.g. ``logprobs``)."""
+        self.refused = reason
+        self.stats.refusals[reason] += 1
+
+    def propose(self, view: DecodeView) -> Proposal | None:
+        """The first usable proposal of the armed sources, cut at EOS and ``max_span``."""
+        if self.refused is not None:
+            return None
+        for src in list(self.sources):
+            try:
+                p = src.propose(view)
+            except Exception as e:  # a broken source must never break generation
+                self.stats.source_errors[f"{src.name}:{type(e).__name__}"] += 1
+                self.sources.remove(src)
+                continue
+            if p is None:
+                continue
+            if p.policy == "assert" and not self.allow_assert:
+                continue
+            ids = list(p.ids[: self.max_span])
+            for i, t in enumerate(ids):
+                if t in view.eos_ids:
+                    ids = ids[:i]
+                    break
+            if not ids:
+                continue
+            return p if len(ids) == len(p.ids) else replace(p, ids=tuple(ids))
+        return None
+
+    def feedback(self, proposal: Proposal, accepted: int, position: int) -> None:
+        """Record the outcome; forward it to the source that made the proposal."""
+        s = self.stats
+        s.events += 1
+        s.by_origin[proposal.origin] += accepted
+        if proposal.certainty is not None:
+            s.by_certainty[proposal.certainty] += accepted
+        if proposal.policy == "assert":
+            s.injected += accepted
+        else:
+            s.verify_proposed += len(proposal.ids)
+            s.verify_accepted += accepted
+            s.verify_rejected += len(proposal.ids) - accepted
+            s.injected += accepted
+        for src in self.sources:
+            if proposal.origin == src.name or proposal.origin.startswith(src.name + ":"):
+                try:
+                    src.feedback(proposal, accepted)
+                except Exception as e:
+                    self.stats.source_errors[f"{src.name}:{type(e).__name__}"] += 1
+                    self.sources.remove(src)
+                break
+        if self.trace is not None:
+            event = {"t": time.time(), "position": position, "origin": proposal.origin,
+                     "policy": proposal.policy, "ids": list(proposal.ids), "accepted": accepted}
+            if proposal.certainty is not None:
+                event["certainty"] = proposal.certainty
+            self.trace.write(json.dumps(event) + "\n")

@@ -1,0 +1,296 @@
+"""``mlx-fill audit``: compile strict rows for a family's template and audit them on a corpus.
+
+Each corpus case is one assistant turn. Its ids are the model's own: the case's assistant
+message is rendered through the real template after the case's conversation (``reply``), or,
+for streams a template cannot express, its text is tokenized whole (``raw_reply``). The stream
+is cut after its first EOS id, then teacher-forced through a fresh :class:`StrictSource`
+exactly as the decode loop drives it (``propose`` at each position through a ``FillSession``,
+which cuts spans at EOS and at ``max_span``; an applied span is appended whole). Per case:
+
+* fires, injected ids;
+* containment failures: a proposed span that is not the ids the real stream has at that point;
+* false fires: any fire in a case marked ``"expect": "none"``, or a fire starting inside one
+  of the case's ``no_fill_in`` substrings of the reply text;
+* missed: a case marked ``"expect": "fill"`` where nothing fired.
+
+Every row and every fire carries its certainty class (``determined`` / ``likely``, see
+:func:`mlx_fill.strict.rows.certainty`). Exit status 1 on any containment failure or false fire of a
+``determined`` row, any miss, or any row or fire without a valid class; 0 otherwise. A
+``likely`` row's containment failures and false fires are reported but do not fail the audit:
+such a row is only ever verified, so a wrong proposal costs a check, never a token.
+
+Case file (``<corpus>/<family>/*.json``)::
+
+    {"id": "...", "family": "qwen3.5", "description": "...",
+     "tools": "default.json",                # optional, under <corpus>/tools/; else --tools
+     "messages": [...], "template_kwargs": {...},
+     "reply": {"role": "assistant", ...}     # or "raw_reply": "text"
+     "expect": "fill" | "none", "no_fill_in": ["..."]}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from mlx_fill.assets.store import FAMILIES, load_tokenizer
+from mlx_fill.core.errors import UserError, existing_file
+from mlx_fill.core.proposal import DecodeView, FillSession
+from mlx_fill.strict.rows import CERTAINTIES, plan_for
+from mlx_fill.strict.source import strict_source
+from mlx_fill.strict.tokenbytes import ids_bytes, token_bytes
+
+DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "fixtures" / "audit"
+
+
+@dataclass
+class Fire:
+    position: int
+    origin: str
+    ids: list[int]
+    contained: bool
+    false_fire: bool
+    certainty: str | None
+
+    @property
+    def determined(self) -> bool:
+        return self.certainty == "determined"
+
+    @property
+    def classed(self) -> bool:
+        return self.certainty in CERTAINTIES
+
+
+@dataclass
+class CaseResult:
+    id: str
+    family: str
+    expect: str
+    tokens: int
+    fires: list[Fire] = field(default_factory=list)
+    compiled: bool = True
+
+    @property
+    def injected(self) -> int:
+        return sum(len(f.ids) for f in self.fires if f.contained)
+
+    @property
+    def containment_failures(self) -> int:
+        return sum(not f.contained for f in self.fires)
+
+    @property
+    def false_fires(self) -> int:
+        return sum(f.false_fire for f in self.fires)
+
+    @property
+    def missed(self) -> bool:
+        return self.expect == "fill" and not any(f.contained for f in self.fires)
+
+    @property
+    def determined_failures(self) -> int:
+        """Fires of ``determined`` rows that were not contained or fired where they must not."""
+        return sum(f.determined and (not f.contained or f.false_fire) for f in self.fires)
+
+    @property
+    def unclassed(self) -> int:
+        return sum(not f.classed for f in self.fires)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.determined_failures or self.unclassed or self.missed)
+
+
+def _render(tok, messages, tools, kwargs, generation: bool) -> str:
+    return tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                   add_generation_prompt=generation, **kwargs)
+
+
+def case_stream(tok, case: dict, tools) -> tuple[list[int], list[int], str]:
+    """(prompt ids, reply ids cut after the first EOS, reply text) for one case."""
+    kwargs = case.get("template_kwargs", {})
+    messages = case["messages"]
+    primer = _render(tok, messages, tools, kwargs, True)
+    if "raw_reply" in case:
+        text = case["raw_reply"]
+    else:
+        full = _render(tok, [*messages, case["reply"]], tools, kwargs, False)
+        if not full.startswith(primer):
+            raise UserError(f"case {case['id']}: the rendered reply does not extend the prompt; "
+                            f"fix its messages or reply")
+        text = full[len(primer):]
+    ids = tok.encode(text, add_special_tokens=False)
+    eos = set(tok.eos_token_ids)
+    for i, t in enumerate(ids):
+        if t in eos:
+            ids = ids[: i + 1]
+            break
+    prompt = tok.encode(primer, add_special_tokens=False)
+    return prompt, ids, text
+
+
+def _regions(text: str, needles: list[str]) -> list[tuple[int, int]]:
+    out = []
+    for needle in needles:
+        start = text.find(needle)
+        if start < 0:
+            raise UserError(f"no_fill_in entry {needle!r} is not in the reply text; fix the case")
+        while start >= 0:
+            out.append((start, start + len(needle)))
+            start = text.find(needle, start + 1)
+    return out
+
+
+def audit_case(tok, case: dict, tools) -> CaseResult:
+    """Teacher-force one case through a fresh StrictSource."""
+    prompt, ids, text = case_stream(tok, case, tools)
+    expect = case.get("expect", "fill")
+    result = CaseResult(case["id"], case["family"], expect, len(ids))
+    source = strict_source(tok, case["messages"], tools, case.get("template_kwargs"))
+    if source is None:
+        result.compiled = False
+        return result
+    session = FillSession([source])
+    table = token_bytes(tok)
+    regions = _regions(text, case.get("no_fill_in", []))
+    eos = frozenset(tok.eos_token_ids)
+    pos = 0
+    while pos < len(ids):
+        view = DecodeView(prompt, ids[:pos], eos)
+        p = session.propose(view)
+        if p is None:
+            pos += 1
+            continue
+        span = list(p.ids)
+        contained = ids[pos: pos + len(span)] == span
+        at = len(ids_bytes(table, ids[:pos]).decode("utf-8", "replace"))
+        false_fire = expect == "none" or any(a <= at < b for a, b in regions)
+        result.fires.append(Fire(pos, p.origin, span, contained, false_fire, p.certainty))
+        session.feedback(p, len(span) if contained else 0, pos)
+        pos += len(span) if contained else 1
+    return result
+
+
+def read_json(path: Path, fix: str):
+    """The JSON in ``path``; a missing or unparsable file is a ``UserError`` ending in ``fix``."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as err:
+        raise UserError(f"{path} does not exist; {fix}") from err
+    except (ValueError, UnicodeDecodeError) as err:
+        raise UserError(f"{path} is not valid JSON ({err}); {fix}") from err
+
+
+def load_cases(corpus: Path, family: str) -> list[dict]:
+    """The cases of ``family`` under ``corpus``; a case file that is not a JSON object with
+    ``id``, ``family``, a ``messages`` list and a ``reply`` or ``raw_reply`` is a ``UserError``."""
+    folder = corpus / family if (corpus / family).is_dir() else corpus
+    cases = []
+    for path in sorted(folder.glob("*.json")):
+        case = read_json(path, "fix or remove the case file")
+        if not (isinstance(case, dict) and {"id", "family"} <= case.keys()
+                and isinstance(case.get("messages"), list) and ("reply" in case or "raw_reply" in case)):
+            raise UserError(f"{path} is not an audit case (a JSON object with id, family, a "
+                            f"messages list and reply or raw_reply); fix or remove it")
+        if case["family"] == family:
+            cases.append(case)
+    return cases
+
+
+def _tools(corpus: Path, case: dict, default):
+    ref = case.get("tools")
+    if ref is None:
+        return default
+    if isinstance(ref, list):
+        return ref
+    return read_json(corpus / "tools" / ref,
+                     f"case {case['id']} names tools {ref!r}; add that file under {corpus / 'tools'}")
+
+
+def print_rows(tok, family: str, tools, out) -> int:
+    """Print every compiled row with its certainty class; returns how many rows lack one."""
+    plan = plan_for(tok, [{"role": "user", "content": "audit"}], tools)
+    if plan is None:
+        print(f"[{family}] no rows: the template cannot render tool calls", file=out)
+        return 0
+    rows = plan.rows()
+    classes = {c: sum(r.certainty == c for r in rows) for c in CERTAINTIES}
+    print(f"[{family}] syntax={plan.syntax} rows={len(rows)} "
+          + " ".join(f"{c}={n}" for c, n in classes.items()), file=out)
+    for r in rows:
+        where = "" if r in plan.head.values() or r in plan.close.values() else " (later call)"
+        cls = r.certainty if r.certainty in CERTAINTIES else "MISSING-CLASS"
+        print(f"  {r.origin:<32} {cls:<10} key={r.key!r} trigger={list(r.trigger)} "
+              f"({tok.decode(list(r.trigger))!r}) span={list(r.span)} "
+              f"({tok.decode(list(r.span))!r}){where}", file=out)
+    return sum(r.certainty not in CERTAINTIES for r in rows)
+
+
+def audit_family(family: str, tools, corpus: Path, out=None) -> tuple[list[CaseResult], int]:
+    """(case results, compiled rows without a certainty class) for one family."""
+    out = out or sys.stdout  # looked up per call: the stream may be replaced after import
+    tok = load_tokenizer(family)
+    unclassed = print_rows(tok, family, tools, out)
+    results = []
+    for case in load_cases(corpus, family):
+        r = audit_case(tok, case, _tools(corpus, case, tools))
+        results.append(r)
+        status = "ok" if r.ok else "FAIL"
+        fires = {c: sum(f.certainty == c for f in r.fires) for c in CERTAINTIES}
+        print(f"  {status:<4} {r.id:<40} expect={r.expect:<4} fires={len(r.fires)} "
+              f"({' '.join(f'{c}={n}' for c, n in fires.items())}) "
+              f"injected={r.injected}/{r.tokens} containment_failures={r.containment_failures} "
+              f"false_fires={r.false_fires}{' MISSED' if r.missed else ''}"
+              f"{'' if r.compiled else ' (no rows compiled)'}", file=out)
+        for f in r.fires:
+            if f.contained and not f.false_fire and f.classed:
+                continue
+            cls = f.certainty if f.classed else "MISSING-CLASS"
+            note = "" if f.determined or not f.classed else " (verified: does not fail)"
+            print(f"       at {f.position} {f.origin} [{cls}]: {tok.decode(f.ids)!r}"
+                  f"{'' if f.contained else ' NOT CONTAINED'}"
+                  f"{' FALSE FIRE' if f.false_fire else ''}{note}", file=out)
+    return results, unclassed
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--family", required=True, choices=[*FAMILIES, "all"])
+    parser.add_argument("--tools", type=existing_file,
+                        help="tools.json (OpenAI tools array); default <corpus>/tools/default.json")
+    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    parser.add_argument("--json", type=Path, help="write the full report here")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.corpus.is_dir():
+        raise UserError(f"no corpus folder at {args.corpus}; pass --corpus DIR (e.g. fixtures/audit)")
+    tools = read_json(args.tools or args.corpus / "tools" / "default.json",
+                      "pass --tools FILE (an OpenAI tools array) or add tools/default.json to the corpus")
+    families = list(FAMILIES) if args.family == "all" else [args.family]
+    results: list[CaseResult] = []
+    unclassed = 0
+    for family in families:
+        family_results, family_unclassed = audit_family(family, tools, args.corpus)
+        results += family_results
+        unclassed += family_unclassed
+    bad = [r for r in results if not r.ok]
+    fires = [f for r in results for f in r.fires]
+    total_inj = sum(r.injected for r in results)
+    total_tok = sum(r.tokens for r in results)
+    per_class = " ".join(f"{c}_fires={sum(f.certainty == c for f in fires)}" for c in CERTAINTIES)
+    print(f"cases={len(results)} failed={len(bad)} fires={len(fires)} ({per_class}) "
+          f"injected={total_inj}/{total_tok} tokens "
+          f"containment_failures={sum(r.containment_failures for r in results)} "
+          f"false_fires={sum(r.false_fires for r in results)} "
+          f"determined_failures={sum(r.determined_failures for r in results)} "
+          f"missed={sum(r.missed for r in results)} unclassed_rows={unclassed}")
+    if args.json:
+        report = [{**asdict(r), "injected": r.injected, "ok": r.ok,
+                   "containment_failures": r.containment_failures,
+                   "false_fires": r.false_fires, "determined_failures": r.determined_failures,
+                   "missed": r.missed} for r in results]
+        args.json.write_text(json.dumps({"cases": report, "unclassed_rows": unclassed},
+                                        indent=1))
+    return 1 if bad or unclassed or not results else 0

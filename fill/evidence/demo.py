@@ -1,0 +1,123 @@
+"""``mlx-fill demo``: one multi-turn agent exchange on a fixture model, fill off vs fill on.
+
+Each turn renders the conversation with its tools, decodes greedily twice (plain mlx-lm
+``generate_step``, then the fill loop in the chosen mode), prints the tool calls the model made,
+whether the two id sequences are identical and the fill telemetry, then appends the call and a
+tool result and continues. Exits 1 if any turn's ids differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import mlx.core as mx
+
+from mlx_fill.assets.fixtures import FIXTURES, fixture_path
+
+# The embedded default exchange: a mini-swe-agent coding session held back from training (the
+# system prompt and PR description cut as in the fixtures' training data) with a single ``bash``
+# tool. It is the first held-back mini-swe-agent session, in split order, on which the
+# ``qwen3-json`` fixture makes three parseable calls in a row; 39 of the 43 do.
+DEFAULT_TOOLS = [{"type": "function", "function": {
+    "name": "bash", "description": "Run one bash command in the repository shell and return its output.",
+    "parameters": {"type": "object", "required": ["command"], "properties": {
+        "command": {"type": "string", "description": "The command to run."}}}}}]
+DEFAULT_MESSAGES = [
+    {"role": "system", "content": (
+        "You are a helpful assistant that can interact multiple times with a computer shell to "
+        "solve programming tasks.\nYour response must contain exactly ONE bash code block with ONE "
+        "command (or commands connected with && or ||).\n\nInclude a THOUGHT \u2026")},
+    {"role": "user", "content": (
+        "<pr_description>\nConsider the following PR description:\nTimeSeries: misleading exception "
+        "when required column check fails.\n<!-- This comments are hidden when you submit the "
+        "issue,\r\nso you do not need to remove them! -->\r\n\r\n<!-- Please be sure to check out "
+        "our contributing guidelines,\r\nhttps://github.com/astropy/astropy/blob/main/CONTRIBUTING.md "
+        ".\r\nPlease be \u2026")},
+]
+TOOL_RESULT = "<returncode>0</returncode>\n<output>\nlib/matplotlib/cm.py\nlib/matplotlib/colors.py\n</output>"
+
+
+def _decode(model, tok, ids: list[int], session, max_tokens: int) -> tuple[list[int], float]:
+    from mlx_lm.generate import generate_step as stock_generate_step
+
+    from mlx_fill.core.loop import generate_step
+    t0 = time.perf_counter()
+    gen = (stock_generate_step(mx.array(ids), model, max_tokens=max_tokens) if session is None
+           else generate_step(mx.array(ids), model, max_tokens=max_tokens, fill=session))
+    out = []
+    for t, _ in gen:
+        if t in tok.eos_token_ids:
+            break
+        out.append(t)
+    return out, time.perf_counter() - t0
+
+
+def _tool_calls(tok, text: str, tools: list[dict]) -> tuple[str, list[dict]]:
+    """(content before the first call, parsed calls) with the model's own mlx-lm parser."""
+    start, end = tok.tool_call_start, tok.tool_call_end
+    if not start or start not in text:
+        return text.strip(), []
+    content, calls, rest = text[:text.index(start)].strip(), [], text
+    while start in rest:
+        body = rest[rest.index(start) + len(start):]
+        stop = body.find(end) if end else -1
+        try:
+            calls.append(tok.tool_parser(body if stop < 0 else body[:stop], tools))
+        except Exception:  # an unparsable call is shown as text, as mlx_lm.server does
+            break
+        rest = body[stop + len(end):] if stop >= 0 else ""
+    return content, calls
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--fixture", default="qwen3-json", choices=FIXTURES)
+    parser.add_argument("--fill", default="strict", choices=("strict", "echo", "all"))
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=160)
+
+
+def run(args: argparse.Namespace) -> int:
+    from mlx_lm import load
+
+    from mlx_fill.session import build_session
+
+    model, tok = load(str(fixture_path(args.fixture)))
+    messages, tools = [dict(m) for m in DEFAULT_MESSAGES], DEFAULT_TOOLS
+    print(f"model: {args.fixture} ({fixture_path(args.fixture)}), fill mode: {args.fill}\n")
+    all_identical = True
+    totals = {"emitted": 0, "injected": 0, "forwards": 0}
+    for turn in range(1, args.turns + 1):
+        ids = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+        plain, t_off = _decode(model, tok, ids, None, args.max_tokens)
+        session = build_session(args.fill, model=model, tokenizer=tok, prompt_ids=ids,
+                                messages=messages, tools=tools)
+        filled, t_on = _decode(model, tok, ids, session, args.max_tokens)
+        identical = plain == filled
+        all_identical &= identical
+        stats = session.stats.as_dict()
+        for k in totals:
+            totals[k] += stats[k]
+        text = tok.decode(plain)
+        content, calls = _tool_calls(tok, text, tools)
+        print(f"turn {turn}: prompt {len(ids)} ids, output {len(plain)} ids")
+        if not calls and tok.tool_call_start and tok.tool_call_start in text:
+            print(f"  output (no parseable call): {text[:160]!r}")
+        elif content:
+            print(f"  content: {content[:120]!r}")
+        for call in calls:
+            print(f"  tool call: {call['name']}({json.dumps(call['arguments'])})")
+        print(f"  token ids identical (fill off vs {args.fill}): {identical}")
+        print(f"  fill: injected {stats['injected']} of {stats['emitted']} emitted, "
+              f"{stats['forwards']} forwards ({stats['forwards_saved']} saved), "
+              f"by origin {stats['by_origin']}; {t_off:.2f}s off, {t_on:.2f}s on")
+        if not calls:
+            break
+        messages.append({"role": "assistant", "content": content, "tool_calls": [
+            {"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for c in calls]})
+        messages += [{"role": "tool", "content": TOOL_RESULT} for _ in calls]
+    print(f"\nall turns identical: {all_identical}; injected {totals['injected']} of "
+          f"{totals['emitted']} tokens in {totals['forwards']} forwards")
+    return 0 if all_identical else 1

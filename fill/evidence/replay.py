@@ -1,0 +1,440 @@
+"""``mlx-fill replay`` and ``mlx-fill ab``: replay recorded agent sessions against OpenAI endpoints.
+
+The transcript is the environment. For every selected assistant turn the request holds the
+RECORDED conversation up to that turn (never the model's own earlier replies), with tool results
+verbatim from the recording, so two arms see identical inputs and pair on (session, turn, rep).
+
+Rendering contract for the recorded history:
+
+* ``structured`` sessions send assistant turns as ``content`` + ``tool_calls`` (ids kept, or
+  ``call_<message>_<k>`` when the recording has none; arguments as the recorded raw string when
+  present) and tool results as ``role: tool`` bound to their call id. The session's ``tools``
+  array is sent; when it has none, one is synthesized from the recorded calls (per tool: the
+  union of observed argument keys, keys present in every call ``required``, a JSON type where
+  all observed values agree) and the session is marked ``tools_origin = "synthesized"``.
+* ``inline_text`` sessions never had a tools array: their calls live in the assistant text, and
+  their tool results went back to the model as user messages, so they are sent that way, with
+  no tools (``tools_origin = "none"``).
+
+A turn is an assistant message that follows a non-assistant message. Corrupt transcript lines
+(unparsable JSON, no ``messages`` list) are skipped and reported.
+
+Timing is client-side, from sending the request: ``wall_s`` to the end of the reply, ``ttft_s``
+to the first content or tool-call delta, ``first_tool_call_s`` to the first tool-call delta
+(``mlx_lm.server`` streams each call whole once it is parsed, so this is when the first call was
+complete). The last two need ``--stream`` (the default). ``usage.fill`` is recorded verbatim when
+the server reports it (mlx-fill servers), else None.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterator
+
+from . import report
+from mlx_fill.core.errors import UserError
+
+JSON_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
+              (list, "array"), (dict, "object"), (type(None), "null"))
+
+
+# ----------------------------------------------------------------------------- transcripts
+
+@dataclass(frozen=True)
+class CorruptLine:
+    line: int
+    reason: str
+
+
+def _open_text(path: Path):
+    with open(path, "rb") as fh:
+        magic = fh.read(2)
+    if magic == b"\x1f\x8b":
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def load_sessions(path: str | Path) -> tuple[list[dict], list[CorruptLine]]:
+    """Sessions from a transcripts JSONL file (gzip detected by magic bytes).
+
+    A line that is not a JSON object with a ``messages`` list of role-bearing dicts is skipped
+    and returned as a :class:`CorruptLine`; a truncated gzip stream ends the read with one.
+    """
+    sessions, corrupt = [], []
+    number = 0
+    with _open_text(Path(path)) as fh:
+        try:
+            for number, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    corrupt.append(CorruptLine(number, f"invalid JSON: {exc.msg}"))
+                    continue
+                problem = _session_problem(obj)
+                if problem:
+                    corrupt.append(CorruptLine(number, problem))
+                else:
+                    sessions.append(obj)
+        except (EOFError, gzip.BadGzipFile, UnicodeDecodeError) as exc:
+            corrupt.append(CorruptLine(number + 1, f"unreadable: {exc}"))
+    return sessions, corrupt
+
+
+def _session_problem(obj) -> str | None:
+    if not isinstance(obj, dict):
+        return "not a JSON object"
+    messages = obj.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return "no messages list"
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            return "a message without a role"
+        if not isinstance(m.get("content"), (str, type(None))):
+            return "a message whose content is not a string"
+        calls = m.get("tool_calls") or []
+        if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str)
+                                                  for c in calls):
+            return "a tool call without a name"
+    return None
+
+
+def _json_type(values: list) -> str | None:
+    kinds = set()
+    for value in values:
+        kinds.add(next(name for cls, name in JSON_TYPES if isinstance(value, cls)))
+    if kinds == {"integer", "number"}:
+        return "number"
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def synthesize_tools(messages: list[dict]) -> list[dict]:
+    """OpenAI function schemas inferred from the recorded calls, in first-seen tool order."""
+    observed: dict[str, list[dict]] = {}
+    for message in messages:
+        if message.get("role") != "assistant":
+            continue
+        for call in message.get("tool_calls") or []:
+            arguments = call.get("arguments")
+            observed.setdefault(call["name"], []).append(arguments if isinstance(arguments, dict) else {})
+    tools = []
+    for name, calls in observed.items():
+        keys: dict[str, list] = {}
+        for arguments in calls:
+            for key, value in arguments.items():
+                keys.setdefault(key, []).append(value)
+        properties = {}
+        for key, values in keys.items():
+            kind = _json_type(values)
+            properties[key] = {"type": kind} if kind else {}
+        required = [key for key in keys if all(key in arguments for arguments in calls)]
+        tools.append({"type": "function", "function": {
+            "name": name,
+            "description": "synthesized from the recorded calls",
+            "parameters": {"type": "object", "properties": properties, "required": required},
+        }})
+    return tools
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One request: the recorded history up to an assistant turn and that turn as reference."""
+
+    session_id: str
+    source: str
+    turn: int
+    message_index: int
+    messages: list[dict]
+    tools: list[dict] | None
+    tools_origin: str
+    expected: dict
+
+
+def _call_id(call: dict, message_index: int, k: int) -> str:
+    return call.get("id") or f"call_{message_index}_{k}"
+
+
+def _render_history(session: dict) -> list[dict]:
+    """The recorded messages as OpenAI chat messages (see the module contract)."""
+    structured = session.get("tool_call_style") == "structured"
+    out: list[dict] = []
+    pending_ids: list[str] = []
+    for index, message in enumerate(session["messages"]):
+        role, content = message["role"], message.get("content") or ""
+        if role == "assistant" and structured and message.get("tool_calls"):
+            calls = message["tool_calls"]
+            pending_ids = [_call_id(c, index, k) for k, c in enumerate(calls)]
+            out.append({"role": "assistant", "content": content, "tool_calls": [
+                {"id": cid, "type": "function", "function": {
+                    "name": c["name"],
+                    "arguments": c.get("arguments_raw") or json.dumps(c.get("arguments") or {}, ensure_ascii=False)}}
+                for cid, c in zip(pending_ids, calls)]})
+        elif role == "tool" and structured:
+            call_id = message.get("tool_call_id") or (pending_ids.pop(0) if pending_ids else f"call_{index}")
+            if call_id in pending_ids:
+                pending_ids.remove(call_id)
+            out.append({"role": "tool", "tool_call_id": call_id, "content": content})
+        elif role == "tool":
+            out.append({"role": "user", "content": content})
+        else:
+            out.append({"role": role, "content": content})
+    return out
+
+
+def session_tools(session: dict) -> tuple[list[dict] | None, str]:
+    """The tools array a session is replayed with and its origin: ``recorded``,
+    ``synthesized`` (structured session without one) or ``none`` (inline-text harness)."""
+    if session.get("tool_call_style") != "structured":
+        return None, "none"
+    if session.get("tools"):
+        return session["tools"], "recorded"
+    return synthesize_tools(session["messages"]) or None, "synthesized"
+
+
+def session_turns(session: dict) -> tuple[list[Turn], str]:
+    """The session's turns, in order, and how its tools were obtained."""
+    structured = session.get("tool_call_style") == "structured"
+    tools, origin = session_tools(session)
+    history = _render_history(session)
+    turns = []
+    messages = session["messages"]
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant" or index == 0 or messages[index - 1]["role"] == "assistant":
+            continue
+        calls = message.get("tool_calls") or []
+        expected = {
+            "content": message.get("content") or "",
+            "tool_calls": [{"name": c["name"], "arguments": c.get("arguments")} for c in calls] if structured else [],
+            "tool_names": [c["name"] for c in calls],
+        }
+        turns.append(Turn(str(session.get("session_id", "")), str(session.get("source", "")), len(turns),
+                          index, history[:index], tools, origin, expected))
+    return turns, origin
+
+
+# ----------------------------------------------------------------------------- requests
+
+@dataclass
+class Reply:
+    """What one request produced, with client-side timing (seconds from request start)."""
+
+    content: str = ""
+    tool_calls: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+    wall_s: float = 0.0
+    ttft_s: float | None = None
+    first_tool_call_s: float | None = None
+    usage: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+def _parse_arguments(raw):
+    if not isinstance(raw, str):
+        return raw
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def _usage_dict(usage) -> dict:
+    """``usage`` as a plain dict; ``fill`` (mlx-fill servers only) kept verbatim, else None."""
+    if usage is None:
+        return {}
+    data = usage.model_dump() if hasattr(usage, "model_dump") else dict(usage)
+    return {"prompt_tokens": data.get("prompt_tokens"), "completion_tokens": data.get("completion_tokens"),
+            "fill": data.get("fill")}
+
+
+def request_turn(client, model: str, turn: Turn, *, max_tokens: int, temperature: float,
+                 stream: bool) -> Reply:
+    """Send one turn; failures are returned in ``Reply.error``, never raised."""
+    params = {"model": model, "messages": turn.messages, "max_tokens": max_tokens,
+              "temperature": temperature}
+    if turn.tools:
+        params["tools"] = turn.tools
+    reply = Reply()
+    start = time.perf_counter()
+    try:
+        if stream:
+            _read_stream(client.chat.completions.create(
+                stream=True, stream_options={"include_usage": True}, **params), reply, start)
+        else:
+            response = client.chat.completions.create(**params)
+            choice = response.choices[0]
+            reply.content = choice.message.content or ""
+            reply.tool_calls = [{"name": c.function.name, "arguments": _parse_arguments(c.function.arguments)}
+                                for c in choice.message.tool_calls or []]
+            reply.finish_reason = choice.finish_reason
+            reply.usage = _usage_dict(response.usage)
+    except Exception as exc:  # noqa: BLE001 - any failure of one request is recorded, the run goes on
+        reply.error = f"{type(exc).__name__}: {exc}"
+    reply.wall_s = time.perf_counter() - start
+    return reply
+
+
+def _read_stream(chunks, reply: Reply, start: float) -> None:
+    parts: list[str] = []
+    calls: dict[int, dict] = {}
+    for chunk in chunks:
+        now = time.perf_counter() - start
+        if chunk.usage is not None:
+            reply.usage = _usage_dict(chunk.usage)
+        for choice in chunk.choices:
+            delta = choice.delta
+            if delta.content:
+                parts.append(delta.content)
+                reply.ttft_s = reply.ttft_s if reply.ttft_s is not None else now
+            for position, call in enumerate(delta.tool_calls or []):
+                reply.ttft_s = reply.ttft_s if reply.ttft_s is not None else now
+                reply.first_tool_call_s = reply.first_tool_call_s if reply.first_tool_call_s is not None else now
+                index = call.index if call.index is not None else len(calls) + position
+                slot = calls.setdefault(index, {"name": "", "arguments": ""})
+                if call.function is not None:
+                    slot["name"] += call.function.name or ""
+                    slot["arguments"] += call.function.arguments or ""
+            if choice.finish_reason:
+                reply.finish_reason = choice.finish_reason
+    reply.content = "".join(parts)
+    reply.tool_calls = [{"name": c["name"], "arguments": _parse_arguments(c["arguments"])}
+                        for _, c in sorted(calls.items())]
+
+
+def turn_record(turn: Turn, reply: Reply, *, arm: str, rep: int, order: int, url: str, model: str) -> dict:
+    """One ``kind: turn`` line of the runs file."""
+    return {
+        "kind": "turn", "arm": arm, "rep": rep, "order": order, "url": url, "model": model,
+        "session_id": turn.session_id, "source": turn.source, "turn": turn.turn,
+        "message_index": turn.message_index, "tools_origin": turn.tools_origin,
+        "prompt_messages": len(turn.messages), "expected": turn.expected,
+        "output": {"content": reply.content, "tool_calls": reply.tool_calls, "finish_reason": reply.finish_reason},
+        "timing": {"wall_s": reply.wall_s, "ttft_s": reply.ttft_s, "first_tool_call_s": reply.first_tool_call_s},
+        "usage": reply.usage, "error": reply.error,
+    }
+
+
+# ----------------------------------------------------------------------------- command
+
+def select_turns(sessions: list[dict], *, sources: list[str] | None, max_sessions: int | None,
+                 turns_per_session: int | None) -> tuple[list[Turn], list[dict]]:
+    """Turns to replay (first ``turns_per_session`` of each selected session) and per-session notes."""
+    picked, notes = [], []
+    for session in sessions:
+        if sources and session.get("source") not in sources:
+            continue
+        if max_sessions is not None and len(notes) >= max_sessions:
+            break
+        turns, origin = session_turns(session)
+        turns = turns[:turns_per_session] if turns_per_session is not None else turns
+        if not turns:
+            continue
+        notes.append({"session_id": str(session.get("session_id", "")), "source": session.get("source"),
+                      "tools_origin": origin, "turns": len(turns)})
+        picked.extend(turns)
+    return picked, notes
+
+
+def schedule(turns: list[Turn], arms: list[str], reps: int) -> Iterator[tuple[Turn, int, str]]:
+    """(turn, rep, arm), every (turn, rep) pair run back to back so drift hits both arms.
+
+    The arm that goes first alternates from pair to pair (A B, B A, A B, ...): the second
+    request of a pair can profit from whatever the first left warm (a server shared by both arms
+    answers it from its prompt cache), and alternation keeps that from favouring one arm.
+    """
+    pair = 0
+    for turn in turns:
+        for rep in range(reps):
+            order = arms if pair % 2 == 0 else arms[::-1]
+            pair += 1
+            for arm in order:
+                yield turn, rep, arm
+
+
+def add_arguments_for(name: str, parser) -> None:
+    parser.add_argument("--sessions", type=Path, required=True, help="transcripts JSONL(.gz)")
+    if name == "ab":
+        parser.add_argument("--url-a", required=True, help="reference endpoint base URL (e.g. fill off)")
+        parser.add_argument("--url-b", required=True, help="candidate endpoint base URL (e.g. fill on)")
+        parser.add_argument("--reps", type=int, default=1, help="repetitions of every turn per arm")
+    else:
+        parser.add_argument("--url", required=True, help="endpoint base URL, e.g. http://127.0.0.1:8080/v1")
+    parser.add_argument("--model", default="default_model", help="model name sent with each request")
+    parser.add_argument("--turns", type=int, default=None, help="replay at most N turns per session")
+    parser.add_argument("--max-sessions", type=int, default=None, help="replay at most N sessions")
+    parser.add_argument("--source", action="append", default=None,
+                        help="only sessions from this transcript source (repeatable)")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                        help="stream replies (needed for time to first token / tool call)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output directory (default: mlx-fill-runs/<command>-<UTC time>)")
+
+
+def _base_url(url: str) -> str:
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def run(args) -> int:
+    from openai import OpenAI
+    from tqdm import tqdm
+
+    command = getattr(args, "command", "ab" if hasattr(args, "url_a") else "replay")
+    arms = {"A": args.url_a, "B": args.url_b} if command == "ab" else {"replay": args.url}
+    reps = getattr(args, "reps", 1)
+    for flag, value in (("--turns", args.turns), ("--max-sessions", args.max_sessions), ("--reps", reps)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be >= 1")
+    if not args.sessions.is_file():
+        raise UserError(f"no such transcripts file: {args.sessions}")
+    sessions, corrupt = load_sessions(args.sessions)
+    for bad in corrupt:
+        print(f"transcripts line {bad.line} skipped: {bad.reason}", file=sys.stderr)
+    turns, notes = select_turns(sessions, sources=args.source, max_sessions=args.max_sessions,
+                                turns_per_session=args.turns)
+    if not turns:
+        raise UserError(f"no replayable turns selected from {args.sessions}")
+    started = datetime.now(timezone.utc)
+    out_dir = args.out or Path("mlx-fill-runs") / f"{command}-{started:%Y%m%dT%H%M%SZ}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs_path = out_dir / "runs.jsonl"
+    clients = {arm: OpenAI(base_url=_base_url(url), api_key="not-needed", timeout=args.timeout, max_retries=0)
+               for arm, url in arms.items()}
+    header = {
+        "kind": "run", "command": command, "sessions_file": str(args.sessions), "urls": arms,
+        "model": args.model, "reps": reps, "max_tokens": args.max_tokens, "temperature": args.temperature,
+        "stream": args.stream, "started": started.isoformat(timespec="seconds"),
+        "sessions_selected": len(notes), "turns_selected": len(turns), "sessions": notes,
+        "corrupt_lines": [asdict(c) for c in corrupt],
+    }
+    errors = 0
+    with open(runs_path, "w", encoding="utf-8") as fh:
+        fh.write(json.dumps(header, ensure_ascii=False) + "\n")
+        plan = list(schedule(turns, list(arms), reps))
+        for order, (turn, rep, arm) in enumerate(tqdm(plan, desc=f"mlx-fill {command}", unit="req")):
+            reply = request_turn(clients[arm], args.model, turn, max_tokens=args.max_tokens,
+                                 temperature=args.temperature, stream=args.stream)
+            errors += reply.error is not None
+            if reply.error and errors <= 3:
+                tqdm.write(f"{turn.session_id} turn {turn.turn} arm {arm}: {reply.error}")
+            fh.write(json.dumps(turn_record(turn, reply, arm=arm, rep=rep, order=order, url=arms[arm],
+                                            model=args.model), ensure_ascii=False) + "\n")
+            fh.flush()
+    result = report.write_report(report.load_runs(runs_path), out_dir, by_tool=True)
+    print(report.verdict_line(result))
+    print(f"runs: {runs_path}\nreport: {out_dir / 'report.md'}")
+    if errors == len(plan):
+        print(f"mlx-fill {command}: every request failed", file=sys.stderr)
+        return 1
+    verdict = result.get("verdict")
+    return 0 if verdict is None or verdict["pass"] else 1

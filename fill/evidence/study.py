@@ -1,0 +1,429 @@
+"""``mlx-fill study``: model-free corpus study of the proposal sources on recorded sessions.
+
+Every assistant turn is replayed as if the model had emitted exactly the recorded output,
+rendered through the family's chat template (:mod:`mlx_fill.evidence.transcripts`). Each source runs as
+at serve time (built by :func:`mlx_fill.spec.roster.make_sources`, driven through a
+:class:`~mlx_fill.core.proposal.FillSession`), teacher-forced: the prompt forward emits the first
+token; afterwards, at every step the session proposes, the longest prefix equal to the recorded
+continuation is accepted, and that verify forward emits accepted + 1 tokens; with no proposal a
+forward emits 1 token. ``tau`` = output tokens / forwards ("oracle tokens per forward": forwards
+only, a long verify counts as one), ``fill`` = accepted / tokens, ``rejected_per_accepted`` =
+proposed-but-rejected positions per accepted token. Given ``--cost-curve`` (a DispatchPlan JSON
+with a ``cost`` map), sources choose round lengths with the cost model and a round proposing
+``m`` ids costs ``c(m + 1)``; ``speedup`` = tokens / total cost.
+
+Rows: ``baseline`` (reference prompt lookup: n = 3..1, K = 10, first occurrence, fixed length),
+each requested source, and ``all`` (echo, suffix and ngram under one
+:class:`~mlx_fill.spec.combine.BestOf`: each round the draft with the highest calibrated expected
+acceptance is proposed), ``strict`` (:func:`mlx_fill.strict.source.strict_source`, compiled per turn
+from the session's tools) and ``best`` (strict first, then ``all``). Assert spans cost one
+forward and emit their length; an assert span that disagrees with the recording (it would
+have been wrong output) is counted in ``assert_mismatches`` and scored as a verify. One session index is shared by all rows (they see the
+same token stream in lockstep); each row with ``suffix`` has its own cross-request tree, which
+lives for one worker's sessions (sessions are dealt round-robin to workers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mlx_fill.assets.store import FAMILIES
+from mlx_fill.core.index import EchoIndex
+from mlx_fill.core.errors import UserError, existing_file
+from mlx_fill.core.paths import TRANSCRIPTS
+from mlx_fill.core.plan import DispatchPlan
+from mlx_fill.core.proposal import DecodeView, FillSession
+
+ROW_SOURCES = {"ngram": ["ngram"], "echo": ["echo"], "suffix": ["suffix"],
+               "all": ["echo", "suffix", "ngram"], "strict": ["strict"],
+               "best": ["strict", "echo", "suffix", "ngram"]}
+COMBINED = ("all", "best")
+BASELINE = "baseline"
+METRICS = ("tokens", "forwards", "proposed", "accepted", "rejected", "cost", "turns", "asserted",
+           "assert_mismatches")
+
+
+@dataclass
+class Counts:
+    tokens: int = 0
+    forwards: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    cost: float = 0.0
+    turns: int = 0
+    asserted: int = 0
+    assert_mismatches: int = 0
+
+    def add(self, other: "Counts") -> None:
+        for m in METRICS:
+            setattr(self, m, getattr(self, m) + getattr(other, m))
+
+    def summary(self, with_cost: bool) -> dict[str, Any]:
+        d: dict[str, Any] = {m: getattr(self, m) for m in METRICS}
+        d["cost"] = round(self.cost, 3)
+        d["tau"] = round(self.tokens / self.forwards, 4) if self.forwards else None
+        d["fill"] = round(self.accepted / self.tokens, 4) if self.tokens else None
+        d["rejected_per_accepted"] = round(self.rejected / self.accepted, 4) if self.accepted else None
+        if with_cost:
+            d["speedup"] = round(self.tokens / self.cost, 4) if self.cost else None
+        return d
+
+
+@dataclass
+class Row:
+    """One simulated configuration: its per-turn sources and counters."""
+
+    name: str
+    names: list[str]
+    global_tree: Any
+    by_source: dict[str, Counts] = field(default_factory=lambda: defaultdict(Counts))
+    by_tool: dict[str, Counts] = field(default_factory=lambda: defaultdict(Counts))
+    session: FillSession | None = None
+    ptr: int = 0
+    emitted: list[int] = field(default_factory=list)
+    acceptance: dict = field(default_factory=dict)
+
+
+def _make_session(row: Row, plan: DispatchPlan | None, prompt: list[int], index: EchoIndex,
+                  max_span: int, strict: Any) -> FillSession:
+    from mlx_fill.spec.base import DraftProposalSource
+    from mlx_fill.spec.ngram import NgramDraft
+    from mlx_fill.spec.roster import make_sources
+    if row.name == BASELINE:
+        src = NgramDraft(index, n_min=1, n_max=3, k=10, occurrence="first", name=BASELINE)
+        sources: list[Any] = [DraftProposalSource(src, length=lambda: 10)]
+    else:
+        names = [n for n in row.names if n != "strict"]
+        sources = make_sources(names, plan=plan, prompt_ids=prompt, index=index,
+                               global_tree=row.global_tree, max_span=max_span,
+                               combine=row.name in COMBINED, acceptance=row.acceptance) if names else []
+        if "strict" in row.names and strict is not None:
+            sources.insert(0, strict())
+    return FillSession(sources, max_span=max_span)
+
+
+def _costs(plan: DispatchPlan | None, max_span: int) -> list[float] | None:
+    if plan is None:
+        return None
+    base = plan.cost_of(1)
+    return [plan.cost_of(m) / base for m in range(0, max_span + 3)]
+
+
+def study_session(rendered, rows: list[Row], plan: DispatchPlan | None, eos: frozenset[int],
+                  max_span: int, tokenizer: Any = None) -> None:
+    """Teacher-forced replay of one rendered session through every row, in lockstep. Rows
+    with ``strict`` get a fresh strict source per turn (needs ``tokenizer``)."""
+    costs = _costs(plan, max_span)
+    index = EchoIndex()
+    tokens = rendered.tokens
+    for turn in rendered.turns:
+        prompt = tokens[:turn.start] + rendered.think_ids
+        out = tokens[turn.start:turn.end]
+        labels = turn.labels
+        if not out:
+            continue
+        live = []
+        strict = None
+        if tokenizer is not None and any("strict" in r.names for r in rows):
+            strict = _strict_factory(tokenizer, rendered, turn)
+        for row in rows:
+            row.session = _make_session(row, plan, prompt, index, max_span, strict)
+            c = row.by_source[rendered.source]
+            c.turns += 1
+            c.tokens += len(out)
+            c.forwards += 1  # the prompt forward emits the first token
+            c.cost += 1.0
+            t = row.by_tool[labels[0]]
+            t.forwards += 1
+            t.tokens += 1
+            t.cost += 1.0
+            row.ptr = 1
+            row.emitted = out[:1]
+            live.append(row)
+        while live:
+            row = min(live, key=lambda r: r.ptr)
+            ptr = row.ptr
+            if ptr >= len(out):
+                live.remove(row)
+                continue
+            c = row.by_source[rendered.source]
+            view = DecodeView(prompt, row.emitted, eos)
+            p = row.session.propose(view)
+            if p is None:
+                step, cost, acc, prop = 1, 1.0, 0, 0
+            else:
+                ids = p.ids
+                acc = 0
+                limit = min(len(ids), len(out) - ptr)
+                while acc < limit and ids[acc] == out[ptr + acc]:
+                    acc += 1
+                prop = len(ids)
+                if p.policy == "assert" and acc == len(ids):
+                    step = acc
+                    cost = costs[len(ids)] if costs else 1.0
+                    c.asserted += acc
+                elif p.policy == "assert":  # would be wrong output: counted, scored as verify
+                    c.assert_mismatches += 1
+                    step = min(acc + 1, len(out) - ptr)
+                    cost = costs[len(ids) + 1] if costs else 1.0
+                else:
+                    step = min(acc + 1, len(out) - ptr)
+                    cost = costs[len(ids) + 1] if costs else 1.0
+                row.session.feedback(p, acc, len(prompt) + ptr)
+            c.forwards += 1
+            c.cost += cost
+            c.proposed += prop
+            c.accepted += acc
+            c.rejected += prop - acc
+            tool = row.by_tool[labels[ptr]]
+            tool.forwards += 1
+            tool.cost += cost
+            tool.proposed += prop
+            tool.accepted += acc
+            tool.rejected += prop - acc
+            for j in range(ptr + 1, ptr + step):
+                row.by_tool[labels[j]].tokens += 1
+            tool.tokens += 1
+            row.ptr = ptr + step
+            row.emitted.extend(out[ptr:ptr + step])
+        for row in rows:
+            row.session = None
+
+
+def _strict_factory(tokenizer: Any, rendered: Any, turn: Any):
+    """A per-turn constructor of the strict source (compiled once per turn), or None."""
+    from mlx_fill.strict.source import strict_source
+    if not rendered.tools:
+        return None
+    msgs = rendered.messages[:turn.message_index]
+    try:
+        first = strict_source(tokenizer, msgs, rendered.tools, {"enable_thinking": False})
+    except ValueError:
+        return None
+    if first is None:
+        return None
+    made = [first]
+
+    def make():
+        return made.pop() if made else strict_source(tokenizer, msgs, rendered.tools,
+                                                     {"enable_thinking": False})
+    return make
+
+
+def _worker(args: tuple) -> dict:
+    (path, family, picks, row_names, plan_json, max_span, worker, queue) = args
+    from mlx_fill.assets.store import load_tokenizer
+    from mlx_fill.spec.suffix import GlobalSuffixTree
+    from .transcripts import load_sessions, markers, render_session
+    tok = load_tokenizer(family)
+    mk = markers(tok)
+    eos = frozenset(int(t) for t in tok.eos_token_ids)
+    plan = DispatchPlan.from_json(plan_json) if plan_json else None
+    sessions, _ = load_sessions(path)
+    rows = [Row(BASELINE, [], None)] + [
+        Row(n, ROW_SOURCES[n], GlobalSuffixTree() if "suffix" in ROW_SOURCES[n] else None)
+        for n in row_names]
+    skipped: list[str] = []
+    for i in picks:
+        s = sessions[i]
+        try:
+            rendered = render_session(s, tok, mk)
+        except ValueError as e:
+            skipped.append(f"{s.get('session_id')}: {e}")
+        else:
+            study_session(rendered, rows, plan, eos, max_span, tok)
+        if queue is not None:
+            queue.put(1)
+    return {"rows": {r.name: {"by_source": {k: vars(v) for k, v in r.by_source.items()},
+                              "by_tool": {k: vars(v) for k, v in r.by_tool.items()}}
+                     for r in rows},
+            "skipped": skipped}
+
+
+def run_study(path: Path, family: str, row_names: list[str], *, sessions: int | None = None,
+              per_source: int | None = None, plan: DispatchPlan | None = None, max_span: int = 32, workers: int = 2,
+              progress: bool = True) -> dict:
+    """Run the study and return the JSON-able result (see the module contract)."""
+    from .transcripts import load_sessions
+    all_sessions, corrupt = load_sessions(path)
+    picks = list(range(len(all_sessions)))[:sessions] if sessions else list(range(len(all_sessions)))
+    if per_source:
+        taken: dict[str, int] = defaultdict(int)
+        kept = []
+        for i in picks:
+            src = str(all_sessions[i].get("source", ""))
+            if taken[src] < per_source:
+                taken[src] += 1
+                kept.append(i)
+        picks = kept
+    per_source_sessions: dict[str, int] = defaultdict(int)
+    for i in picks:
+        per_source_sessions[str(all_sessions[i].get("source", ""))] += 1
+    del all_sessions
+    workers = max(1, min(workers, len(picks)))
+    deals = [picks[w::workers] for w in range(workers)]
+    plan_json = plan.to_json() if plan is not None else None
+    t0 = time.time()
+    if workers == 1:
+        parts = [_worker((str(path), family, deals[0], row_names, plan_json, max_span, 0, None))]
+    else:
+        import multiprocessing as mp
+        from tqdm import tqdm
+        with mp.Manager() as mgr:
+            q = mgr.Queue()
+            with ProcessPoolExecutor(workers) as ex:
+                futs = [ex.submit(_worker, (str(path), family, d, row_names, plan_json, max_span,
+                                            w, q)) for w, d in enumerate(deals)]
+                with tqdm(total=len(picks), desc="sessions", disable=not progress) as bar:
+                    done = 0
+                    while done < len(picks):
+                        q.get()
+                        done += 1
+                        bar.update(1)
+                parts = [f.result() for f in futs]
+    elapsed = time.time() - t0
+    with_cost = plan is not None
+    rows_out: dict[str, Any] = {}
+    for name in [BASELINE, *row_names]:
+        by_source: dict[str, Counts] = defaultdict(Counts)
+        by_tool: dict[str, Counts] = defaultdict(Counts)
+        for part in parts:
+            for k, v in part["rows"][name]["by_source"].items():
+                by_source[k].add(Counts(**v))
+            for k, v in part["rows"][name]["by_tool"].items():
+                by_tool[k].add(Counts(**v))
+        total = Counts()
+        for v in by_source.values():
+            total.add(v)
+        rows_out[name] = {
+            "sources": ROW_SOURCES.get(name, ["prompt-lookup n=3..1 K=10 first"]),
+            "total": total.summary(with_cost),
+            "by_source": {k: v.summary(with_cost) for k, v in sorted(by_source.items())},
+            "by_tool": {k: v.summary(with_cost) for k, v in
+                        sorted(by_tool.items(), key=lambda kv: -kv[1].tokens)},
+        }
+    return {
+        "transcripts": str(path), "family": family, "sessions": len(picks),
+        "per_source": per_source,
+        "sessions_by_source": dict(per_source_sessions),
+        "corrupt_lines": [vars(c) for c in corrupt],
+        "skipped_sessions": [s for p in parts for s in p["skipped"]],
+        "max_span": max_span, "cost_curve": plan_json, "workers": workers,
+        "elapsed_s": round(elapsed, 1), "rows": rows_out,
+    }
+
+
+def markdown_report(result: dict) -> str:
+    rows = result["rows"]
+    sources = sorted({s for r in rows.values() for s in r["by_source"]})
+    with_cost = result["cost_curve"] is not None
+    lines = [f"# mlx-fill study: {result['transcripts']}", "",
+             f"family `{result['family']}`, {result['sessions']} sessions, max span "
+             f"{result['max_span']}, {result['elapsed_s']} s on {result['workers']} workers; "
+             f"lengths: {'cost model' if with_cost else 'oracle (always propose up to max span)'}.",
+             "", "## Tokens per forward (tau) by transcript source", "",
+             "| row | " + " | ".join(sources) + " | all sources |",
+             "|---|" + "---|" * (len(sources) + 1)]
+    for name, r in rows.items():
+        cells = [str(r["by_source"].get(s, {}).get("tau", "")) for s in sources]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {r['total']['tau']} |")
+    lines += ["", "## Fill, waste" + (", cost-weighted speedup" if with_cost else ""), "",
+              "| row | fill | rejected per accepted |" + (" speedup |" if with_cost else ""),
+              "|---|---|---|" + ("---|" if with_cost else "")]
+    for name, r in rows.items():
+        t = r["total"]
+        lines.append(f"| {name} | {t['fill']} | {t['rejected_per_accepted']} |"
+                     + (f" {t['speedup']} |" if with_cost else ""))
+    best = rows.get("all") or rows[list(rows)[-1]]
+    lines += ["", "## By tool (row `all` if present)", "", "| tool | tokens | tau | fill |",
+              "|---|---|---|---|"]
+    for tool, v in list(best["by_tool"].items())[:15]:
+        lines.append(f"| {tool} | {v['tokens']} | {v['tau']} | {v['fill']} |")
+    lines += ["", "Rendering: each session is rendered once through the family template "
+              "(non-thinking generation prompt, the session's tools or a synthesized tools array "
+              "for structured harnesses, none for inline-text ones), so the tools block, system "
+              "prompt and `<tool_call>` scaffolding are real tokens a source can predict.",
+              f"Corrupt lines: {len(result['corrupt_lines'])}; sessions skipped: "
+              f"{len(result['skipped_sessions'])}."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, out: Path) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = result["rows"]
+    sources = sorted({s for r in rows.values() for s in r["by_source"]})
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / max(1, len(rows))
+    for i, (name, r) in enumerate(rows.items()):
+        vals = [r["by_source"].get(s, {}).get("tau") or 0 for s in sources]
+        ax.bar([x + i * width for x in range(len(sources))], vals, width, label=name)
+    ax.set_xticks([x + width * (len(rows) - 1) / 2 for x in range(len(sources))])
+    ax.set_xticklabels(sources, rotation=15, fontsize=8)
+    ax.set_ylabel("tokens per forward (tau)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "tau_by_source.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--transcripts", type=existing_file, default=None,
+                        help="JSONL(.gz) transcripts (default: the repository's "
+                             "fixtures/transcripts/dev.jsonl.gz)")
+    parser.add_argument("--family", default="qwen3", choices=FAMILIES, help="tokenizer/template family")
+    parser.add_argument("--sources", default="ngram,echo,suffix,all,best",
+                        help="comma list from ngram,echo,suffix,strict,all,best (baseline "
+                             "always runs; all = echo+suffix+ngram, best = strict + all)")
+    parser.add_argument("--sessions", type=int, default=None, help="first N sessions only")
+    parser.add_argument("--per-source", type=int, default=None,
+                        help="at most N sessions of each transcript source (first N)")
+    parser.add_argument("--cost-curve", type=existing_file, default=None,
+                        help="DispatchPlan JSON whose cost map prices each forward")
+    parser.add_argument("--max-span", type=int, default=32)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("out/study"))
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    names = [s.strip() for s in args.sources.split(",") if s.strip()]
+    bad = [n for n in names if n not in ROW_SOURCES]
+    if bad:
+        raise UserError(f"unknown sources {bad}; choose from {sorted(ROW_SOURCES)}")
+    path = args.transcripts or TRANSCRIPTS
+    if not path.is_file():
+        raise UserError(f"no transcripts at {path} (an installed package has none); pass "
+                        f"--transcripts FILE, e.g. a clone's fixtures/transcripts/dev.jsonl.gz")
+    plan = None
+    if args.cost_curve is not None:
+        try:
+            plan = DispatchPlan.from_json(json.loads(args.cost_curve.read_text()))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise UserError(f"{args.cost_curve} is not a DispatchPlan JSON ({err}); write one "
+                            f"with `mlx-fill qualify`") from err
+        if not plan.cost:
+            raise UserError(f"{args.cost_curve} has no cost map; write one with `mlx-fill qualify`")
+    result = run_study(path, args.family, names, sessions=args.sessions,
+                       per_source=args.per_source, plan=plan,
+                       max_span=args.max_span, workers=args.workers,
+                       progress=not args.no_progress)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "study.json").write_text(json.dumps(result, indent=2) + "\n")
+    report = markdown_report(result)
+    (args.out / "study.md").write_text(report)
+    plot(result, args.out)
+    print(report)
+    print(f"wrote {args.out}/study.json, study.md, tau_by_source.png")
+    return 0

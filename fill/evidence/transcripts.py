@@ -1,0 +1,147 @@
+"""Recorded sessions rendered to token streams through a family's real chat template.
+
+Loading (gzip or plain JSONL, corrupt lines skipped and reported) and the OpenAI-message form of
+a recording (tools recorded or synthesized, inline-text harnesses without tools) come from
+:mod:`mlx_fill.evidence.replay`, so the study and the replay harness see the same conversation.
+
+:func:`render_session` renders the WHOLE conversation once (non-thinking mode) and cuts it at
+every assistant turn: the turn's output runs from after the template's assistant opener to its
+end-of-turn token inclusive; everything else is prompt. Segments are tokenized separately, so
+the token stream is append-only across turns (the history a later request re-sends is the same
+ids), which is what lets the study index a session once. The one exception is the template's
+empty ``<think></think>`` block that the non-thinking generation prompt appends: it is part of
+turn ``i``'s prompt (``think_ids``) but not of the later history.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .replay import _render_history, load_sessions, synthesize_tools
+
+__all__ = ["RenderedTurn", "RenderedSession", "TemplateMarkers", "markers", "render_session",
+           "load_sessions"]
+
+TEXT_LABEL = "(text)"
+
+
+@dataclass(frozen=True)
+class TemplateMarkers:
+    """What the template writes around an assistant reply: ``opener`` (the generation prompt),
+    ``think`` (the extra non-thinking block, possibly empty) and ``closer`` (end-of-turn)."""
+
+    opener: str
+    think: str
+    closer: str
+
+
+def markers(tokenizer: Any) -> TemplateMarkers:
+    """Probe the template: the generation prompt with and without ``enable_thinking=False``."""
+    msgs = [{"role": "user", "content": "x"}]
+    base = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
+    gen = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    nothink = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
+                                            enable_thinking=False)
+    if not gen.startswith(base) or not nothink.startswith(gen):
+        raise ValueError("template generation prompt is not an extension of the conversation")
+    closer = tokenizer.eos_token
+    if not closer:
+        raise ValueError("tokenizer has no eos_token to end a turn")
+    return TemplateMarkers(gen[len(base):], nothink[len(gen):], closer)
+
+
+@dataclass(frozen=True)
+class RenderedTurn:
+    """Output ids are ``tokens[start:end]``; ``labels[i]`` names the tool call (or ``(text)``)
+    that output token ``i`` belongs to."""
+
+    start: int
+    end: int
+    labels: tuple[str, ...]
+    message_index: int
+
+
+@dataclass
+class RenderedSession:
+    session_id: str
+    source: str
+    tokens: list[int]
+    turns: list[RenderedTurn]
+    think_ids: list[int]
+    tools_origin: str
+    messages: list[dict]
+    tools: list[dict] | None
+
+
+def _call_spans(text: str, names: list[str]) -> list[tuple[int, int, str]]:
+    """Char spans of the ``<tool_call>`` blocks in an output, paired with the call names."""
+    spans, pos = [], 0
+    for name in names:
+        a = text.find("<tool_call>", pos)
+        if a < 0:
+            break
+        b = text.find("</tool_call>", a)
+        b = len(text) if b < 0 else b + len("</tool_call>")
+        spans.append((a, b, name))
+        pos = b
+    return spans
+
+
+def render_session(session: dict, tokenizer: Any, mk: TemplateMarkers | None = None
+                   ) -> RenderedSession:
+    """Render and tokenize one recorded session (see the module contract). Raises ValueError
+    when the rendering cannot be cut into turns unambiguously."""
+    mk = mk or markers(tokenizer)
+    structured = session.get("tool_call_style") == "structured"
+    if not structured:
+        tools, origin = None, "none"
+    elif session.get("tools"):
+        tools, origin = session["tools"], "recorded"
+    else:
+        tools, origin = synthesize_tools(session["messages"]) or None, "synthesized"
+    history = _render_history(session)
+    text = tokenizer.apply_chat_template(history, tools=tools, tokenize=False,
+                                         add_generation_prompt=False, enable_thinking=False)
+    assistants = [(i, m) for i, m in enumerate(history) if m["role"] == "assistant"]
+    starts, pos = [], 0
+    while True:
+        i = text.find(mk.opener, pos)
+        if i < 0:
+            break
+        starts.append(i + len(mk.opener))
+        pos = i + 1
+    if len(starts) != len(assistants):
+        raise ValueError(f"found {len(starts)} assistant openers for {len(assistants)} replies")
+    pieces: list[str] = []
+    outputs: list[tuple[str, list[str], int]] = []
+    prev = 0
+    for s, (mi, msg) in zip(starts, assistants):
+        if mk.think and text.startswith(mk.think, s):
+            s += len(mk.think)
+        e = text.find(mk.closer, s)
+        if e < 0:
+            raise ValueError("assistant reply without an end-of-turn marker")
+        e += len(mk.closer)
+        pieces.append(text[prev:s])
+        names = [c["function"]["name"] for c in msg.get("tool_calls") or []]
+        outputs.append((text[s:e], names, mi))
+        pieces.append(text[s:e])
+        prev = e
+    pieces.append(text[prev:])
+    backend = tokenizer._tokenizer.backend_tokenizer
+    encs = backend.encode_batch(pieces, add_special_tokens=False)
+    tokens: list[int] = []
+    turns: list[RenderedTurn] = []
+    for j, enc in enumerate(encs):
+        if j % 2 == 1:
+            out_text, names, mi = outputs[j // 2]
+            spans = _call_spans(out_text, names)
+            labels = []
+            for a, _ in enc.offsets:
+                labels.append(next((nm for x, y, nm in spans if x <= a < y), TEXT_LABEL))
+            turns.append(RenderedTurn(len(tokens), len(tokens) + len(enc.ids), tuple(labels), mi))
+        tokens.extend(enc.ids)
+    think_ids = backend.encode(mk.think, add_special_tokens=False).ids if mk.think else []
+    return RenderedSession(str(session.get("session_id", "")), str(session.get("source", "")),
+                           tokens, turns, list(think_ids), origin, history, tools)

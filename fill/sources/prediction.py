@@ -1,0 +1,88 @@
+"""OpenAI Predicted Outputs as a fill source: the predicted text's ids, proposed for ``verify``.
+
+The source only proposes; the decode loop samples every proposed slot with the target and keeps
+the agreeing prefix, so a wrong prediction costs time, never tokens. It keeps a cursor into the
+prediction: while the output follows the prediction the cursor advances with it; after a
+divergence it re-anchors on the longest trailing n-gram of the output that occurs in the
+prediction at or after the cursor (edits keep their order), else anywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from mlx_fill.core.proposal import DecodeView, FillSession, Proposal
+
+ORIGIN = "prediction"
+ANCHORS = (8, 4, 3, 2)
+
+
+def prediction_text(prediction: Any) -> str:
+    """The text of an OpenAI ``prediction`` object (``{"type": "content", "content": str |
+    [{"type": "text", "text": str}, ...]}``). Raises ValueError naming the offending path."""
+    if not isinstance(prediction, dict):
+        raise ValueError("prediction: expected an object")  # noqa: TRY004 -- a client error
+    if prediction.get("type") != "content":
+        raise ValueError(f"prediction.type: expected 'content', got {prediction.get('type')!r}")
+    content = prediction.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"prediction.content[{i}]: expected {{'type': 'text', 'text': str}}")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise ValueError("prediction.content: expected a string or a list of text parts")
+
+
+class PredictionSource:
+    """``verify`` proposals from a predicted completion's ids (at most ``max_span`` per round)."""
+
+    def __init__(self, ids: Sequence[int], *, max_span: int = 64, name: str = ORIGIN):
+        self.name = name
+        self.ids = [int(t) for t in ids]
+        self.max_span = max_span
+        self._cursor: int | None = 0
+        self._seen = 0
+        self._grams: dict[int, dict[tuple[int, ...], list[int]]] = {k: {} for k in ANCHORS}
+        for k in ANCHORS:
+            for end in range(k, len(self.ids) + 1):
+                self._grams[k].setdefault(tuple(self.ids[end - k:end]), []).append(end)
+
+    def _reanchor(self, emitted: Sequence[int], after: int) -> int | None:
+        for k in ANCHORS:
+            if len(emitted) < k:
+                continue
+            ends = self._grams[k].get(tuple(emitted[-k:]))
+            if ends:
+                return next((e for e in ends if e >= after), ends[0])
+        return None
+
+    def propose(self, view: DecodeView) -> Proposal | None:
+        emitted = view.emitted
+        new = emitted[self._seen:]
+        self._seen = len(emitted)
+        c = self._cursor
+        if c is not None and list(new) == self.ids[c:c + len(new)]:
+            c += len(new)
+        else:
+            c = self._reanchor(emitted, c or 0)
+        self._cursor = c
+        if c is None or c >= len(self.ids):
+            return None
+        return Proposal(tuple(self.ids[c:c + self.max_span]), "verify", self.name)
+
+    def feedback(self, proposal: Proposal, accepted: int) -> None:
+        return None
+
+
+def prediction_usage(session: FillSession | None, predicted: int) -> dict[str, int]:
+    """OpenAI's ``completion_tokens_details`` for a request with a prediction of ``predicted``
+    tokens: accepted = predicted ids the target verified and kept, rejected = the rest."""
+    accepted = session.stats.by_origin.get(ORIGIN, 0) if session is not None else 0
+    accepted = min(accepted, predicted)  # a re-anchored prediction can be accepted twice
+    return {"accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": max(0, predicted - accepted)}

@@ -1,0 +1,528 @@
+"""The strict-row compiler: scaffold probing through the model's own chat template.
+
+The request's conversation is rendered through ``tokenizer.apply_chat_template`` (with the
+request's tools and template kwargs) several ways: with candidate tool calls that use the REAL
+tool names and REAL schema keys, with varied argument values, and with a plain-content reply.
+Each rendering's reply (the text after the generation prompt, found at the TEXT level so the
+``<think>\\n`` + ``\\n</think>`` newline merge cannot hide it) is tokenized whole, and the id
+sequences are diffed. The diff only decides WHERE to cut; every span is sliced from a real
+rendering, so every cut is a token boundary of a stream the model could produce. Nothing here
+knows a tool-call syntax: Qwen3 JSON, Qwen3-Coder/Qwen3.5 XML and GLM compile through the same
+diff (the syntax is only detected, for the guard, by which grammar reads the rendered call).
+
+Rows:
+
+* ``scaffold`` -- right after the model's own call-start token: the template text up to where
+  the real tool names diverge (with one tool: through the name, and through the sole key when
+  the schema makes it certain).
+* ``name`` -- after a tool name's first distinguishing token: the rest of the name, the
+  name-to-arguments punctuation, and the sole key when certain.
+* ``close`` -- after a complete value delimiter, when the guard says no further argument can
+  legally follow: the rest of the call through its end marker.
+
+Every row carries a certainty class (:data:`Certainty`), decided here by :func:`certainty` and
+nowhere else: ``determined`` rows are ids that the template, the schema and a parser state
+that cannot be entered from inside an argument value force; ``likely`` rows are what the
+template suggests, and may only ever be verified (``mlx_fill.strict.source`` states the rule for each
+supported syntax and for the other call syntaxes in the assets).
+
+Spans shorter than 2 ids or containing an EOS id are dropped. Plans are cached under an exact
+identity key (template, tools, tokenizer, kwargs); a cached plan is reused for a new
+conversation only when that conversation renders the same reference call body.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+from typing import Literal, Sequence, get_args
+
+import jinja2
+
+from .guards import SYNTAXES, Markers, Role, detect_syntax
+from .tokenbytes import ids_bytes, token_bytes
+from .toolspec import ToolSpec, tool_specs
+
+# Values the probes put into the first argument: different first/last characters and types,
+# so that a cut never lands on a token that could merge with a value the model might write.
+HEAD_VALUES: tuple = ("Paris", "/tmp/x", "-1", " lead", "\nx", "x\n", "a.", '{"k": 1}', '"q"',
+                      "über", "7", "", "`x`", "\\d", "  ", 7, -2.5, True, None, ["a"], {"k": "v"})
+# Values for the last argument of close probes: plain text, so the value's rendered text is the
+# value itself in every syntax and its end can be located exactly.
+CLOSE_VALUES: tuple = ("Paris", "ok.", "a-b", "x y", "7", "/tmp", "über", "end!", "x\ny", "sp ",
+                       "q?", "a)", "tab\t", "日本")
+EXTRA_KEY = "zq_extra"
+CONTENT_PROBE = "Hello."
+REASONING_PROBE = "Thinking."
+MIN_SPAN = 2
+
+Certainty = Literal["determined", "likely"]
+CERTAINTIES: tuple[str, ...] = get_args(Certainty)
+
+
+def certainty(kind: str, syntax: str, *, after_call: bool = False,
+              into_arguments: bool = False) -> Certainty:
+    """The certainty class of a row -- the one statement of the rule.
+
+    * ``scaffold`` / ``name`` rows are ``determined``: they fire right after the call-start
+      token (``name``: after the tool name's distinguishing token too), where the template
+      writes the rest of the name and the schema forces the sole key. Two exceptions are
+      ``likely``: in a raw-text syntax (``CallSyntax.raw_values``: XML, GLM), a call that
+      opens after an earlier call of the same turn has ended (``after_call``) may be text
+      inside that call's last value (a value can hold the call's end marker and a new start
+      marker); and a Hermes-JSON row that reaches into the ``arguments`` object
+      (``into_arguments``), whose spacing is the model's own JSON (a template inserts string
+      arguments verbatim, so ``{ "k"`` is as valid as ``{"k"``).
+    * ``close`` rows are ``likely`` in every supported syntax: in XML and GLM they fire after
+      ``</parameter>`` / ``</arg_value>``, which a raw-text value can contain; in Hermes JSON
+      they fire only after a closed string (a JSON string cannot hold an unescaped quote, so
+      they never fire inside a value) but propose the ``arguments`` object's closing, whose
+      spacing is again the model's.
+    """
+    if kind not in ("scaffold", "name", "close"):
+        raise ValueError(f"unknown row kind {kind!r}")
+    raw_values = SYNTAXES[syntax].raw_values
+    if kind == "close" or into_arguments or (after_call and raw_values):
+        return "likely"
+    return "determined"
+
+
+def _into_arguments(syntax: str, body_text: str | None) -> bool:
+    """Does a Hermes-JSON row's call-body text (key + span) reach the ``arguments`` object?"""
+    if syntax != "hermes-json":
+        return False
+    if body_text is None:
+        return True
+    at = body_text.find('"arguments"')
+    return at >= 0 and "{" in body_text[at:]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One strict row.
+
+    ``key`` is the text the guard must see: the call body so far (``scaffold``/``name``) or
+    the text written since the last argument value ended (``close``). ``trigger`` are ids the
+    emitted stream must end with; ``span`` the ids to propose; ``certainty`` its class (only a
+    ``determined`` row may ever be asserted). A row without a valid class cannot be built.
+    """
+
+    kind: str
+    detail: str
+    key: str
+    trigger: tuple[int, ...]
+    span: tuple[int, ...]
+    certainty: Certainty
+
+    def __post_init__(self) -> None:
+        if self.certainty not in CERTAINTIES:
+            raise ValueError(f"row {self.origin}: certainty must be one of {CERTAINTIES}, "
+                             f"got {self.certainty!r}")
+
+    @property
+    def origin(self) -> str:
+        return f"strict:{self.kind}:{self.detail}" if self.detail else f"strict:{self.kind}"
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """Compiled rows for one (template, tools, tokenizer, kwargs) identity.
+
+    ``head`` rows serve a turn's first call; ``later_head`` the same spans for a call that
+    opens after an earlier call of the turn has ended, classed by :func:`certainty` with
+    ``after_call`` (they differ only in class).
+    """
+
+    syntax: str
+    markers: Markers
+    tools: dict[str, ToolSpec]
+    head: dict[str, Row]
+    close: dict[str, Row]
+    reference_body: tuple[int, ...]
+    close_keys: tuple[str, ...] = field(default=())
+    later_head: dict[str, Row] = field(default_factory=dict)
+
+    def rows(self) -> list[Row]:
+        """Every distinct compiled row (a later-call head row only where its class differs)."""
+        later = [r for k, r in self.later_head.items() if self.head.get(k) != r]
+        return [*self.head.values(), *later, *self.close.values()]
+
+    def head_rows(self, calls_ended: int) -> dict[str, Row]:
+        """The head rows for a call opening after ``calls_ended`` calls of this turn."""
+        return self.later_head if calls_ended else self.head
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """One probe: the reply text after the generation prompt, its ids, and byte offsets."""
+
+    text: str
+    ids: tuple[int, ...]
+    offsets: tuple[int, ...]          # byte offset where each id starts; offsets[-1]=len
+
+
+class TemplateError(ValueError):
+    """The template cannot be probed (raised internally; the compiler then yields no rows)."""
+
+
+def _render(tokenizer, messages: list[dict], tools: list[dict] | None, kwargs: dict,
+            generation: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                         add_generation_prompt=generation, **kwargs)
+
+
+def _call(name: str, args: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "arguments": args}}
+
+
+class _Prober:
+    """Renders reply probes for one conversation and tokenizes them whole."""
+
+    def __init__(self, tokenizer, messages, tools, kwargs) -> None:
+        self.tokenizer = tokenizer
+        self.messages = list(messages)
+        self.tools = tools
+        self.kwargs = kwargs
+        self.table = token_bytes(tokenizer)
+        self.primer = _render(tokenizer, self.messages, tools, kwargs, True)
+
+    def reply(self, message: dict) -> Rendered:
+        """The probe's reply. A template whose generation prompt opens reasoning but that drops
+        an empty think block from a rendered turn (GLM-4.7-Flash) is probed with a reasoning
+        placeholder, so the rendered turn extends the generation prompt."""
+        full = _render(self.tokenizer, [*self.messages, message], self.tools, self.kwargs, False)
+        if not full.startswith(self.primer) and "reasoning_content" not in message:
+            message = {**message, "reasoning_content": REASONING_PROBE}
+            full = _render(self.tokenizer, [*self.messages, message], self.tools, self.kwargs,
+                           False)
+        if not full.startswith(self.primer):
+            raise TemplateError("the rendered assistant turn does not extend the generation prompt")
+        text = full[len(self.primer):]
+        ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+        offsets, pos = [], 0
+        for i in ids:
+            offsets.append(pos)
+            pos += len(self.table[i])
+        offsets.append(pos)
+        if ids_bytes(self.table, ids) != text.encode("utf-8"):
+            raise TemplateError("token bytes do not reproduce the rendered text")
+        return Rendered(text, ids, tuple(offsets))
+
+    def calls(self, calls: list[tuple[str, dict]], markers: Markers) -> list[_Body]:
+        """Bodies of ``calls`` rendered as one assistant turn (one render for many probes)."""
+        msg = {"role": "assistant", "content": "",
+               "tool_calls": [_call(name, args) for name, args in calls]}
+        return _bodies(self.reply(msg), markers, [name for name, _ in calls])
+
+    def probe(self, calls: list[tuple[str, dict]], markers: Markers) -> list[_Body]:
+        """Bodies of ``calls``, batched into one turn when the template renders each call of
+        a turn exactly as it renders that call alone (checked on the first and last call);
+        otherwise one render per call."""
+        batch = self.calls(calls, markers)
+        ends = {0, len(calls) - 1}
+        if all(self.calls([calls[i]], markers)[0] == batch[i] for i in ends):
+            return batch
+        return [self.calls([c], markers)[0] for c in calls]
+
+
+def initial_role(tokenizer, messages, tools, kwargs, markers: Markers) -> Role:
+    """Reasoning when the generation prompt leaves a think block open, else content."""
+    with_gen = _render(tokenizer, messages, tools, kwargs, True)
+    without = _render(tokenizer, messages, tools, kwargs, False)
+    gen = with_gen[len(without):] if with_gen.startswith(without) else with_gen[-64:]
+    opened = gen.rfind(markers.think_start) if markers.think_start else -1
+    if opened >= 0 and opened > gen.rfind(markers.think_end or "\0"):
+        return Role.REASONING
+    return Role.CONTENT
+
+
+def _markers(tokenizer) -> Markers | None:
+    start = getattr(tokenizer, "tool_call_start", None) or ""
+    end = getattr(tokenizer, "tool_call_end", None) or ""
+    if not start or not end:
+        return None
+    think_start = getattr(tokenizer, "think_start", None) or ""
+    think_end = getattr(tokenizer, "think_end", None) or ""
+    return Markers(start, end, think_start, think_end)
+
+
+@dataclass(frozen=True)
+class _Body:
+    """A probe's call body: ids from the call-start marker's end through the end marker."""
+
+    trigger: tuple[int, ...]      # the token(s) that complete the start marker
+    ids: tuple[int, ...]
+    text: str
+    tool: str
+
+
+def _bodies(r: Rendered, markers: Markers, tools: list[str]) -> list[_Body]:
+    """The call bodies of a rendered turn, in order, one per tool name."""
+    raw = r.text.encode("utf-8")
+    index = {off: i for i, off in enumerate(r.offsets)}
+    start_m, end_m = markers.call_start.encode(), markers.call_end.encode()
+    out, pos = [], 0
+    for tool in tools:
+        start = raw.find(start_m, pos)
+        if start < 0:
+            raise TemplateError("the rendered call has no start marker")
+        s_end = start + len(start_m)
+        end = raw.find(end_m, s_end)
+        if end < 0:
+            raise TemplateError("the rendered call has no end marker")
+        e_end = end + len(end_m)
+        if s_end not in index or e_end not in index:
+            raise TemplateError("call markers are not token boundaries")
+        j, k = index[s_end], index[e_end]
+        j0 = max(i for i in range(j) if r.offsets[i] <= start)
+        out.append(_Body(r.ids[j0:j], r.ids[j:k], raw[s_end:end].decode("utf-8"), tool))
+        pos = e_end
+    return out
+
+
+def _head_probes(spec: ToolSpec) -> list[tuple[str, dict]]:
+    """Probe calls covering every legal way this tool's call can begin."""
+    if spec.sole_key is not None:
+        argsets = [{spec.sole_key: v} for v in HEAD_VALUES]
+    else:
+        argsets = [{k: "x"} for k in spec.properties]
+        if spec.open:
+            argsets.append({EXTRA_KEY: "x"})
+        if not spec.required:
+            argsets.append({})
+    return [(spec.name, a) for a in argsets]
+
+
+def _close_probes(spec: ToolSpec) -> list[tuple[str, dict, str]]:
+    """Complete calls of a closable tool, last value varied: (name, args, last value)."""
+    if spec.open or not spec.properties:
+        return []
+    out = []
+    for v in CLOSE_VALUES:
+        args = {k: "x" for k in spec.properties[:-1]}
+        args[spec.properties[-1]] = v
+        out.append((spec.name, args, v))
+    return out
+
+
+def _decode(table, ids: Sequence[int]) -> str | None:
+    try:
+        return ids_bytes(table, ids).decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _letters(text: str) -> bool:
+    return any(c.isalpha() for c in text)
+
+
+class _Trie:
+    def __init__(self) -> None:
+        self.children: dict[int, _Trie] = {}
+        self.tools: set[str] = set()
+        self.leaf = False
+
+    def add(self, ids: Sequence[int], tool: str) -> None:
+        node = self
+        node.tools.add(tool)
+        for t in ids:
+            node = node.children.setdefault(t, _Trie())
+            node.tools.add(tool)
+        node.leaf = True
+
+    def chain(self) -> list[int]:
+        """Ids along the unary path below this node (stops at a branch or a probe's end)."""
+        out, node = [], self
+        while len(node.children) == 1 and not node.leaf:
+            (t, node), = node.children.items()
+            out.append(t)
+        return out
+
+
+def _clean(span: list[int], eos: set[int]) -> tuple[int, ...] | None:
+    if len(span) < MIN_SPAN or any(t in eos for t in span):
+        return None
+    return tuple(span)
+
+
+def _head_rows(bodies: list[_Body], table, eos: set[int], syntax: str,
+               after_call: bool) -> dict[str, Row]:
+    """Scaffold and name rows, classed for a turn's first call or (``after_call``) a later one."""
+    root = _Trie()
+    for b in bodies:
+        root.add(b.ids, b.tool)
+    rows: dict[str, Row] = {}
+    triggers = {b.trigger for b in bodies}
+    trigger_text = _decode(table, bodies[0].trigger) or ""
+    if len(triggers) != 1 or not _letters(trigger_text):
+        return rows
+    trigger = bodies[0].trigger
+    scaffold = root.chain()
+    only = next(iter(root.tools)) if len(root.tools) == 1 else ""
+    span = _clean(scaffold, eos)
+    if span is not None:
+        into = _into_arguments(syntax, _decode(table, span))
+        rows[""] = Row("scaffold", only, "", trigger, span,
+                       certainty("scaffold", syntax, after_call=after_call, into_arguments=into))
+    node = root
+    for t in scaffold:
+        node = node.children[t]
+
+    def walk(n: _Trie, path: list[int]) -> None:
+        for t, child in n.children.items():
+            p = [*path, t]
+            if len(child.tools) == 1:
+                key = _decode(table, p)
+                span = _clean(child.chain(), eos)
+                if key is not None and span is not None:
+                    into = _into_arguments(syntax, _decode(table, p + list(span)))
+                    rows[key] = Row("name", next(iter(child.tools)), key, (*trigger, *p), span,
+                                    certainty("name", syntax, after_call=after_call,
+                                              into_arguments=into))
+            else:
+                walk(child, p)
+
+    if len(node.tools) > 1:
+        walk(node, list(scaffold))
+    return rows
+
+
+def _close_rows(prober: _Prober, markers: Markers, specs: list[ToolSpec], syntax,
+                eos: set[int]) -> dict[str, Row]:
+    table = prober.table
+    found: dict[str, set[tuple[tuple[int, ...], tuple[int, ...]]]] = defaultdict(set)
+    probes = [p for spec in specs for p in _close_probes(spec)]
+    if not probes:
+        return {}
+    bodies = prober.probe([(name, args) for name, args, _ in probes], markers)
+    for (_, _, v), body in zip(probes, bodies):
+        raw = body.text.encode("utf-8")
+        v_end = raw.rfind(v.encode("utf-8"))
+        if v_end < 0:
+            continue
+        v_end += len(v.encode("utf-8"))
+        offs, pos = [], 0
+        for t in body.ids:
+            offs.append(pos)
+            pos += len(table[t])
+        for i, off in enumerate(offs):
+            if off <= v_end:
+                continue
+            try:
+                key = raw[v_end:off].decode("utf-8")
+                prefix = raw[:off].decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            state = syntax.parse(prefix)
+            if state is None or state.value_end != len(raw[:v_end].decode("utf-8")):
+                continue
+            inside = tuple(t for t, o in zip(body.ids[:i], offs[:i]) if o >= v_end)
+            found[key].add((inside, body.ids[i:]))
+    rows: dict[str, Row] = {}
+    for key, options in found.items():
+        spans = {s for _, s in options}
+        if len(spans) != 1:
+            continue
+        span = _clean(list(next(iter(spans))), eos)
+        if span is None:
+            continue
+        triggers = [t for t, _ in options]
+        common: list[int] = []
+        for parts in zip(*(reversed(t) for t in triggers)):
+            if len(set(parts)) != 1:
+                break
+            common.insert(0, parts[0])
+        rows[key] = Row("close", "", key, tuple(common), span, certainty("close", syntax.name))
+    return rows
+
+
+def compile_plan(tokenizer, messages: list[dict], tools: list[dict] | None,
+                 template_kwargs: dict | None = None) -> RowPlan | None:
+    """Compile strict rows for this conversation; None when there is nothing to compile.
+
+    Raises ``ValueError`` (naming the path) for malformed tools/schemas. Returns None when there
+    are no tools, the tokenizer has no tool-call markers, the conversation ends with an
+    assistant message, or the template cannot render tool calls after the generation prompt.
+    """
+    specs = tool_specs(tools)
+    markers = _markers(tokenizer)
+    if not specs or markers is None or (messages and messages[-1].get("role") == "assistant"):
+        return None
+    kwargs = dict(template_kwargs or {})
+    eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+    try:
+        prober = _Prober(tokenizer, messages, tools, kwargs)
+        probes = [p for spec in specs for p in _head_probes(spec)]
+        bodies = prober.probe(probes, markers)
+        content = prober.reply({"role": "assistant", "content": CONTENT_PROBE})
+        if markers.call_start in content.text:
+            return None
+        mixed = prober.reply({"role": "assistant", "content": CONTENT_PROBE,
+                              "tool_calls": [_call(*probes[0])]})
+        before_call = mixed.text[: mixed.text.find(markers.call_start)]
+        markers = replace(markers, inline_calls=before_call.endswith(CONTENT_PROBE))
+        ref = bodies[0]
+        syntax = detect_syntax(ref.text, probes[0][0], tuple(probes[0][1]))
+        head = _head_rows(bodies, prober.table, eos, syntax.name, after_call=False)
+        later = _head_rows(bodies, prober.table, eos, syntax.name, after_call=True)
+        close = _close_rows(prober, markers, specs, syntax, eos) if syntax.grammar_file else {}
+    except (TemplateError, jinja2.TemplateError):
+        return None  # the template cannot render tool calls after the generation prompt
+    if syntax.grammar_file is None:
+        head, later, close = {}, {}, {}
+    return RowPlan(syntax.name, markers, {s.name: s for s in specs}, head, close, ref.ids,
+                   tuple(sorted(close, key=len, reverse=True)), later)
+
+
+def reference_body(tokenizer, messages: list[dict], tools: list[dict], kwargs: dict,
+                   plan: RowPlan) -> tuple[int, ...] | None:
+    """The first head probe's body ids rendered in THIS conversation (plan reuse check)."""
+    spec = next(iter(plan.tools.values()))
+    try:
+        prober = _Prober(tokenizer, messages, tools, kwargs)
+        return prober.calls(_head_probes(spec)[:1], plan.markers)[0].ids
+    except (TemplateError, jinja2.TemplateError):
+        return None
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=repr).encode()).hexdigest()
+
+
+def identity_key(tokenizer, tools: list[dict] | None, template_kwargs: dict | None) -> str:
+    """Exact plan identity: template, tools, tokenizer and kwargs hashes."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    tok_id = (getattr(hf, "name_or_path", ""), len(hf),
+              sorted((i, t.content) for i, t in hf.added_tokens_decoder.items()))
+    template = getattr(tokenizer, "chat_template", None) or getattr(hf, "chat_template", None)
+    return _digest([_digest(template), _digest(tools), _digest(tok_id),
+                    _digest(template_kwargs or {})])
+
+
+_PLANS: dict[str, RowPlan | None] = {}
+_MAX_PLANS = 64
+
+
+def plan_for(tokenizer, messages: list[dict], tools: list[dict] | None,
+             template_kwargs: dict | None = None) -> RowPlan | None:
+    """The cached plan for this identity when this conversation renders the same reference
+    call body; otherwise a freshly compiled one (cached when the identity is new)."""
+    specs = tool_specs(tools)
+    if not specs or (messages and messages[-1].get("role") == "assistant"):
+        return None
+    key = identity_key(tokenizer, tools, template_kwargs)
+    if key in _PLANS:
+        plan = _PLANS[key]
+        if plan is None:
+            return None
+        kwargs = dict(template_kwargs or {})
+        if reference_body(tokenizer, messages, tools, kwargs, plan) == plan.reference_body:
+            return plan
+        return compile_plan(tokenizer, messages, tools, template_kwargs)
+    plan = compile_plan(tokenizer, messages, tools, template_kwargs)
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.pop(next(iter(_PLANS)))
+    _PLANS[key] = plan
+    return plan

@@ -1,0 +1,242 @@
+"""StrictSource: asserts the parts of a tool call that the template and schema determine.
+
+Per position the source decodes only the new ids (incrementally, never splitting a UTF-8
+character), advances the :class:`~mlx_fill.strict.guards.TurnGuard`, and proposes a compiled row only
+when the guard puts the stream in the row's structural state:
+
+* ``scaffold`` / ``name`` rows: the stream is inside a structurally opened call whose body so far
+  equals the row's key text exactly, and the emitted ids end with the row's trigger ids.
+* ``close`` rows: the body parses (grammar, full consumption) as a known tool's call ending at a
+  complete value delimiter, the text since that value equals the row's key, no key is
+  duplicated, and the tool's schema allows no further argument.
+
+Policy: every row is proposed as ``verify`` (the same forward checks it; a model that strays
+from its template costs nothing but the check). Only a ``determined`` row (its certainty class,
+decided when the row is compiled: :func:`mlx_fill.strict.rows.certainty`) can ever become ``assert``,
+and only once the evidence ledger promotes it after enough agreements and no disagreement
+(``mlx_fill.sources.ledger``; strict rows are eligible when the ledger lists ``"strict:"``). A
+``likely`` row stays ``verify`` whatever the ledger has seen: the ledger refuses to promote it.
+The fixtures showed why the default is verify: an undertrained model that emits
+``<tool_call>`` does not always continue with the template's scaffold. A call whose body does
+not parse once it has ended, after rows fired in it, counts a ``parse_fallback`` and disarms the
+source for the rest of the request.
+
+Certainty per call syntax. A row is ``determined`` only where the template, the schema and a
+parser state that cannot be entered from inside an argument value force its ids:
+
+* Qwen3-Coder / Qwen3.5 XML and GLM ``arg_key/arg_value``: values are raw text, so a value can
+  hold ``</parameter>``, ``</function>``, ``</arg_value>``, ``</tool_call>`` and a new
+  ``<tool_call>`` (a heredoc writing XML, ``echo '</arg_value>' > f``). Determined: the
+  scaffold after the turn's first call-start token and the rest of a tool name once it is
+  unambiguous, with the sole key the schema forces. Likely: every ``close`` row, and the head
+  rows of any later call in the turn (it opens after an end marker a value can contain).
+* Qwen3 Hermes JSON: a string cannot hold an unescaped quote, and the guard reads call markers
+  only outside strings, so no row fires inside a value (``"}}`` or ``</tool_call>`` in a string
+  is text). Determined: the scaffold ``\\n{"name": "`` and the head rows of later calls.
+  Likely: rows that reach into the ``arguments`` object (the name rows' ``{"key":``, a
+  single-tool scaffold through the key, the close row's ``}}``): a template inserts string
+  arguments verbatim, so their spacing is the model's own JSON (recorded SWE-agent calls use
+  ``{ "key"``).
+
+The other call syntaxes in the assets, thought through the same way (not compiled today):
+
+* Llama 3.x JSON (``{"name": NAME, "parameters": ARGS}`` as the whole reply, no call-start
+  token): a reply that begins with ``{"name": "`` may be prose JSON, so nothing is certain
+  until the name; then determined: the rest of an unambiguous name and ``", "parameters": ``
+  (template text). Likely: the parameters object (``tojson`` spacing is the model's) and its
+  closing ``}}`` (after a closed string, so never inside a value). ``<|eot_id|>`` ends the call
+  and is EOS, never proposed. The 3.1 ``<|python_tag|>`` body is raw code ended by
+  ``<|eom_id|>`` (EOS): nothing after it can be determined.
+* Mistral ``[TOOL_CALLS]`` (a control token): determined: ``[{"name": "`` after it, the rest
+  of an unambiguous name with ``", "arguments": ``, and, once the arguments object has closed
+  outside any string, the template's ``, "id": "``; after the 9 alphanumeric id characters the
+  template forces ``"}``. Likely: the arguments object itself and the choice between ``]`` +
+  EOS and ``, `` + another call.
+* gpt-oss harmony: ``<|channel|>``, ``<|message|>`` and ``<|call|>`` are special tokens that
+  text inside the JSON arguments never produces. Determined: the rest of an unambiguous name
+  after `` to=functions.``. Likely: the channel/constraint header after the name (the vendor
+  template writes ``<|channel|>commentary json<|message|>``, the model is trained on
+  ``<|channel|>commentary <|constrain|>json<|message|>``, and ``to=`` may follow the channel)
+  and the arguments; the call ends with ``<|call|>``, a stop token never proposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .guards import SYNTAXES, Role, TurnGuard
+from mlx_fill.core.proposal import DecodeView, Proposal
+from .rows import Row, RowPlan, initial_role, plan_for
+from .toolspec import tool_specs
+from .tokenbytes import IncrementalText, token_bytes
+
+
+@dataclass
+class StrictStats:
+    """What this source did in one request."""
+
+    fires: int = 0
+    accepted: int = 0
+    parse_fallbacks: int = 0
+
+
+class StrictSource:
+    """A ProposalSource over a compiled :class:`RowPlan` for one request."""
+
+    name = "strict"
+
+    def __init__(self, plan: RowPlan, tokenizer, initial: Role, ledger=None) -> None:
+        self.plan = plan
+        self.ledger = ledger
+        self.guard = TurnGuard(SYNTAXES[plan.syntax], plan.markers, initial)
+        self.text = IncrementalText(token_bytes(tokenizer))
+        self.stats = StrictStats()
+        self.armed = True
+        self._seen = 0
+        self._fired_in_call = False
+        self._calls_ended = 0
+        self._max_head_key = max((len(k) for k in plan.head), default=0)
+        self._request_stats = None
+
+    def _advance(self, emitted) -> None:
+        if len(emitted) < self._seen:
+            raise ValueError("the emitted stream shrank; a source sees each position once")
+        new = emitted[self._seen:]
+        self._seen = len(emitted)
+        if new:
+            self.guard.feed(self.text.add(new))
+        if self.guard.calls_ended != self._calls_ended:
+            self._calls_ended = self.guard.calls_ended
+            if self._fired_in_call and self.guard.syntax.parse(self.guard.last_body) is None:
+                self._disarm()
+            self._fired_in_call = False
+
+    def _row(self, emitted) -> Row | None:
+        g = self.guard
+        if g.role is not Role.CALL or g.declined:
+            return None
+        head = self.plan.head_rows(g.calls_ended)
+        if len(g.body) <= self._max_head_key and g.body in head:
+            row = head[g.body]
+            if _ends_with(emitted, row.trigger):
+                return row
+            return None
+        for key in self.plan.close_keys:
+            if not g.body.endswith(key):
+                continue
+            state = g.call_prefix()
+            if state is None:
+                return None
+            spec = self.plan.tools.get(state.tool)
+            if (spec is None or state.closed is False and not spec.closable(state.keys)
+                    or state.value_end != len(g.body) - len(key)):
+                return None
+            row = self.plan.close[key]
+            return row if _ends_with(emitted, row.trigger) else None
+        return None
+
+    def bind_stats(self, request_stats) -> None:
+        """Also count parse fallbacks in the request's ``usage.fill``."""
+        self._request_stats = request_stats
+
+    def _disarm(self) -> None:
+        self.armed = False
+        self.stats.parse_fallbacks += 1
+        if self._request_stats is not None:
+            self._request_stats.parse_fallbacks += 1
+
+    def propose(self, view: DecodeView) -> Proposal | None:
+        """A row's span when the guard is in its structural state; else None."""
+        self._advance(view.emitted)
+        if not self.armed:
+            return None
+        row = self._row(view.emitted)
+        if row is None:
+            return None
+        self.stats.fires += 1
+        self._fired_in_call = True
+        return Proposal(row.span, self._policy(row), row.origin, row.certainty)
+
+    def _policy(self, row: Row) -> str:
+        """``assert`` only for a row the ledger promotes; the ledger refuses ``likely`` rows."""
+        promoted = self.ledger is not None and self.ledger.promoted(row.origin,
+                                                                    certainty=row.certainty)
+        return "assert" if promoted else "verify"
+
+    def feedback(self, proposal: Proposal, accepted: int) -> None:
+        """Count committed ids; a verified row's outcome is evidence for the ledger."""
+        self.stats.accepted += accepted
+        if self.ledger is not None and proposal.policy == "verify":
+            self.ledger.record(proposal.origin, accepted == len(proposal.ids))
+
+
+def _ends_with(seq, tail: tuple[int, ...]) -> bool:
+    n = len(tail)
+    return n == 0 or (len(seq) >= n and tuple(seq[-n:]) == tail)
+
+
+def strict_source(tokenizer, messages: list[dict], tools: list[dict] | None,
+                  template_kwargs: dict | None = None, ledger=None) -> StrictSource | None:
+    """A StrictSource for this request, or None when no rows compile (no tools, or a template
+    that cannot render tool calls). Raises ValueError naming the path of a malformed tool."""
+    plan = plan_for(tokenizer, messages, tools, template_kwargs)
+    if plan is None or not plan.rows():
+        return None
+    role = initial_role(tokenizer, messages, tools, dict(template_kwargs or {}), plan.markers)
+    return StrictSource(plan, tokenizer, role, ledger)
+
+
+class LazyStrictSource:
+    """Defers compiling the strict rows until the model itself emits the tool-call start token.
+
+    Rows can only fire inside a call, and a call opens only on that token, so until it appears
+    the source proposes nothing either way; prose turns then never pay for the compile (which
+    renders the conversation several times). On first sight it builds the
+    :class:`StrictSource`, which replays the emitted stream once and continues incrementally,
+    so its proposals are exactly those of a source built up front.
+    """
+
+    name = "strict"
+
+    def __init__(self, start_id: int, build) -> None:
+        self._start_id = start_id
+        self._build = build
+        self._scanned = 0
+        self._source: StrictSource | None = None
+        self._built = False
+        self._request_stats = None
+
+    def bind_stats(self, request_stats) -> None:
+        self._request_stats = request_stats
+
+    def propose(self, view: DecodeView) -> Proposal | None:
+        if not self._built:
+            emitted = view.emitted
+            seen = self._start_id in emitted[self._scanned:]
+            self._scanned = len(emitted)
+            if not seen:
+                return None
+            self._source, self._built = self._build(), True
+            if self._source is not None and self._request_stats is not None:
+                self._source.bind_stats(self._request_stats)
+        return self._source.propose(view) if self._source is not None else None
+
+    def feedback(self, proposal: Proposal, accepted: int) -> None:
+        if self._source is not None:
+            self._source.feedback(proposal, accepted)
+
+
+def lazy_strict_source(tokenizer, messages: list[dict], tools: list[dict] | None,
+                       template_kwargs: dict | None = None, ledger=None
+                       ) -> LazyStrictSource | StrictSource | None:
+    """:func:`strict_source` for serving: tools are validated now (ValueError naming the path),
+    rows are compiled only once the model emits the tool-call start token. Falls back to the
+    eager source when that marker is not one token of the vocabulary."""
+    if not tool_specs(tools) or (messages and messages[-1].get("role") == "assistant"):
+        return None
+    start = getattr(tokenizer, "tool_call_start", None) or ""
+    start_id = tokenizer.convert_tokens_to_ids(start) if start else None
+    if not isinstance(start_id, int) or tokenizer.encode(start, add_special_tokens=False) != [start_id]:
+        return strict_source(tokenizer, messages, tools, template_kwargs, ledger)
+    return LazyStrictSource(
+        start_id, lambda: strict_source(tokenizer, messages, tools, template_kwargs, ledger))

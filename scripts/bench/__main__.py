@@ -1,0 +1,327 @@
+"""Benchmarks (not tests): fill and speculation vs plain mlx-lm decoding, side by side, one run.
+
+Two parts, both interleaved (every repeat runs every arm on the same prompt back to back, so
+machine drift hits all arms) and reported as medians:
+
+1. ``e2e`` — the trained fixture models on the frozen held-out prompts
+   (``fixtures/prompts/heldout.jsonl``): plain ``mlx_lm`` ``generate_step`` vs the fill loop in
+   each mode (and the fixture's own MTP head where one is committed). Prints tokens/s, target
+   forwards per emitted token, the share of emitted tokens a fill source wrote and the speed
+   ratio to plain per arm, and checks that every arm produced exactly plain decoding's ids.
+2. ``mechanism`` — a random-weight Qwen3-0.6B-shaped model (bf16; 4-bit weights with fp32
+   activations) driven through recorded assistant turns by a forcing logits processor, so every
+   arm emits the recorded tokens: what fill and speculation save at a realistic forward cost on
+   the real workload shape.
+
+    python -m scripts.bench [--quick] [--parts e2e,mechanism] [--fixtures a,b] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step as stock_generate_step
+
+from mlx_fill.core.loop import generate_step
+from mlx_fill.core.resolve import plan_for
+from mlx_fill.core.proposal import FillSession
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPTS = ROOT / "fixtures" / "prompts" / "heldout.jsonl"
+E2E_ARMS = ("off", "strict", "echo", "ngram", "suffix", "draft", "all")
+MECH_ARMS = ("plain", "strict", "echo", "suffix", "all")
+QUICK_MECH_ARMS = ("plain", "strict", "all")
+SCAN_TURNS = 8
+
+
+@dataclass
+class Arm:
+    """Accumulated measurements of one arm."""
+
+    name: str
+    seconds: list[float] = field(default_factory=list)  # per prompt: median over repeats
+    tokens: int = 0
+    forwards: int = 0
+    injected: int = 0  # tokens written by a fill source (verified or asserted), not sampled
+    mismatches: int = 0
+
+    def tps(self) -> float:
+        return self.tokens / max(sum(self.seconds), 1e-9)
+
+
+def interleave(acc: dict[str, Arm], arms, repeats: int, run_arm, reference) -> None:
+    """Run every arm ``repeats`` times back to back on one prompt (``run_arm(arm) -> (session,
+    ids, seconds)``), then record each arm's median time, tokens, forwards and whether its ids
+    equal ``reference`` (plain decoding's ids when None)."""
+    times: dict[str, list[float]] = {a: [] for a in arms}
+    outs: dict[str, list[int]] = {}
+    for _ in range(repeats):
+        for a in arms:
+            session, outs[a], dt = run_arm(a)
+            times[a].append(dt)
+            acc[a].forwards += session.stats.forwards if session is not None else len(outs[a])
+            acc[a].injected += session.stats.injected if session is not None else 0
+    expected = outs["plain"] if reference is None else reference
+    for a in arms:
+        acc[a].seconds.append(statistics.median(times[a]))
+        acc[a].tokens += len(outs[a])
+        acc[a].mismatches += outs[a] != expected
+
+
+def timed_decode(prompt: list[int], model, session: FillSession | None, *, max_tokens: int,
+                 eos: frozenset[int], processors=None, cache=None) -> tuple[list[int], float]:
+    """Greedy ids up to the first EOS and the wall time of the whole request (prefill incl.;
+    with ``cache``, a prompt cache already holding everything before ``prompt``)."""
+    t0 = time.perf_counter()
+    kw = dict(max_tokens=max_tokens, logits_processors=processors, prompt_cache=cache)
+    gen = (stock_generate_step(mx.array(prompt), model, **kw) if session is None
+           else generate_step(mx.array(prompt), model, fill=session, **kw))
+    out: list[int] = []
+    for t, _ in gen:
+        out.append(t)
+        if t in eos:
+            break
+    return out, time.perf_counter() - t0
+
+
+def e2e_session(arm: str, *, model, tok, ids, row, draft=None, mtp_head=None) -> FillSession | None:
+    from mlx_fill.session import build_session
+    if arm == "plain":
+        return None
+    if arm in ("ngram", "suffix"):
+        from mlx_fill.spec.roster import make_sources
+        sources = make_sources([arm], plan=plan_for(model), tokenizer=tok, prompt_ids=ids)
+        return FillSession(sources, prompt_ids=ids, eos_ids=tok.eos_token_ids)
+    if arm == "mtp":
+        from mlx_fill.spec.mtp import make_mtp_source
+        src = make_mtp_source(model, mtp_head, plan=plan_for(model))
+        return FillSession([src], prompt_ids=ids, eos_ids=tok.eos_token_ids)
+    if arm == "draft":
+        from mlx_fill.spec.draft import make_draft_source
+        src = make_draft_source(draft[0], tokenizer=draft[1], target_tokenizer=tok,
+                                plan=plan_for(model))
+        return FillSession([src], prompt_ids=ids, eos_ids=tok.eos_token_ids)
+    if arm == "off":
+        return FillSession([], prompt_ids=ids, eos_ids=tok.eos_token_ids)
+    return build_session(arm, model=model, tokenizer=tok, prompt_ids=ids,
+                         messages=row["messages"], tools=row["tools"])
+
+
+def run_e2e(quick: bool, repeats: int, fixtures: list[str] | None = None) -> dict:
+    from mlx_lm import load
+
+    from mlx_fill.assets.fixtures import fixture_path
+    from mlx_fill.spec.mtp import has_mtp, load_mtp_head
+
+    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()]
+    rows = rows[:: 4] if quick else rows
+    fixtures = fixtures or (["qwen3-json"] if quick else ["qwen3-json", "qwen35-xml", "glm-xml"])
+    draft = load(str(fixture_path("qwen3-draft")))
+    result = {}
+    for name in fixtures:
+        path = fixture_path(name)
+        model, tok = load(str(path))
+        eos = frozenset(tok.eos_token_ids)
+        arms = ["plain", *[a for a in E2E_ARMS if a != "draft" or name == "qwen3-json"]]
+        models = dict.fromkeys(arms, model)
+        mtp_head = None
+        if has_mtp(path):
+            # the MTP arm decodes with its own copy: the hidden-state tap it installs stays off
+            # the model the other arms time
+            models["mtp"], _ = load(str(path))
+            mtp_head = load_mtp_head(path, models["mtp"])
+            arms.append("mtp")
+        acc = {a: Arm(a) for a in arms}
+        for row in rows:
+            ids = tok.apply_chat_template(row["messages"], tools=row["tools"],
+                                          add_generation_prompt=True)
+
+            def run_arm(a: str):
+                s = e2e_session(a, model=models[a], tok=tok, ids=ids, row=row, draft=draft,
+                                mtp_head=mtp_head)
+                return s, *timed_decode(ids, models[a], s, max_tokens=128, eos=eos)
+
+            interleave(acc, arms, repeats, run_arm, reference=None)
+        result[name] = summarize(acc, repeats)
+    return result
+
+
+def summarize(acc: dict[str, Arm], repeats: int) -> dict:
+    plain = acc["plain"].tps()
+    return {a.name: {"tokens_per_s": round(a.tps(), 2), "ratio_vs_plain": round(a.tps() / plain, 3),
+                     "forwards_per_token": round(a.forwards / repeats / max(a.tokens, 1), 3),
+                     "fill_fraction": round(a.injected / repeats / max(a.tokens, 1), 3),
+                     "mismatched_prompts": a.mismatches, "tokens": a.tokens}
+            for a in acc.values()}
+
+
+def forcing_processor(prompt_len: int, target: list[int]):
+    """Logits processor that puts all mass on the recorded token for each output position.
+
+    The result still depends on the model's logits (``+ 0 * logits``): MLX evaluates lazily, and
+    a sampled token that did not depend on the forward would let every step skip the model."""
+    def force(tokens: mx.array, logits: mx.array) -> mx.array:
+        pos = tokens.shape[0] - prompt_len
+        want = target[min(pos, len(target) - 1)]
+        forced = mx.where(mx.arange(logits.shape[-1]) == want, 0.0, -1e9).astype(logits.dtype)[None]
+        return forced + 0 * logits
+    return force
+
+
+@dataclass
+class RecordedTurn:
+    prompt: list[int]
+    output: list[int]
+    messages: list[dict]
+    tools: list[dict] | None
+
+
+def mechanism_turns(tok, per_source: int, max_prompt: int, max_out: int) -> list[RecordedTurn]:
+    """Recorded assistant turns (tool calls and prose), rendered through the real template:
+    the prompt is the history with the generation prompt, cut to its last ``max_prompt`` ids
+    (the recent context the echo sources draw on; prefill cost is not what this part measures),
+    the output the recorded reply's ids up to the end-of-turn token. Only the first
+    ``SCAN_TURNS`` turns of a session are rendered (each rendering is the whole history)."""
+    from mlx_fill.evidence.replay import load_sessions, session_turns
+    from mlx_fill.core.paths import TRANSCRIPTS
+
+    sessions, _ = load_sessions(TRANSCRIPTS)
+    picked: list[RecordedTurn] = []
+    for source in ("pi_mono", "tau_bench_gpt4o_airline", "mini_swe_agent_gemini3pro"):
+        mine = 0
+        for session in (s for s in sessions if s.get("source") == source):
+            turns, _ = session_turns(session)
+            for turn in turns[1:SCAN_TURNS]:
+                if mine >= per_source:
+                    break
+                kw = dict(tools=turn.tools, tokenize=False, enable_thinking=False)
+                head = tok.apply_chat_template(turn.messages, add_generation_prompt=True, **kw)
+                whole = tok.apply_chat_template(
+                    session_turn_history(session, turn.message_index), **kw)
+                if not whole.startswith(head):
+                    continue
+                reply = whole[len(head):]
+                end = reply.find("<|im_end|>")
+                if end < 0:
+                    continue
+                prompt = tok.encode(head, add_special_tokens=False)[-max_prompt:]
+                out = tok.encode(reply[:end + len("<|im_end|>")], add_special_tokens=False)
+                if len(out) >= 8:
+                    picked.append(RecordedTurn(prompt, out[:max_out], turn.messages, turn.tools))
+                    mine += 1
+            if mine >= per_source:
+                break
+    return picked
+
+
+def session_turn_history(session: dict, message_index: int) -> list[dict]:
+    """The recorded history through the assistant message at ``message_index``."""
+    from mlx_fill.evidence.replay import _render_history
+    return _render_history(session)[:message_index + 1]
+
+
+def mechanism_session(arm: str, turn: RecordedTurn, *, tok, plan) -> FillSession | None:
+    from mlx_fill.spec.roster import make_sources
+    from mlx_fill.strict.source import strict_source
+    if arm == "plain":
+        return None
+    sources = []
+    if arm in ("strict", "all"):
+        src = strict_source(tok, turn.messages, turn.tools) if turn.tools else None
+        sources += [src] if src is not None else []
+    names = {"strict": [], "echo": ["echo"], "suffix": ["suffix"],
+             "all": ["echo", "suffix", "ngram"]}[arm]
+    if names:
+        sources += make_sources(names, plan=plan, tokenizer=tok, prompt_ids=turn.prompt)
+    return FillSession(sources, prompt_ids=turn.prompt, eos_ids=tok.eos_token_ids, plan=plan)
+
+
+def run_mechanism(quick: bool, repeats: int) -> dict:
+    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+    from mlx_fill.assets.store import load_tokenizer
+    from mlx_fill.assets.random_models import build, config_for
+
+    tok = load_tokenizer("qwen3")
+    arms = QUICK_MECH_ARMS if quick else MECH_ARMS
+    turns = mechanism_turns(tok, 1 if quick else 3, 128 if quick else 1024, 24 if quick else 96)
+    configs = [("bf16", mx.bfloat16, None)] if quick else [("bf16", mx.bfloat16, None),
+                                                           ("q4-fp32act", mx.float32, 4)]
+    result = {}
+    for label, dtype, bits in configs:
+        model, _ = build(dict(config_for("qwen3", "0.5b"), vocab_size=len(tok._tokenizer)),
+                         dtype=dtype, bits=bits)
+        plan = plan_for(model)
+        acc = {a: Arm(a) for a in arms}
+        for turn in turns:
+            # the prompt is prefilled once; every arm decodes from that cache, trimmed back after
+            cache = make_prompt_cache(model)
+            mx.eval(model(mx.array(turn.prompt[:-1])[None], cache=cache))
+            force = [forcing_processor(1, turn.output)]
+
+            def run_arm(a: str, turn=turn, force=force, cache=cache):
+                s = mechanism_session(a, turn, tok=tok, plan=plan)
+                out = timed_decode(turn.prompt[-1:], model, s, max_tokens=len(turn.output),
+                                   eos=frozenset(), processors=force, cache=cache)
+                trim_prompt_cache(cache, cache[0].offset - (len(turn.prompt) - 1))
+                return s, *out
+
+            interleave(acc, arms, repeats, run_arm, reference=turn.output)
+        result[label] = summarize(acc, repeats)
+        result[label]["plan"] = {"max_chunk": plan.max_chunk, "qualified": plan.qualified}
+    return result
+
+
+def print_table(title: str, table: dict) -> None:
+    print(f"\n## {title}")
+    print(f"{'arm':<8} {'tok/s':>8} {'x plain':>8} {'fwd/tok':>8} {'filled':>7} {'mismatch':>9}")
+    for arm, r in table.items():
+        if not isinstance(r, dict) or "tokens_per_s" not in r:
+            continue
+        print(f"{arm:<8} {r['tokens_per_s']:>8.2f} {r['ratio_vs_plain']:>8.3f} "
+              f"{r['forwards_per_token']:>8.3f} {r['fill_fraction']:>7.1%} {r['mismatched_prompts']:>9}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer prompts, fixtures and repeats")
+    ap.add_argument("--parts", default="e2e,mechanism")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--fixtures", default=None,
+                    help="e2e fixtures, comma-separated (default: qwen3-json with --quick, else "
+                         "qwen3-json,qwen35-xml,glm-xml)")
+    args = ap.parse_args()
+    repeats = args.repeats or (1 if args.quick else 3)
+    parts = args.parts.split(",")
+    report = {"machine": f"{platform.machine()} {platform.system()}, mlx {mx.__version__}",
+              "date": time.strftime("%Y-%m-%d"), "quick": args.quick, "repeats": repeats}
+    if "e2e" in parts:
+        report["e2e"] = run_e2e(args.quick, repeats,
+                                args.fixtures.split(",") if args.fixtures else None)
+        for name, table in report["e2e"].items():
+            print_table(f"e2e {name}", table)
+    if "mechanism" in parts:
+        report["mechanism"] = run_mechanism(args.quick, repeats)
+        for name, table in report["mechanism"].items():
+            print_table(f"mechanism qwen3-0.5b-shaped {name}", table)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    bad = [(p, n, a) for p in ("e2e", "mechanism") for n, t in report.get(p, {}).items()
+           for a, r in t.items() if isinstance(r, dict) and r.get("mismatched_prompts")]
+    if bad:
+        print(f"\nMISMATCHED OUTPUTS: {bad}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""The loop drop-in (``mlx_fill.adapters.mlx_lm``), ``build_session`` and the autoload hook."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from adapter_models import TOOLS, random_qwen3_dir
+from mlx_fill.adapters import autoload
+from mlx_fill.adapters.mlx_lm import stream_generate
+from mlx_fill.sources.echo import EchoSource
+from mlx_fill.sources.prediction import PredictionSource, prediction_text, prediction_usage
+from mlx_fill.core.proposal import DecodeView, FillStats
+from mlx_fill.session import build_session, check_mode
+from mlx_lm import load
+from mlx_lm.generate import GenerationResponse
+from mlx_lm.generate import stream_generate as stock_stream_generate
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    model, tokenizer = load(str(random_qwen3_dir()))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}],
+                                           add_generation_prompt=True)
+    return model, tokenizer, prompt
+
+
+def tokens_of(responses) -> list[int]:
+    return [r.token for r in responses]
+
+
+def test_fill_off_delegates_to_stock(lm):
+    model, tok, prompt = lm
+    ours = list(stream_generate(model, tok, prompt, max_tokens=12))
+    stock = list(stock_stream_generate(model, tok, prompt, max_tokens=12))
+    assert tokens_of(ours) == tokens_of(stock)
+    assert all(type(r) is GenerationResponse and not hasattr(r, "fill") for r in ours)
+
+
+def test_prediction_session_is_lossless_and_attaches_telemetry(lm):
+    model, tok, prompt = lm
+    ref = list(stream_generate(model, tok, prompt, max_tokens=30))
+    head = "".join(r.text for r in ref[:15])
+    session = build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt,
+                            prediction={"type": "content", "content": head})
+    out = list(stream_generate(model, tok, prompt, max_tokens=30, fill=session))
+    assert tokens_of(out) == tokens_of(ref)
+    assert all(isinstance(r.fill, FillStats) for r in out)
+    stats = out[-1].fill.as_dict()
+    assert stats["injected"] > 0 and stats["verify_accepted"] > 0
+    usage = prediction_usage(session, len(tok.encode(head, add_special_tokens=False)))
+    assert usage["accepted_prediction_tokens"] > 0
+
+
+def test_fill_with_draft_model_is_rejected(lm):
+    model, tok, prompt = lm
+    session = build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt)
+    with pytest.raises(ValueError, match="draft_model"):
+        stream_generate(model, tok, prompt, fill=session, draft_model=model)
+
+
+def test_modes_and_sources(lm):
+    model, tok, prompt = lm
+    msgs = [{"role": "user", "content": "weather in Paris?"}]
+    assert build_session("off", model=model, tokenizer=tok, prompt_ids=prompt) is None
+    strict = build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt, messages=msgs, tools=TOOLS)
+    assert not any(isinstance(s, EchoSource) for s in strict.sources)
+    echo = build_session("echo", model=model, tokenizer=tok, prompt_ids=prompt, messages=msgs, tools=TOOLS)
+    assert sum(isinstance(s, EchoSource) for s in echo.sources) == 1
+    every = build_session("all", model=model, tokenizer=tok, prompt_ids=prompt, messages=msgs, tools=TOOLS)
+    assert {s.name for s in every.sources} >= {"echo", "suffix", "ngram"}
+    with pytest.raises(ValueError, match="fill mode"):
+        check_mode("turbo")
+    with pytest.raises(ValueError, match="unknown model-free sources"):
+        build_session("all", model=model, tokenizer=tok, prompt_ids=prompt, spec="echo,warp")
+
+
+@pytest.mark.parametrize("kw,reason", [
+    ({"logprobs": True}, "logprobs"), ({"seed": 3}, "seed"),
+    ({"response_format": {"type": "json_object"}}, "response_format"), ({"media": True}, "media")])
+def test_refusals_are_counted(lm, kw, reason):
+    model, tok, prompt = lm
+    s = build_session("all", model=model, tokenizer=tok, prompt_ids=prompt, **kw)
+    assert s.refused == reason and s.stats.refusals == {reason: 1} and s.sources == []
+
+
+def test_temperature_disables_assert_and_env_knobs(lm, tmp_path, monkeypatch):
+    model, tok, prompt = lm
+    monkeypatch.setenv("MLX_FILL_MAX_SPAN", "7")
+    monkeypatch.setenv("MLX_FILL_TRACE", str(tmp_path / "trace.jsonl"))
+    s = build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt, temperature=0.7)
+    assert not s.allow_assert and s.max_span == 7 and s.trace is not None
+    monkeypatch.setenv("MLX_FILL_MAX_SPAN", "0")
+    with pytest.raises(ValueError, match="MLX_FILL_MAX_SPAN"):
+        build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt)
+
+
+def test_malformed_tools_raise_with_path(lm):
+    model, tok, prompt = lm
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": []}}}]
+    with pytest.raises(ValueError, match=r"tools\[0\]"):
+        build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt,
+                      messages=[{"role": "user", "content": "x"}], tools=bad)
+
+
+def test_prediction_source_follows_and_reanchors():
+    src = PredictionSource([1, 2, 3, 4, 5, 6, 7, 8, 9], max_span=3)
+    view = lambda emitted: DecodeView(prompt=[0], emitted=emitted)
+    assert src.propose(view([])).ids == (1, 2, 3)
+    assert src.propose(view([1, 2])).ids == (3, 4, 5)
+    assert src.propose(view([1, 2, 3, 99])) is None  # diverged, no anchor yet
+    assert src.propose(view([1, 2, 3, 99, 5, 6])).ids == (7, 8, 9)  # re-anchored on (5, 6)
+    assert src.propose(view([1, 2, 3, 99, 5, 6, 7, 8, 9])) is None  # prediction used up
+    assert prediction_text({"type": "content", "content": [{"type": "text", "text": "a"},
+                                                           {"type": "text", "text": "b"}]}) == "ab"
+    with pytest.raises(ValueError, match=r"prediction.content\[0\]"):
+        prediction_text({"type": "content", "content": [{"type": "image"}]})
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    knobs = ("MLX_FILL", "MLX_FILL_MAX_SPAN", "MLX_FILL_TRACE", "MLX_FILL_PLAN", "MLX_FILL_SPEC")
+    full = {k: v for k, v in os.environ.items() if k not in knobs}
+    return subprocess.run([sys.executable, *code.split("\0")], capture_output=True, text=True, check=False,
+                          env={**full, **env}, timeout=120)
+
+
+PATCHED = ("-c\0import sys, json, mlx_lm.server as s; g = sys.modules['mlx_lm.generate']; "
+           "print(json.dumps([getattr(s.ResponseGenerator._is_batchable, '__mlx_fill__', False), "
+           "g.generate_step.__module__]))")
+
+
+def test_hook_installed_and_inert_when_unset():
+    purelib = Path(subprocess.run([sys.executable, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                  capture_output=True, text=True, check=True).stdout.strip())
+    for name in ("mlx_fill.pth", "mlx_fill.start"):
+        assert (purelib / name).read_text() == (REPO / "adapters" / "hooks" / name).read_text(), name
+    unset = _python("-X\0importtime\0-c\0pass")
+    assert "mlx_fill.adapters" not in unset.stderr  # nothing of ours is imported when unset
+    assert json.loads(_python(PATCHED, MLX_FILL="off").stdout) == [False, "mlx_lm.generate"]
+
+
+def test_hook_patches_lazily_and_idempotently():
+    again = ("; import mlx_fill.adapters.autoload as a; from mlx_fill.adapters.server_patch "
+             "import apply; a.activate(); print(apply(s, 'strict'))")
+    r = _python(PATCHED + again, MLX_FILL="strict")
+    patched, second = r.stdout.splitlines()
+    assert json.loads(patched) == [True, "mlx_fill.core.loop"], r.stderr
+    assert second == "False" and "Warning" not in r.stderr
+    # Not imported by the hook itself: mlx_lm stays unimported until someone imports it.
+    r = _python("-c\0import sys; print('mlx_lm' in sys.modules)", MLX_FILL="strict")
+    assert r.stdout.strip() == "False"
+
+
+def test_hook_fails_open_with_one_warning(monkeypatch):
+    class NotAServer:  # a module whose shape does not match mlx-lm 0.32's server
+        class ResponseGenerator:
+            def _is_batchable(self):
+                return True
+
+    monkeypatch.setenv("MLX_FILL", "strict")
+    monkeypatch.setattr(autoload, "_warned", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        autoload._patch("mlx_lm.server", NotAServer)
+        autoload._patch("mlx_lm.server", NotAServer)
+    assert len(caught) == 1 and "runs unchanged" in str(caught[0].message)
+    assert not hasattr(NotAServer.ResponseGenerator._is_batchable, "__mlx_fill__")
+
+
+@pytest.mark.parametrize("env", [{"MLX_FILL": "turbo"},
+                                 {"MLX_FILL": "all", "MLX_FILL_SPEC": "echo,warp"}],
+                         ids=["bad-mode", "bad-spec"])
+def test_bad_configuration_fails_open_in_server_process(env):
+    r = _python(PATCHED, **env)
+    assert json.loads(r.stdout) == [False, "mlx_lm.generate"]
+    assert r.stderr.count("mlx-fill: not activated") == 1
+
+
+def test_strict_fill_on_a_scripted_tool_call_is_lossless(lm):
+    """A logits processor makes the random model write the template's own rendering of a tool
+    call; strict fill injects the scaffold and the tokens stay exactly the fill-off tokens."""
+    model, tok, _ = lm
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    prompt = tok.apply_chat_template(msgs, tools=TOOLS, add_generation_prompt=True)
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    full = tok.apply_chat_template([*msgs, call], tools=TOOLS)
+    assert full[:len(prompt)] == prompt
+    script = full[len(prompt):]
+    script = script[:next(i for i, t in enumerate(script) if t in tok.eos_token_ids) + 1]
+
+    def follow_script(tokens, logits):
+        nxt = script[min(tokens.shape[-1] - len(prompt), len(script) - 1)]
+        return mx.where(mx.arange(logits.shape[-1]) == nxt, 0.0, -mx.inf)[None] + 0 * logits
+
+    kw = {"max_tokens": 80, "logits_processors": [follow_script]}
+    off = tokens_of(stream_generate(model, tok, prompt, **kw))
+    session = build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt,
+                            messages=msgs, tools=TOOLS)
+    on = list(stream_generate(model, tok, prompt, fill=session, **kw))
+    assert tokens_of(on) == off
+    assert tok.decode(off).startswith(tok.decode(script[:-1]))
+    stats = on[-1].fill.as_dict()
+    assert stats["injected"] > 0
+    assert any(origin.startswith("strict") for origin in stats["by_origin"])

@@ -1,0 +1,183 @@
+"""The fill-aware decode loop: token identity with plain decoding and the cache invariant."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step as stock_generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_logits_processors
+
+from mlx_fill.core.exactness import caches_equal
+from mlx_fill.core.loop import generate_step
+from mlx_fill.core.plan import DispatchPlan
+from mlx_fill.core.proposal import FillSession, Proposal
+from mlx_fill.assets.random_models import build, config_for
+
+from conftest import tiny_model
+
+PLAN = DispatchPlan(key=None, max_chunk=4, qualified=True)
+PROMPT = [random.Random(1).randrange(512) for _ in range(20)]
+
+
+def decode(model, fill=None, n=40, stop_after=None, **kw):
+    """Run a decode; optionally close the generator after ``stop_after`` tokens."""
+    cache = make_prompt_cache(model)
+    gen = (generate_step(mx.array(PROMPT), model, max_tokens=n, prompt_cache=cache, fill=fill, **kw)
+           if fill is not None else
+           stock_generate_step(mx.array(PROMPT), model, max_tokens=n, prompt_cache=cache, **kw))
+    out = []
+    for tok, _ in gen:
+        out.append(tok)
+        if stop_after is not None and len(out) >= stop_after:
+            gen.close()
+            break
+    return out, cache
+
+
+class Oracle:
+    """Proposes the reference continuation every ``every`` tokens, optionally corrupted."""
+
+    name = "oracle"
+
+    def __init__(self, reference, policy, corrupt=0.0, every=5, span=6, seed=3):
+        self.ref, self.policy, self.corrupt = reference, policy, corrupt
+        self.every, self.span, self.rng = every, span, random.Random(seed)
+
+    def propose(self, view):
+        i = len(view.emitted)
+        span = list(self.ref[i:i + self.span])
+        if i % self.every or not span:
+            return None
+        if self.rng.random() < self.corrupt:
+            k = self.rng.randrange(len(span))
+            span[k] = (span[k] + 1) % 512
+        return Proposal(tuple(span), self.policy, self.name)
+
+    def feedback(self, proposal, accepted):
+        pass
+
+
+def session(source, prompt=PROMPT, **kw):
+    return FillSession([source], prompt_ids=prompt, plan=PLAN, **kw)
+
+
+ARCHS = ["qwen3", "qwen3_5"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("policy,corrupt", [("assert", 0.0), ("verify", 0.0), ("verify", 0.6)])
+@pytest.mark.parametrize("every", [5, 1])  # 1: every round chains onto the previous one
+def test_fill_is_token_identical(arch, policy, corrupt, every):
+    model = tiny_model(arch)
+    ref, ref_cache = decode(model)
+    s = session(Oracle(ref, policy, corrupt, every=every))
+    out, cache = decode(model, s)
+    assert out == ref
+    assert caches_equal(cache, ref_cache)
+    assert s.stats.injected > 0 and s.stats.forwards < len(ref)
+    if corrupt:
+        assert s.stats.verify_rejected > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("policy", ["assert", "verify"])
+@pytest.mark.parametrize("stop_after", [6, 7, 9, 11, 13])
+@pytest.mark.parametrize("every", [5, 1])
+def test_consumer_stop_mid_burst_leaves_prompt_plus_yielded(arch, policy, stop_after, every):
+    model = tiny_model(arch)
+    ref, _ = decode(model)
+    out, cache = decode(model, session(Oracle(ref, policy, every=every)), stop_after=stop_after)
+    ref_out, ref_cache = decode(model, stop_after=stop_after)
+    assert out == ref_out
+    assert caches_equal(cache, ref_cache)
+
+
+@pytest.mark.parametrize("policy", ["assert", "verify"])
+@pytest.mark.parametrize("max_tokens", [7, 8, 10, 13, 14])
+@pytest.mark.parametrize("every", [5, 1])
+def test_max_tokens_inside_a_span(policy, max_tokens, every):
+    model = tiny_model("qwen3_5")
+    ref, _ = decode(model)
+    out, cache = decode(model, session(Oracle(ref, policy, every=every)), n=max_tokens)
+    ref_out, ref_cache = decode(model, n=max_tokens)
+    assert out == ref_out and len(out) == max_tokens
+    assert caches_equal(cache, ref_cache)
+
+
+def test_throwing_source_disarms_and_generation_continues():
+    class Broken:
+        name = "broken"
+
+        def propose(self, view):
+            raise RuntimeError("index corrupted")
+
+        def feedback(self, proposal, accepted):
+            pass
+
+    model = tiny_model("qwen3")
+    ref, _ = decode(model)
+    s = FillSession([Broken(), Oracle(ref, "verify")], prompt_ids=PROMPT, plan=PLAN)
+    out, _ = decode(model, s)
+    assert out == ref
+    assert s.stats.source_errors == {"broken:RuntimeError": 1}
+    assert s.stats.injected > 0
+
+
+def test_proposed_eos_is_cut_and_never_committed():
+    model = tiny_model("qwen3")
+    ref, _ = decode(model)
+    eos = ref[8]
+    trace = io.StringIO()
+    s = FillSession([Oracle(ref, "assert", every=5, span=6)], prompt_ids=PROMPT, plan=PLAN,
+                    eos_ids=[eos], trace=trace)
+    out, _ = decode(model, s)
+    assert out == ref  # the model itself still emits the token where it decides to
+    applied = [json.loads(line)["ids"] for line in trace.getvalue().splitlines()]
+    assert applied and all(eos not in ids for ids in applied)
+
+
+def test_logits_processors_see_the_same_history():
+    model = tiny_model("qwen3")
+    procs = make_logits_processors(repetition_penalty=1.5, repetition_context_size=8)
+    ref, _ = decode(model, logits_processors=procs)
+    for policy, corrupt in (("assert", 0.0), ("verify", 0.5)):
+        s = session(Oracle(ref, policy, corrupt=corrupt))
+        out, _ = decode(model, s, logits_processors=procs)
+        assert out == ref and s.stats.injected > 0
+
+
+def test_kv_quantization_threshold_inside_a_span():
+    model, _ = build(dict(config_for("qwen3"), head_dim=32))
+    kw = dict(kv_bits=4, kv_group_size=32, quantized_kv_start=27)
+    ref, ref_cache = decode(model, **kw)
+    out, cache = decode(model, session(Oracle(ref, "assert", every=3)), **kw)
+    assert out == ref
+    assert caches_equal(cache, ref_cache)
+
+
+def test_media_input_refuses_fill_and_decodes_normally():
+    model = tiny_model("qwen3")
+    embeds = model.model.embed_tokens(mx.array(PROMPT))
+    ref = [t for t, _ in stock_generate_step(mx.array(PROMPT), model, max_tokens=10,
+                                             input_embeddings=embeds)]
+    s = session(Oracle(ref, "assert"))
+    out = [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=10, fill=s,
+                                       input_embeddings=embeds)]
+    assert out == ref
+    assert s.stats.refusals == {"media_input": 1} and s.stats.injected == 0
+
+
+@pytest.mark.parametrize("policy", ["assert", "verify"])
+def test_telemetry_counts_what_the_consumer_received_when_it_stops_mid_burst(policy):
+    model = tiny_model("qwen3")
+    ref, _ = decode(model)
+    s = session(Oracle(ref, policy))  # proposes ref[5:11] after the 5th token
+    out, _ = decode(model, s, stop_after=8)
+    assert out == ref[:8]
+    assert s.stats.emitted == 8
+    assert s.stats.injected == 3 and s.stats.events == 1

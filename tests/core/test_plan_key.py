@@ -1,0 +1,214 @@
+"""A dispatch plan applies only under the kernels and model shape it was qualified on; anything
+else is qualified on first use (once, cached) and until then decodes one token per forward."""
+
+from __future__ import annotations
+
+import ctypes.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from mlx_fill.core import kernels
+from mlx_fill.core import qualify
+from mlx_fill.core import resolve
+from mlx_fill.core.loop import generate_step
+from mlx_fill.core.plan import DispatchPlan, config_key, find_plan, load_plan, model_shape, save_plan
+from mlx_fill.assets.random_models import build, config_for, save
+from mlx_fill.session import build_session
+
+FAKE_OPENBLAS = kernels.Blas("openblas", "0.3.21", "SkylakeX")
+
+
+@pytest.fixture
+def model():
+    return build(config_for("qwen3"), seed=3)[0]
+
+
+@pytest.fixture
+def plan_dirs(tmp_path, monkeypatch):
+    """An empty user cache and an empty 'shipped' folder (the package's plans hidden)."""
+    monkeypatch.setenv("MLX_FILL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("MLX_FILL_PLAN", raising=False)
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    monkeypatch.setattr("mlx_fill.core.plan.shipped_dir", lambda: shipped)
+    return shipped
+
+
+@pytest.fixture
+def qualify_calls(monkeypatch):
+    """Counts the measurements the auto-qualify runs."""
+    calls = []
+    real = qualify.qualify
+
+    def counting(model, **kw):
+        calls.append(config_key(model))
+        return real(model, **kw)
+
+    monkeypatch.setattr(qualify, "qualify", counting)
+    return calls
+
+
+class Tok:
+    eos_token_ids = ()
+
+
+def session_for(model):
+    return build_session("echo", model=model, tokenizer=Tok(), prompt_ids=[1, 2, 3])
+
+
+def test_key_names_kernels_and_shape(model):
+    key = config_key(model)
+    assert key.mlx == mx.__version__ and key.dtype == "float32" and key.quant == "none"
+    if sys.platform.startswith("linux") and key.backend == "cpu":
+        assert key.blas not in ("unknown", "none") and key.blas_version != "unknown"
+    assert key.shape.startswith("qwen3 layers=4 hidden=64")
+    wider = build(dict(config_for("qwen3"), hidden_size=128))[0]
+    assert model_shape(wider) != key.shape
+    assert model_shape(build(config_for("qwen3"), seed=9)[0]) == key.shape  # weights are not shape
+
+
+def test_shipped_plan_refused_under_another_blas_and_qualified_one_used(
+        model, plan_dirs, qualify_calls, monkeypatch, capsys):
+    here = config_key(model)
+    shipped = DispatchPlan(key=here, max_chunk=16, cost={2: 1.5}, qualified=True, note="shipped")
+    save_plan(shipped, plan_dirs / "cpu-test.json")
+    assert resolve.resolve(model).source == "shipped" and session_for(model).plan == shipped
+    assert qualify_calls == []
+
+    monkeypatch.setattr(kernels, "blas", lambda: FAKE_OPENBLAS)
+    res = resolve.resolve(model)
+    assert res.source == "qualified now" and res.path.parent == plan_dirs.parent / "cache" / "plans"
+    assert (res.plan.key.blas, res.plan.key.blas_core) == ("openblas", "SkylakeX")
+    refused = next(c for c in res.lookup.candidates if c.origin == "shipped")
+    assert refused.problem == "key differs in blas, blas_version, blas_core"
+    assert session_for(model).plan == res.plan and len(qualify_calls) == 1
+    line = capsys.readouterr().err
+    assert line.count("\n") == 1 and "qualifying" in line and "openblas 0.3.21 SkylakeX" in line
+    text = resolve.format_resolution(res)
+    assert "source: qualified now" in text
+    assert "blas_core: '' in the plan, 'SkylakeX' here" in text
+
+
+def test_auto_qualify_happens_once_and_is_cached(model, plan_dirs, qualify_calls, monkeypatch):
+    first = session_for(model)
+    assert first.plan.qualified and first.plan.key == config_key(model)
+    assert session_for(model).plan == first.plan and len(qualify_calls) == 1
+    cached = list((plan_dirs.parent / "cache" / "plans").glob("*.json"))
+    assert len(cached) == 1
+    monkeypatch.setattr(resolve, "_resolved", {})  # a new process on the same machine
+    res = resolve.resolve(model)
+    assert res.source == "cached" and res.path == cached[0] and res.plan == first.plan
+    assert len(qualify_calls) == 1
+
+
+def test_the_loop_uses_the_sessions_plan(model, plan_dirs, monkeypatch):
+    session = session_for(model)
+    monkeypatch.setattr("mlx_fill.core.loop.plan_for", lambda m: pytest.fail("resolved twice"))
+    steps = generate_step(mx.array([1, 2, 3, 1, 2, 3]), model, fill=session, max_tokens=8)
+    assert len([t for t, _ in steps]) == 8
+
+
+def test_no_plan_without_qualifying_means_one_token_per_forward(model, plan_dirs):
+    res = resolve.resolve(model, qualify=False)
+    assert res.source == "unqualified" and res.plan.max_chunk == 1 and not res.plan.qualified
+    assert res.plan.chunks(10, 4) == [1, 1, 1, 1]
+
+
+def test_plan_file_of_the_old_key_format_is_refused(model, plan_dirs):
+    old = {"key": {"backend": "cpu", "device": "x86_64", "dtype": "float32", "quant": "none"},
+           "max_chunk": 16, "mode": "exact", "qualified": True}
+    (plan_dirs / "old.json").write_text(json.dumps(old))
+    lookup = find_plan(config_key(model))
+    assert lookup.chosen is None and "mlx, mlx_lm, blas" in lookup.candidates[0].problem
+    assert load_plan(model).max_chunk == 1
+
+
+def _openblas() -> str | None:
+    path = ctypes.util.find_library("openblas")
+    if path is None:
+        return None
+    for folder in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib"):
+        if (Path(folder) / path).exists():
+            return str(Path(folder) / path)
+    return path
+
+
+@pytest.mark.skipif(_openblas() is None, reason="libopenblas not installed")
+def test_preloaded_openblas_refuses_a_bundled_blas_plan(tmp_path, model):
+    """Real kernels: a plan qualified under MLX's bundled BLAS (``MLX_FILL_PLAN``) applies in a
+    process without a preload and is refused in one with OpenBLAS preloaded, which qualifies its
+    own plan under OpenBLAS and names the differing key fields."""
+    model_dir = save(model, dict(config_for("qwen3"), torch_dtype="float32"), tmp_path / "tiny")
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "OPENBLAS_CORETYPE")}
+    env["MLX_FILL_CACHE"] = str(tmp_path / "cache")
+
+    def plan_cmd(extra_env, *flags):
+        proc = subprocess.run([sys.executable, "-m", "mlx_fill.cli", "plan", "--model",
+                               str(model_dir), *flags], capture_output=True, text=True,
+                              env={**env, **extra_env}, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    bundled = tmp_path / "bundled.json"
+    from mlx_lm.utils import load_model
+    save_plan(qualify.qualify(load_model(model_dir)[0], quick=True, bar=False)[0], bundled)
+    if json.loads(bundled.read_text())["key"]["blas"] == "openblas":
+        pytest.skip("this process already runs OpenBLAS")
+    env["MLX_FILL_PLAN"] = str(bundled)
+    assert f"source: MLX_FILL_PLAN {bundled}" in plan_cmd({})
+
+    preload = {"LD_PRELOAD": _openblas(), "OPENBLAS_CORETYPE": "Haswell"}
+    looked = plan_cmd(preload, "--no-qualify")
+    assert "source: unqualified" in looked and "max_chunk=1 " in looked
+    assert "blas: openblas" in looked and "blas_core: Haswell" in looked
+    assert f"MLX_FILL_PLAN {bundled}: key differs in blas, blas_version, blas_core" in looked
+    qualified = plan_cmd(preload)
+    assert "source: qualified now" in qualified and "blas_core: Haswell" in qualified
+    assert "source: cached" in plan_cmd(preload, "--no-qualify")
+
+
+def test_fake_blas_identity_reaches_the_key(model, monkeypatch):
+    monkeypatch.setattr(kernels, "blas", lambda: FAKE_OPENBLAS)
+    key = config_key(model)
+    assert (key.blas, key.blas_version, key.blas_core) == ("openblas", "0.3.21", "SkylakeX")
+    assert replace(key, blas_core="Haswell").differences(key) == ["blas_core"]
+
+
+@pytest.fixture
+def tiny_served_dir(tmp_path):
+    """A tiny random qwen3 (512 ids) with the real qwen3 tokenizer: loadable by both servers."""
+    from adapter_models import TOKENIZER_FILES, assets
+    path = save(*build(config_for("qwen3"), seed=5), tmp_path / "served")
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(assets.family_dir("qwen3") / name, path / name)
+    return path
+
+
+def test_serve_engine_qualifies_at_start_up(tiny_served_dir, plan_dirs, qualify_calls):
+    from mlx_fill.adapters.server.serve import Engine
+    engine = Engine(str(tiny_served_dir), fill="strict")
+    assert len(qualify_calls) == 1 and qualify_calls[0] == config_key(engine.model)
+    assert list((plan_dirs.parent / "cache" / "plans").glob("*.json"))
+
+
+def test_mlx_lm_server_hook_qualifies_at_model_load(tiny_served_dir, tmp_path):
+    from adapter_models import BIN, free_port, running_server
+    cache, log, port = tmp_path / "cache", tmp_path / "server.log", free_port()
+    argv = [str(BIN / "mlx_lm.server"), "--model", str(tiny_served_dir), "--port", str(port)]
+    with running_server(argv, port, env={"MLX_FILL": "strict", "MLX_FILL_CACHE": str(cache)},
+                        log=log):
+        deadline = time.monotonic() + 120
+        while "saved to" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.3)
+    text = log.read_text()
+    assert text.count("qualifying this model once") == 1, text[-2000:]
+    assert len(list((cache / "plans").glob("*.json"))) == 1  # before any request was sent

@@ -1,0 +1,102 @@
+"""`mlx-fill qualify`: the CLI writes a usable plan; plan derivation follows the checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import ConcatenateKVCache
+
+from mlx_fill.core.plan import PlanKey, load_plan
+from mlx_fill.core.primitive import Unsupported, check_supported
+from mlx_fill.core.qualify import Check, derive_plan
+from mlx_fill.assets.random_models import build, config_for, save
+
+KEY = PlanKey("cuda", "sm_90 NVIDIA H200", "0.32.4", "0.32.2", "none", "", "", "bfloat16", "none",
+              "qwen3 layers=4")
+CPU_KEY = replace(KEY, backend="cpu", device="x86_64", blas="libblas", blas_version="3.10.0")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    model, config = build(config_for("qwen3_5"), dtype=mx.bfloat16)
+    return save(model, config, tmp_path_factory.mktemp("tiny") / "qwen35")
+
+
+def test_qualify_quick_cli_writes_a_plan(tiny_dir, tmp_path):
+    out = tmp_path / "plan.json"
+    env = dict(os.environ, MLX_FILL_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-m", "mlx_fill.cli", "qualify", "--model",
+                           str(tiny_dir), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "max_chunk=" in proc.stdout and "c(16)=" in proc.stdout
+    plan = json.loads(out.read_text())
+    assert plan["qualified"] and plan["max_chunk"] >= 1
+    assert set(plan["cost"]) == {"1", "2", "3", "4", "8", "16"}
+    assert plan["key"]["dtype"] == "bfloat16" and plan["key"]["quant"] == "none"
+    # The plan is picked up through MLX_FILL_PLAN for a model of the same configuration.
+    os.environ["MLX_FILL_PLAN"] = str(out)
+    try:
+        from mlx_lm.utils import load_model
+        model, _ = load_model(tiny_dir)
+        loaded = load_plan(model)
+    finally:
+        del os.environ["MLX_FILL_PLAN"]
+    assert loaded.qualified and loaded.max_chunk == plan["max_chunk"]
+
+
+def test_unqualified_configuration_falls_back_to_single_token_chunks(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_FILL_CACHE", str(tmp_path))
+    model, _ = build(config_for("qwen3"), dtype=mx.float16, bits=8, group_size=32)
+    plan = load_plan(model)
+    assert not plan.qualified and plan.max_chunk == 1 and plan.chunks(5, 3) == [1, 1, 1]
+
+
+def test_unsupported_cache_is_named():
+    with pytest.raises(Unsupported) as e:
+        check_supported([ConcatenateKVCache()])
+    assert e.value.reason == "cache_type"
+
+
+def checks(spec):
+    """spec: {(size, kv, start): exact}"""
+    return [Check(m, kv, start, ok) for (m, kv, start), ok in spec.items()]
+
+
+def test_derive_plan_all_exact():
+    spec = {(m, kv, s): True for m in (2, 4, 8) for kv in (0, 256)
+            for s in {kv, max(0, kv - m // 2)}}
+    plan = derive_plan(KEY, checks(spec), (1, 2, 4, 8))
+    assert plan.max_chunk == 8 and plan.kv_boundaries == ()
+
+
+def test_derive_plan_turns_crossing_failures_into_boundaries():
+    spec = {(m, kv, s): True for m in (2, 4, 8) for kv in (0, 256)
+            for s in {kv, max(0, kv - m // 2)}}
+    spec[(4, 256, 254)] = False
+    spec[(8, 256, 252)] = False
+    plan = derive_plan(KEY, checks(spec), (1, 2, 4, 8))
+    assert plan.max_chunk == 8 and plan.kv_boundaries == (256,)
+    assert plan.chunks(252, 8) == [4, 4]
+
+
+def test_derive_plan_stops_at_first_inexact_size():
+    spec = {(m, kv, s): True for m in (2, 4, 8) for kv in (0, 256)
+            for s in {kv, max(0, kv - m // 2)}}
+    spec[(4, 0, 0)] = False  # not a crossing: M=4 itself is inexact
+    plan = derive_plan(KEY, checks(spec), (1, 2, 4, 8))
+    assert plan.max_chunk == 2
+
+
+def test_on_cpu_a_crossing_failure_makes_the_size_inexact():
+    spec = {(m, kv, s): True for m in (2, 4, 8) for kv in (0, 256)
+            for s in {kv, max(0, kv - m // 2)}}
+    spec[(4, 256, 254)] = False
+    plan = derive_plan(CPU_KEY, checks(spec), (1, 2, 4, 8))
+    assert plan.max_chunk == 2 and plan.kv_boundaries == ()

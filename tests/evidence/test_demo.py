@@ -1,0 +1,28 @@
+"""``mlx-fill demo`` (the README's main job) runs on the embedded default and reports identity,
+on a fresh machine: an empty user cache and no pre-filled assets, so its first run fetches the
+qwen3 tokenizer and template itself."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from mlx_fill.assets.fixtures import fixture_emits_calls
+
+
+def test_demo_in_a_fresh_cache_fetches_its_assets_and_runs_identical(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "MLX_FILL_ASSETS"}
+    env["MLX_FILL_CACHE"] = str(tmp_path / "cache")
+    proc = subprocess.run([str(Path(sys.executable).parent / "mlx-fill"), "demo"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("mlx-fill: fetching the qwen3 tokenizer and chat template") == 1
+    assert "Traceback" not in proc.stderr
+    out = proc.stdout
+    assert "token ids identical (fill off vs strict): True" in out
+    assert "all turns identical: True" in out
+    if fixture_emits_calls("qwen3-json", share=0.5):
+        # a fixture that calls tools gets its call scaffold filled (verified) on the default exchange
+        assert "tool call: bash(" in out and "'strict:scaffold:bash'" in out, out

@@ -1,0 +1,342 @@
+"""``mlx-fill replay`` / ``ab``: transcript loading, tool synthesis, recorded-history rendering,
+interleaving, and an end-to-end run against a real ``mlx_lm.server`` on loopback."""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from adapter_models import free_port, running_server
+
+from mlx_fill.evidence import replay
+from mlx_fill.cli import main
+from mlx_fill.core.paths import TRANSCRIPTS
+
+
+
+def _structured(tools=None, ids=True):
+    session = {
+        "source": "unit", "session_id": "s-structured", "tool_call_style": "structured",
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "look up alice"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"name": "find", "arguments": {"who": "alice", "limit": 3}, "arguments_raw": '{"who":"alice","limit":3}'},
+                {"name": "find", "arguments": {"who": "bob", "limit": 2.5}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "alice: 1"},
+            {"role": "tool", "tool_call_id": "c2", "content": "bob: 2"},
+            {"role": "assistant", "content": "Found both.", "tool_calls": [
+                {"name": "note", "arguments": {"text": "done", "tags": ["a"]}}]},
+            {"role": "tool", "content": "noted"},
+            {"role": "assistant", "content": "All done."},
+            {"role": "assistant", "content": "(a second assistant message in a row)"},
+        ],
+    }
+    if ids:
+        session["messages"][2]["tool_calls"][0]["id"] = "c1"
+        session["messages"][2]["tool_calls"][1]["id"] = "c2"
+    if tools is not None:
+        session["tools"] = tools
+    return session
+
+
+def _inline():
+    return {
+        "source": "unit", "session_id": "s-inline", "tool_call_style": "inline_text",
+        "messages": [
+            {"role": "system", "content": "use bash blocks"},
+            {"role": "user", "content": "list files"},
+            {"role": "assistant", "content": "```bash\nls\n```", "inline_tool_calls": True,
+             "tool_calls": [{"name": "bash", "arguments": {"command": "ls"}}]},
+            {"role": "tool", "raw_role": "user", "tool_call_id": "x", "content": "a.py"},
+            {"role": "assistant", "content": "done"},
+        ],
+    }
+
+
+# ----------------------------------------------------------------------------- loading
+
+def _write_lines(path: Path, lines: list[str], gz: bool = False) -> Path:
+    data = ("\n".join(lines) + "\n").encode()
+    path.write_bytes(gzip.compress(data) if gz else data)
+    return path
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_load_sessions_skips_and_reports_corrupt_lines(tmp_path, gz):
+    lines = [json.dumps(_structured()), "{truncated", "[1, 2]", json.dumps({"messages": []}),
+             json.dumps({"messages": [{"content": "no role"}]}), "",
+             json.dumps({"messages": [{"role": "user", "content": ["parts"]}]}),
+             json.dumps({"messages": [{"role": "assistant", "tool_calls": [{"arguments": {}}]}]}),
+             json.dumps(_inline())]
+    sessions, corrupt = replay.load_sessions(_write_lines(tmp_path / "t.jsonl", lines, gz=gz))
+    assert [s["session_id"] for s in sessions] == ["s-structured", "s-inline"]
+    assert [(c.line, c.reason.split(":")[0]) for c in corrupt] == [
+        (2, "invalid JSON"), (3, "not a JSON object"), (4, "no messages list"), (5, "a message without a role"),
+        (7, "a message whose content is not a string"), (8, "a tool call without a name")]
+
+
+def test_truncated_gzip_keeps_what_was_read(tmp_path):
+    data = gzip.compress(("\n".join(json.dumps(_structured()) for _ in range(200)) + "\n").encode())
+    path = tmp_path / "cut.jsonl.gz"
+    path.write_bytes(data[: len(data) // 2])
+    sessions, corrupt = replay.load_sessions(path)
+    assert 0 < len(sessions) < 200
+    assert len(corrupt) == 1 and corrupt[0].reason.startswith("unreadable")
+
+
+# ----------------------------------------------------------------------------- tools
+
+def test_synthesized_tools_union_keys_and_require_common_ones():
+    tools = replay.synthesize_tools(_structured()["messages"])
+    assert [t["function"]["name"] for t in tools] == ["find", "note"]
+    find = tools[0]["function"]["parameters"]
+    assert find["properties"] == {"who": {"type": "string"}, "limit": {"type": "number"}}
+    assert find["required"] == ["who", "limit"]
+    note = tools[1]["function"]["parameters"]
+    assert note["properties"] == {"text": {"type": "string"}, "tags": {"type": "array"}}
+
+
+def test_optional_keys_and_mixed_types():
+    messages = [{"role": "assistant", "tool_calls": [
+        {"name": "read", "arguments": {"path": "a", "offset": 1}},
+        {"name": "read", "arguments": {"path": "b", "offset": "2"}},
+        {"name": "read", "arguments": {"path": "c", "limit": True}}]}]
+    params = replay.synthesize_tools(messages)[0]["function"]["parameters"]
+    assert params["required"] == ["path"]
+    assert params["properties"] == {"path": {"type": "string"}, "offset": {}, "limit": {"type": "boolean"}}
+
+
+def test_session_without_tools_is_marked_synthesized_and_recorded_tools_are_kept():
+    turns, origin = replay.session_turns(_structured())
+    assert origin == "synthesized" and all(t.tools_origin == "synthesized" for t in turns)
+    assert [t["function"]["name"] for t in turns[0].tools] == ["find", "note"]
+    recorded = [{"type": "function", "function": {"name": "find", "parameters": {"type": "object"}}}]
+    turns, origin = replay.session_turns(_structured(tools=recorded))
+    assert origin == "recorded" and turns[0].tools == recorded
+    assert replay.session_tools(_inline()) == (None, "none")
+    assert replay.session_tools(_structured(tools=recorded)) == (recorded, "recorded")
+
+
+# ----------------------------------------------------------------------------- history
+
+def test_structured_turns_send_the_recorded_history():
+    turns, _ = replay.session_turns(_structured())
+    # The second assistant message in a row is not a turn: nothing non-assistant precedes it.
+    assert [(t.turn, t.message_index) for t in turns] == [(0, 2), (1, 5), (2, 7)]
+    first, second = turns[0], turns[1]
+    assert first.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "look up alice"}]
+    assert first.expected["tool_calls"] == [{"name": "find", "arguments": {"who": "alice", "limit": 3}},
+                                            {"name": "find", "arguments": {"who": "bob", "limit": 2.5}}]
+    call_turn = second.messages[2]
+    assert call_turn["role"] == "assistant"
+    assert [c["id"] for c in call_turn["tool_calls"]] == ["c1", "c2"]
+    # The raw argument string is sent where it was recorded, else the arguments as JSON.
+    assert call_turn["tool_calls"][0]["function"]["arguments"] == '{"who":"alice","limit":3}'
+    assert json.loads(call_turn["tool_calls"][1]["function"]["arguments"]) == {"who": "bob", "limit": 2.5}
+    assert second.messages[3:] == [{"role": "tool", "tool_call_id": "c1", "content": "alice: 1"},
+                                   {"role": "tool", "tool_call_id": "c2", "content": "bob: 2"}]
+    # A tool result without an id binds to the pending call of the turn before it.
+    third = turns[2].messages
+    assert third[-1] == {"role": "tool", "tool_call_id": "call_5_0", "content": "noted"}
+    assert third[-2]["tool_calls"][0]["id"] == "call_5_0"
+
+
+def test_missing_call_ids_are_synthesized_and_bound_in_order():
+    turns, _ = replay.session_turns(_structured(ids=False))
+    messages = turns[1].messages
+    assert [c["id"] for c in messages[2]["tool_calls"]] == ["call_2_0", "call_2_1"]
+    # Recorded tool_call_ids are kept verbatim even when the calls had none.
+    assert [m["tool_call_id"] for m in messages[3:]] == ["c1", "c2"]
+
+
+def test_inline_sessions_send_results_as_user_messages_without_tools():
+    turns, origin = replay.session_turns(_inline())
+    assert origin == "none" and turns[0].tools is None
+    assert turns[1].messages[2:] == [{"role": "assistant", "content": "```bash\nls\n```"},
+                                     {"role": "user", "content": "a.py"}]
+    assert turns[0].expected == {"content": "```bash\nls\n```", "tool_calls": [], "tool_names": ["bash"]}
+
+
+def test_select_turns_filters_sources_sessions_and_turns():
+    sessions = [_structured(), _inline(), dict(_inline(), source="other", session_id="s3")]
+    turns, notes = replay.select_turns(sessions, sources=None, max_sessions=2, turns_per_session=1)
+    assert [(t.session_id, t.turn) for t in turns] == [("s-structured", 0), ("s-inline", 0)]
+    assert [n["tools_origin"] for n in notes] == ["synthesized", "none"]
+    turns, notes = replay.select_turns(sessions, sources=["other"], max_sessions=None, turns_per_session=None)
+    assert [(t.session_id, t.turn) for t in turns] == [("s3", 0), ("s3", 1)]
+
+
+def test_schedule_interleaves_and_alternates_the_first_arm():
+    turns, _ = replay.session_turns(_inline())
+    plan = [(t.turn, rep, arm) for t, rep, arm in replay.schedule(turns, ["A", "B"], 2)]
+    assert plan == [(0, 0, "A"), (0, 0, "B"), (0, 1, "B"), (0, 1, "A"),
+                    (1, 0, "A"), (1, 0, "B"), (1, 1, "B"), (1, 1, "A")]
+
+
+# ----------------------------------------------------------------------------- command errors
+
+def test_bad_input_is_a_clear_error(tmp_path, capsys):
+    missing = tmp_path / "none.jsonl"
+    assert main(["replay", "--sessions", str(missing), "--url", "http://127.0.0.1:9"]) == 2
+    assert "no such transcripts file" in capsys.readouterr().err
+    only_corrupt = _write_lines(tmp_path / "bad.jsonl", ["{oops"])
+    assert main(["ab", "--sessions", str(only_corrupt), "--url-a", "http://127.0.0.1:9",
+                 "--url-b", "http://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err
+    assert "line 1 skipped: invalid JSON" in err and "no replayable turns" in err
+    good = _write_lines(tmp_path / "good.jsonl", [json.dumps(_inline())])
+    assert main(["replay", "--sessions", str(good), "--url", "http://127.0.0.1:9", "--turns", "0"]) == 2
+
+
+def test_unreachable_endpoint_is_recorded_not_raised(tmp_path, capsys):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://127.0.0.1:{free_port()}/v1", api_key="x", timeout=5, max_retries=0)
+    turn = replay.session_turns(_inline())[0][0]
+    for stream in (True, False):
+        reply = replay.request_turn(client, "m", turn, max_tokens=4, temperature=0.0, stream=stream)
+        assert reply.error and reply.error.startswith("APIConnectionError")
+    good = _write_lines(tmp_path / "good.jsonl", [json.dumps(_inline())])
+    out = tmp_path / "out"
+    assert main(["replay", "--sessions", str(good), "--url", f"http://127.0.0.1:{free_port()}",
+                 "--timeout", "5", "--out", str(out)]) == 1
+    assert "every request failed" in capsys.readouterr().err
+    records = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in records] == ["run", "turn", "turn"]
+    assert all(r["error"] for r in records[1:])
+
+
+# ----------------------------------------------------------------------------- end to end
+
+def _tiny_model_dir(root: Path) -> Path:
+    """The trained qwen3 fixture when it emits tool calls, else a seeded random-weight qwen3."""
+    from mlx_fill.assets import store as assets
+    from mlx_fill.assets import fixtures
+
+    if fixtures.fixture_emits_calls("qwen3-json"):
+        return fixtures.fixture_path("qwen3-json")
+    import mlx.core as mx
+
+    from mlx_fill.assets import random_models
+
+    # The real Qwen3 vocabulary (every id the tokenizer produces has a row), otherwise minimal:
+    # prefill of multi-thousand-token recorded prompts must stay cheap on 2 CPU cores.
+    config = dict(random_models.config_for("qwen3"), vocab_size=151936, tie_word_embeddings=True,
+                  hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                  intermediate_size=64)
+    model, config = random_models.build(config, dtype=mx.float32, seed=0)
+    out = random_models.save(model, config, root / "tiny-qwen3")
+    family = assets.family_dir("qwen3")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copyfile(family / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("replay-server")
+    model_dir = _tiny_model_dir(root)
+    port = free_port()
+    command = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir),
+               "--host", "127.0.0.1", "--port", str(port)]
+    with running_server(command, port, log=root / "server.log") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def sessions_file(tmp_path_factory):
+    """Two real structured sessions (one with a tools array, one without) and a corrupt line."""
+    picked = {}
+    with gzip.open(TRANSCRIPTS, "rt", encoding="utf-8") as fh:
+        for line in fh:
+            session = json.loads(line)
+            structured = session["tool_call_style"] == "structured"
+            wanted = "tools" if session.get("tools") else "no-tools" if structured else None
+            if wanted and wanted not in picked:
+                picked[wanted] = line.strip()
+            if len(picked) == 2:
+                break
+    path = tmp_path_factory.mktemp("replay-sessions") / "two.jsonl"
+    return _write_lines(path, [picked["tools"], '{"source": "broken', picked["no-tools"]])
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_replay_end_to_end(server, sessions_file, tmp_path, capsys):
+    out = tmp_path / "replay"
+    code = main(["replay", "--sessions", str(sessions_file), "--url", server, "--turns", "2",
+                 "--max-tokens", "6", "--no-stream", "--out", str(out)])
+    assert code == 0
+    assert "line 2 skipped" in capsys.readouterr().err
+    header, *turns = _records(out / "runs.jsonl")
+    assert header["kind"] == "run" and header["corrupt_lines"][0]["line"] == 2
+    assert [s["tools_origin"] for s in header["sessions"]] == ["recorded", "synthesized"]
+    assert len(turns) == 4 and not any(t["error"] for t in turns)
+    for t in turns:
+        assert t["arm"] == "replay"
+        assert 0 < t["usage"]["completion_tokens"] <= 6
+        assert t["usage"]["prompt_tokens"] > 100
+        assert t["usage"]["fill"] is None
+        assert t["timing"]["wall_s"] > 0
+    result = json.loads((out / "report.json").read_text())
+    assert result["verdict"] is None and result["arms"]["replay"]["requests"] == 4
+    assert (out / "report.md").read_text().startswith("# mlx-fill replay report")
+
+
+def test_ab_end_to_end(server, sessions_file, tmp_path, capsys):
+    out = tmp_path / "ab"
+    code = main(["ab", "--sessions", str(sessions_file), "--url-a", server, "--url-b", server + "/v1",
+                 "--turns", "2", "--reps", "2", "--max-tokens", "6", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "verdict:" in printed and "over 8 pairs" in printed
+    turns = _records(out / "runs.jsonl")[1:]
+    assert [t["arm"] for t in turns[:4]] == ["A", "B", "B", "A"]
+    assert not any(t["error"] for t in turns)
+    # a first-token time exactly when something streamed (a call still open at max_tokens streams
+    # nothing: mlx_lm.server holds tool-call text back until the call closes)
+    assert all((t["timing"]["ttft_s"] is None) == (not t["output"]["content"] and not t["output"]["tool_calls"])
+               for t in turns)
+    result = json.loads((out / "report.json").read_text())
+    # One server behind both arms, greedy decoding: the arms must produce the same outputs.
+    assert result["paired"]["identical_outputs"] == 8
+    assert result["paired"]["agreement"]["a_only"] == result["paired"]["agreement"]["b_only"] == 0
+    assert code == (0 if result["verdict"]["pass"] else 1)
+    assert (out / "wall_ratio.png").is_file()
+
+
+@pytest.mark.slow
+def test_ab_fill_off_vs_all_on_the_fixture_model(tmp_path, capsys):
+    """Acceptance: ``mlx-fill ab`` between ``mlx-fill serve --fill off`` and ``--fill all`` on the
+    trained qwen3 fixture completes >= 20 paired turns, prints the verdict, and (greedy decoding,
+    lossless fill) both arms produce the same output on every pair."""
+    from mlx_fill.assets import fixtures
+
+    model_dir = fixtures.fixture_path("qwen3-json")
+    urls = {}
+    with contextlib.ExitStack() as stack:
+        for mode in ("off", "all"):
+            port = free_port()
+            command = [sys.executable, "-m", "mlx_fill.cli", "serve", "--model", str(model_dir),
+                       "--fill", mode, "--host", "127.0.0.1", "--port", str(port)]
+            urls[mode] = stack.enter_context(running_server(
+                command, port, log=tmp_path / f"serve-{mode}.log", ready_path="/health"))
+        out = tmp_path / "ab"
+        code = main(["ab", "--sessions", str(TRANSCRIPTS), "--url-a", urls["off"], "--url-b", urls["all"],
+                     "--source", "tau_bench_gpt4o_airline", "--max-sessions", "10", "--turns", "2",
+                     "--max-tokens", "96", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "verdict:" in printed
+    result = json.loads((out / "report.json").read_text())
+    paired = result["paired"]
+    assert paired["pairs"] >= 20 and paired["left_out_records"] == 0
+    assert paired["identical_outputs"] == paired["pairs"]
+    assert result["arms"]["B"]["fill_reported"] == result["arms"]["B"]["requests"]
+    assert code == (0 if result["verdict"]["pass"] else 1)

@@ -1,0 +1,128 @@
+"""mlx-fill study: accounting against a from-scratch reference, rendering, report, CLI."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from mlx_fill import cli
+from mlx_fill.assets.store import load_tokenizer
+from mlx_fill.evidence.study import BASELINE, markdown_report, run_study
+from mlx_fill.evidence.transcripts import markers, render_session
+
+READ = {"name": "read", "arguments": {"path": "src/app/main.py"}}
+
+
+def _sessions():
+    structured = {
+        "source": "toy_structured", "session_id": "s1", "tool_call_style": "structured",
+        "messages": [
+            {"role": "system", "content": "You are a coding agent."},
+            {"role": "user", "content": "Open src/app/main.py and then src/app/util.py please."},
+            {"role": "assistant", "content": "Reading it.", "tool_calls": [dict(READ, id="a")]},
+            {"role": "tool", "tool_call_id": "a", "content": "def main():\n    return util.run()\n"},
+            {"role": "assistant", "content": "Now the helper.", "tool_calls": [
+                {"id": "b", "name": "read", "arguments": {"path": "src/app/util.py"}}]},
+            {"role": "tool", "tool_call_id": "b", "content": "def run():\n    return 42\n"},
+            {"role": "assistant", "content": "main() returns util.run(), which returns 42."},
+        ]}
+    inline = {
+        "source": "toy_inline", "session_id": "s2", "tool_call_style": "inline_text",
+        "messages": [
+            {"role": "user", "content": "List the files then count them."},
+            {"role": "assistant", "content": "THOUGHT: list.\n\n```bash\nls -la src/app\n```"},
+            {"role": "tool", "content": "main.py\nutil.py\n"},
+            {"role": "assistant", "content": "THOUGHT: count.\n\n```bash\nls -la src/app | wc -l\n```"},
+        ]}
+    return [structured, inline]
+
+
+@pytest.fixture(scope="module")
+def transcripts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tr") / "toy.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        for s in _sessions():
+            f.write(json.dumps(s) + "\n")
+        f.write("{broken json\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("qwen3")
+
+
+def _reference_pld_forwards(tokens, turn, think, eos):
+    """Teacher-forced forwards of plain PLD (n=3..1, K=10, first occurrence), from scratch."""
+    prompt = tokens[:turn.start] + think
+    out = tokens[turn.start:turn.end]
+    forwards, ptr = 1, 1
+    while ptr < len(out):
+        ctx = prompt + out[:ptr]
+        draft = []
+        for n in (3, 2, 1):
+            tail = ctx[-n:]
+            ends = [i for i in range(n - 1, len(ctx) - 1) if ctx[i - n + 1:i + 1] == tail]
+            if ends:
+                draft = ctx[ends[0] + 1:ends[0] + 11]
+                break
+        for i, t in enumerate(draft):
+            if t in eos:
+                draft = draft[:i]
+                break
+        acc = 0
+        while acc < min(len(draft), len(out) - ptr) and draft[acc] == out[ptr + acc]:
+            acc += 1
+        forwards += 1
+        ptr += min(acc + 1, len(out) - ptr) if draft else 1
+    return forwards
+
+
+def test_render_cuts_assistant_outputs_and_labels_tool_calls(tok):
+    r = render_session(_sessions()[0], tok, markers(tok))
+    assert len(r.turns) == 3
+    first = tok.decode(r.tokens[r.turns[0].start:r.turns[0].end])
+    assert first.startswith("Reading it.") and first.endswith("</tool_call><|im_end|>")
+    assert '"path": "src/app/main.py"' in first
+    assert "read" in r.turns[0].labels and "(text)" in r.turns[0].labels
+    assert tok.decode(r.think_ids) == "<think>\n\n</think>\n\n"
+    assert r.tools_origin == "synthesized"
+    assert '"name": "read"' in tok.decode(r.tokens[:r.turns[0].start])  # the tools block
+
+
+def test_baseline_row_equals_from_scratch_reference(transcripts, tok):
+    result = run_study(transcripts, "qwen3", ["ngram", "echo", "suffix", "all", "strict", "best"],
+                       workers=1, progress=False)
+    eos = frozenset(tok.eos_token_ids)
+    mk = markers(tok)
+    for s in _sessions():
+        r = render_session(s, tok, mk)
+        want = sum(_reference_pld_forwards(r.tokens, t, r.think_ids, eos) for t in r.turns)
+        got = result["rows"][BASELINE]["by_source"][s["source"]]
+        assert got["forwards"] == want
+        assert got["tokens"] == sum(t.end - t.start for t in r.turns)
+    for name in ("ngram", "echo", "suffix", "all", "best"):
+        row = result["rows"][name]["total"]
+        assert 1.0 <= row["tau"] and row["accepted"] > 0
+        assert row["accepted"] + row["rejected"] == row["proposed"]
+    strict = result["rows"]["strict"]["by_source"]["toy_structured"]
+    # strict rows verify until a ledger promotes them: they fire and are accepted, never wrong
+    assert strict["accepted"] > 0 and strict["assert_mismatches"] == 0
+    assert result["rows"]["strict"]["by_source"]["toy_inline"]["proposed"] == 0  # no tools
+    assert result["corrupt_lines"] and result["corrupt_lines"][0]["line"] == 3
+    report = markdown_report(result)
+    assert "| baseline |" in report and "toy_inline" in report
+
+
+def test_cli_writes_json_report_and_plot(transcripts, tmp_path, capsys):
+    out = tmp_path / "study"
+    code = cli.main(["study", "--transcripts", str(transcripts), "--sources", "ngram",
+                     "--workers", "1", "--out", str(out), "--no-progress"])
+    assert code == 0
+    data = json.loads((out / "study.json").read_text())
+    assert set(data["rows"]) == {BASELINE, "ngram"}
+    assert (out / "study.md").read_text().startswith("# mlx-fill study")
+    assert (out / "tau_by_source.png").read_bytes()[:4] == b"\x89PNG"
+    assert cli.main(["study", "--transcripts", str(transcripts), "--sources", "bogus"]) == 2

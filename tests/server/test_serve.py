@@ -1,0 +1,232 @@
+"""``mlx-fill serve`` as a real subprocess, queried with the official ``openai`` client."""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from adapter_models import (
+    AGENT_MESSAGES,
+    AGENT_TOOLS,
+    BIN,
+    TOOLS,
+    free_port,
+    running_server,
+    serving_model_dir,
+)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model, trained = serving_model_dir()
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    argv = [str(BIN / "mlx-fill"), "serve", "--model", str(model), "--port", str(port),
+            "--fill", "all", "--max-request-bytes", "200000"]
+    with running_server(argv, port, log=log) as base:
+        yield {"base": base, "trained": trained,
+               "client": openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)}
+
+
+def chat(server, content, **kw):
+    return server["client"].chat.completions.create(
+        model="m", messages=[{"role": "user", "content": content}] if isinstance(content, str) else content,
+        temperature=0, max_tokens=kw.pop("max_tokens", 24), **kw)
+
+
+def post(server, body, **kw):
+    return httpx.post(server["base"] + "/v1/chat/completions", timeout=60, **kw,
+                      **({} if "content" in kw else {"json": body}))
+
+
+def test_models_and_health(server):
+    ids = [m.id for m in server["client"].models.list().data]
+    assert len(ids) == 1
+    health = httpx.get(server["base"] + "/health").json()
+    assert health["status"] == "ok" and health["fill"] == "all" and health["active_memory"] > 0
+
+
+def test_tools_request(server):
+    r = chat(server, "What is the weather in Paris?", tools=TOOLS)
+    fill = r.usage.model_extra["fill"]
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert 0 < fill["emitted"] <= r.usage.completion_tokens
+    assert fill["source_errors"] == {}
+
+
+def test_trained_fixture_tool_call_is_filled(server):
+    """The positive case: the trained fixture calls its tool, and strict fill injects tokens."""
+    if not server["trained"]:
+        pytest.skip("the qwen3-json fixture weights are not in this checkout")
+    r = chat(server, AGENT_MESSAGES, tools=AGENT_TOOLS, max_tokens=160)
+    calls = r.choices[0].message.tool_calls
+    assert calls and calls[0].function.name == "bash", r.choices[0].message.content
+    assert "command" in json.loads(calls[0].function.arguments)
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert r.usage.model_extra["fill"]["injected"] > 0
+
+
+def test_stream_matches_non_stream(server):
+    plain = chat(server, "Weather in Rome?", tools=TOOLS)
+    chunks = list(chat(server, "Weather in Rome?", tools=TOOLS, stream=True,
+                       stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == (plain.choices[0].message.content or "")
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [plain.choices[0].finish_reason]
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert len(usage) == 1 and usage[0].completion_tokens == plain.usage.completion_tokens
+    assert "fill" in usage[0].model_extra
+
+
+def test_stop_sequence(server):
+    ref = chat(server, "Count.", max_tokens=30).choices[0].message.content
+    stop = next(ref[i:i + 2] for i in range(1, len(ref) - 1) if ref.find(ref[i:i + 2]) == i)
+    r = chat(server, "Count.", max_tokens=30, stop=[stop])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == ref[:ref.index(stop)] != ""
+
+
+def test_prediction_lossless_and_accepted(server):
+    ref = chat(server, "Say hello.", max_tokens=40).choices[0].message.content
+    head = chat(server, "Say hello.", max_tokens=20).choices[0].message.content
+    r = chat(server, "Say hello.", max_tokens=40, prediction={"type": "content", "content": head})
+    assert r.choices[0].message.content == ref
+    d = r.usage.completion_tokens_details
+    assert d.accepted_prediction_tokens > 0
+    assert d.accepted_prediction_tokens + d.rejected_prediction_tokens >= d.accepted_prediction_tokens
+    wrong = chat(server, "Say hello.", max_tokens=40,
+                 prediction={"type": "content", "content": "completely different text " * 4})
+    assert wrong.choices[0].message.content == ref  # a wrong prediction never changes tokens
+
+
+def test_prompt_cache_reused_across_turns(server):
+    first = chat(server, "Plan a trip to Lisbon.", tools=TOOLS)
+    turn = [{"role": "user", "content": "Plan a trip to Lisbon."},
+            {"role": "assistant", "content": first.choices[0].message.content or ""},
+            {"role": "user", "content": "And Porto?"}]
+    second = chat(server, turn, tools=TOOLS)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+    assert second.usage.model_extra["fill"]["emitted"] > 0  # fill runs on top of the cache hit
+
+
+BAD = [
+    (422, "messages", {"messages": "hi"}),
+    (422, "max_tokens", {"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}),
+    (422, "temperature", {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}),
+    (422, "stream", {"messages": [{"role": "user", "content": "x"}], "stream": "yes"}),
+    (400, "tools[0].function.parameters.properties.a.type",
+     {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
+         "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}]}),
+    (400, "tools[0]", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}),
+    (400, "tool_choice.function.name", {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
+                                        "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+    (400, "prediction.type", {"messages": [{"role": "user", "content": "x"}],
+                              "prediction": {"type": "json", "content": "x"}}),
+    (400, "chat_template", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 7*7 }}"}),
+    (400, "temperature", {"messages": [{"role": "user", "content": "x"}], "temperature": 9}),
+    (400, "messages", {"messages": []}),
+    (400, "logprobs", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}),
+    (400, "response_format", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}),
+    (400, "tools[0]", {"messages": [{"role": "user", "content": "x"}], "stream": True,
+                       "tools": [{"type": "function", "function": {"name": 3}}]}),
+]
+
+
+@pytest.mark.parametrize("status,param,body", BAD, ids=[b[1] + f"-{b[0]}" for b in BAD])
+def test_bad_input_gets_openai_error(server, status, param, body):
+    r = post(server, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"].startswith(param) and err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_invalid_json_and_oversized_bodies(server):
+    r = post(server, None, content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "invalid JSON" in r.json()["error"]["message"]
+    big = json.dumps({"messages": [{"role": "user", "content": "x" * 300_000}]}).encode()
+    r = post(server, None, content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(server, "x", tools=[{"type": "function", "function": {"name": ""}}])
+    assert "tools[0]" in str(e.value)
+
+
+def test_client_disconnect_cancels_and_cache_stays_consistent(server):
+    before = chat(server, "Tell me everything.", max_tokens=60).choices[0].message.content
+    with httpx.stream("POST", server["base"] + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "Tell me everything."}],
+            "max_tokens": 4000, "stream": True}) as r:
+        for n, _ in enumerate(r.iter_lines()):
+            if n > 6:
+                break  # disconnect mid-generation
+    after = chat(server, "Tell me everything.", max_tokens=60)
+    assert after.choices[0].message.content == before
+    # the cancelled turn left a cache entry; reusing it must not change the answer
+    assert after.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def _soak(server, n_requests: int, workers: int) -> list[str]:
+    def one(i: int) -> str:
+        return chat(server, f"Weather report number {i % 5}", tools=TOOLS, max_tokens=16).choices[0].message.content
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(one, range(n_requests)))
+
+
+def test_concurrent_requests_match_sequential(server):
+    assert _soak(server, 8, 4) == _soak(server, 8, 1)
+
+
+@pytest.mark.slow
+def test_soak_sequential_and_concurrent_identical_steady_memory(server):
+    _soak(server, 10, 1)  # warm-up: fills the prompt cache to its steady size
+    mem0 = httpx.get(server["base"] + "/health").json()["active_memory"]
+    sequential = _soak(server, 50, 1)
+    mem1 = httpx.get(server["base"] + "/health").json()["active_memory"]
+    concurrent = _soak(server, 50, 4)
+    mem2 = httpx.get(server["base"] + "/health").json()["active_memory"]
+    assert sequential == concurrent
+    assert all(sequential[i] == sequential[i % 5] for i in range(50))
+    assert mem1 <= mem0 * 1.05 and mem2 <= mem0 * 1.05, (mem0, mem1, mem2)
+
+
+def test_draft_model_source_is_lossless():
+    """``--draft-model``: a draft model as a verify source never changes the output (here the
+    model drafts for itself, so every drafted id is accepted)."""
+    from mlx_fill.adapters.server.openai_request import parse_chat_request
+    from mlx_fill.adapters.server.serve import Engine
+
+    model, _ = serving_model_dir()
+    # a request the model answers at length (a short reply leaves nothing to draft)
+    req = lambda: parse_chat_request({"messages": AGENT_MESSAGES, "max_tokens": 24})
+    drafting, stock = Engine(str(model), fill="strict", draft_model=str(model)), Engine(str(model), fill="off")
+    with_draft = drafting.generate(drafting.prepare(req()), threading.Event())
+    plain = stock.generate(stock.prepare(req()), threading.Event())
+    assert with_draft.tokens == plain.tokens
+    assert with_draft.usage_extra["fill"]["by_origin"].get("draft", 0) > 0
+    assert "fill" not in plain.usage_extra
+
+
+def test_engine_keeps_a_persisted_evidence_ledger(tmp_path, monkeypatch):
+    """A fill-on engine records verified rows in the ledger for its model and template and
+    writes it after each request; only ``MLX_FILL_PROMOTE`` rows are eligible for promotion."""
+    from mlx_fill.adapters.server.openai_request import parse_chat_request
+    from mlx_fill.adapters.server.serve import Engine
+    from mlx_fill.sources.ledger import ledger_path
+
+    model, _ = serving_model_dir()
+    monkeypatch.setenv("MLX_FILL_CACHE", str(tmp_path))
+    monkeypatch.setenv("MLX_FILL_PROMOTE", "strict:")
+    engine = Engine(str(model), fill="strict")
+    assert engine.ledger.eligible == frozenset({"strict:"})
+    req = parse_chat_request({"messages": AGENT_MESSAGES, "tools": AGENT_TOOLS, "max_tokens": 8})
+    engine.generate(engine.prepare(req), threading.Event())
+    path = ledger_path(str(model), engine.tokenizer.chat_template)
+    assert path.is_file() and path.parent == tmp_path / "ledger"
+    assert json.loads(path.read_text())["model"] == str(model)
+    assert Engine(str(model), fill="off").ledger is None

@@ -1,0 +1,101 @@
+"""Evidence ledger: promotion only after N agreements and none against, demotion, persistence."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mlx_fill.sources.ledger import Ledger, ledger_path, load_ledger
+
+ROW = "echo:corroborated"
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_FILL_CACHE", str(tmp_path))
+
+
+def test_promotion_needs_n_agreements_eligibility_and_temperature_zero():
+    led = Ledger("m", "t", promote_after=3, eligible=frozenset({ROW}))
+    for i in range(3):
+        assert not led.promoted(ROW)
+        led.record(ROW, True)
+    assert led.promoted(ROW)
+    assert not led.promoted(ROW, temperature=0.1)
+    other = Ledger("m", "t", promote_after=3)  # echo is off by default
+    for _ in range(10):
+        other.record(ROW, True)
+    assert not other.promoted(ROW)
+
+
+def test_first_disagreement_demotes_for_good():
+    led = Ledger("m", "t", promote_after=2, eligible=frozenset({ROW}))
+    for _ in range(5):
+        led.record(ROW, True)
+    led.record(ROW, False)
+    assert not led.promoted(ROW)
+    for _ in range(100):
+        led.record(ROW, True)
+    assert not led.promoted(ROW)
+
+
+def test_persisted_under_user_cache_dir_and_reloaded(tmp_path):
+    led = load_ledger("mlx-community/Qwen3-0.6B", "{{ template }}", promote_after=2,
+                      eligible=frozenset({ROW}))
+    led.record(ROW, True)
+    led.record(ROW, True)
+    path = led.save()
+    assert path.parent == tmp_path / "ledger" and path == ledger_path(led.model, led.template)
+    again = load_ledger("mlx-community/Qwen3-0.6B", "{{ template }}", promote_after=2,
+                        eligible=frozenset({ROW}))
+    assert again.rows[ROW].agreements == 2 and again.promoted(ROW)
+    assert load_ledger("other-model", "{{ template }}").rows == {}
+
+
+def test_corrupt_or_foreign_ledger_is_an_error_not_a_reset():
+    path = ledger_path("m", "t")
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="corrupt"):
+        load_ledger("m", "t")
+    path.write_text(json.dumps({"model": "x", "template": "t", "rows": {}}))
+    with pytest.raises(ValueError, match="another"):
+        load_ledger("m", "t")
+    with pytest.raises(ValueError):
+        Ledger("m", "t", promote_after=0)
+
+
+class _Tok:
+    chat_template = "{{ messages }}"
+
+
+def test_server_ledger_reads_promotion_env(monkeypatch):
+    from mlx_fill.session import check_env, server_ledger
+
+    monkeypatch.setenv("MLX_FILL_PROMOTE", "strict:, echo:corroborated")
+    monkeypatch.setenv("MLX_FILL_PROMOTE_AFTER", "2")
+    led = server_ledger("fixture-model", _Tok())
+    assert led.eligible == frozenset({"strict:", ROW}) and led.promote_after == 2
+    assert led.template == _Tok.chat_template
+    led.record("strict:scaffold", True)
+    led.record("strict:scaffold", True)
+    assert led.promoted("strict:scaffold")
+    monkeypatch.delenv("MLX_FILL_PROMOTE")
+    assert not server_ledger("fixture-model", _Tok()).is_eligible("strict:scaffold")
+    monkeypatch.setenv("MLX_FILL_PROMOTE_AFTER", "0")
+    with pytest.raises(ValueError, match="MLX_FILL_PROMOTE_AFTER"):
+        check_env()
+
+
+def test_server_patch_ledger_fails_open_on_a_corrupt_file(caplog):
+    from mlx_fill.adapters import server_patch
+
+    path = ledger_path("corrupt-model", _Tok.chat_template)
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    server_patch._ledgers.clear()
+    assert server_patch._ledger_for("corrupt-model", _Tok()) is None
+    assert "evidence ledger disabled" in caplog.text
+    assert server_patch._ledger_for("fresh-model", _Tok()) is not None
+    server_patch._ledgers.clear()

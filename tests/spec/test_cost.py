@@ -1,0 +1,83 @@
+"""Cost model: acceptance bookkeeping, length choice against a cost curve, gating, shadows."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from mlx_fill.core.plan import DispatchPlan
+from mlx_fill.spec.cost import (AcceptanceByPosition, CostGate, choose_length,
+                                expected_emitted)
+
+FLAT = DispatchPlan(key=None, max_chunk=64, cost={64: 1.0}, qualified=True)   # free rows
+LINEAR = DispatchPlan(key=None, max_chunk=64, cost={}, qualified=False)      # c(m) = m
+MILD = DispatchPlan(key=None, max_chunk=64, cost={2: 1.05, 4: 1.1, 8: 1.3, 16: 1.8, 32: 3.0},
+                    qualified=True)
+
+
+def _stats(rate: float, rounds: int = 400, length: int = 16) -> AcceptanceByPosition:
+    """Rounds where each position is accepted with probability ``rate`` (deterministic mix)."""
+    rng = random.Random(int(rate * 1000))
+    st = AcceptanceByPosition(max_len=32, decay=1.0)
+    for _ in range(rounds):
+        acc = 0
+        while acc < length and rng.random() < rate:
+            acc += 1
+        st.observe(length, acc)
+    return st
+
+
+def test_conditional_acceptance_counts():
+    st = AcceptanceByPosition(max_len=4, decay=1.0, prior_a=0, prior_b=0)
+    st.observe(4, 2)  # positions 0,1 accepted, 2 rejected, 3 never reached
+    st.observe(4, 4)
+    assert st.q(0) == 1.0 and st.q(1) == 1.0 and st.q(2) == 0.5 and st.q(3) == 1.0
+    assert expected_emitted(st.survival(4), 4) == pytest.approx(1 + 1 + 1 + 0.5 + 0.5)
+    with pytest.raises(ValueError):
+        st.observe(2, 3)
+
+
+def test_decay_forgets_old_rounds():
+    st = AcceptanceByPosition(max_len=4, decay=0.5, prior_a=1, prior_b=1)
+    for _ in range(20):
+        st.observe(1, 1)
+    for _ in range(20):
+        st.observe(1, 0)
+    assert st.q(0) < 0.3  # without decay it would be 21 / 42
+
+
+def test_free_rows_propose_everything_linear_cost_proposes_nothing():
+    good = _stats(0.9)
+    assert choose_length(FLAT, good, 16) == 16
+    assert choose_length(LINEAR, good, 16) == 0  # a 1-row-per-token cost never pays
+
+
+def test_length_grows_with_acceptance_and_is_zero_when_gain_below_one():
+    lengths = [choose_length(MILD, _stats(r), 16) for r in (0.01, 0.3, 0.6, 0.9)]
+    assert lengths[0] == 0
+    assert lengths == sorted(lengths) and lengths[-1] > lengths[1] > 0
+
+
+def test_chosen_length_maximizes_expected_tokens_per_cost():
+    st = _stats(0.7)
+    m = choose_length(MILD, st, 16)
+    s = st.survival(16)
+    rates = [1.0] + [(1 + sum(s[:k])) / MILD.cost_of(k + 1) for k in range(1, 17)]
+    assert rates[m] == pytest.approx(max(rates))
+
+
+def test_gate_shadow_drafts_keep_learning_without_proposing():
+    gate = CostGate(MILD, 8, stats=AcceptanceByPosition(max_len=8, decay=1.0))
+    for _ in range(30):  # a source that was always wrong: gate closes
+        gate.observe(8, 0)
+    assert gate.length() == 0
+    for _ in range(60):  # shadow drafts that turned out right reopen it
+        gate.shadow([1, 2, 3, 4])
+        gate.begin([1, 2])
+        gate.begin([3, 4])
+    assert gate.length() > 0
+    before = gate.stats.rounds
+    gate.shadow([5, 6])
+    gate.begin([5, 9])
+    assert gate.stats.rounds == before + 1 and gate.stats.q(1) < 1.0

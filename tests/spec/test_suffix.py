@@ -1,0 +1,86 @@
+"""SuffixDecoding-style drafter: match lengths, path choice, stops, global tree eviction/bounds."""
+
+from __future__ import annotations
+
+import random
+
+from mlx_fill.core.index import EchoIndex
+from mlx_fill.spec.suffix import (GlobalSuffixTree, SuffixDraft, SuffixParams, _match_len,
+                                  request_candidates, speculate)
+
+
+def test_match_len_equals_brute_force():
+    rng = random.Random(0)
+    for _ in range(300):
+        seq = [rng.randrange(3) for _ in range(rng.randrange(2, 80))]
+        end = rng.randrange(len(seq))
+        depth = rng.randrange(1, 40)
+        m = 0
+        while m < min(depth, end + 1) and seq[end - m] == seq[len(seq) - 1 - m]:
+            m += 1
+        assert _match_len(seq, end, seq, depth) == m
+
+
+def test_path_follows_most_frequent_child_and_stops_below_min_prob():
+    # context "1 2" continued by 3 4 (three times) and by 3 5 (once)
+    seq = [1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1, 2, 3, 5, 0, 1, 2]
+    idx = EchoIndex(ks=(1, 2), tokens=seq)
+    p = SuffixParams(anchors=(2,), candidates=8, alpha=4.0, min_prob=0.5)
+    ids, score, L = speculate(request_candidates(idx, p), p, budget=10)
+    assert ids[:2] == [3, 4] and L >= 2
+    assert 1.75 <= score <= 1.0 + 0.75 * (len(ids) - 1)  # probs: 4/4, then 3/4, then <= 3/4
+    strict = SuffixParams(anchors=(2,), candidates=8, alpha=4.0, min_prob=0.8)
+    assert speculate(request_candidates(idx, strict), strict, budget=10)[0] == [3]
+
+
+def test_adaptive_length_is_alpha_times_match_length():
+    seq = list(range(10, 30)) + [0] + list(range(10, 13))
+    idx = EchoIndex(ks=(1, 2), tokens=seq)
+    for alpha in (1.0, 2.0):
+        p = SuffixParams(anchors=(2, 1), alpha=alpha, min_prob=0.0)
+        ids, _, L = speculate(request_candidates(idx, p), p, budget=100)
+        assert L == 3 and len(ids) == int(alpha * 3)
+
+
+def test_global_tree_fifo_eviction_and_bounded_memory():
+    g = GlobalSuffixTree(max_responses=3, max_tokens=10_000, ks=(1, 2), context_tokens=0)
+    ids = [g.open([]) for _ in range(5)]
+    for d in ids:
+        g.extend(d, [d, d + 1, d + 2])
+    assert list(g.docs) == ids[2:]  # the two oldest evicted first
+    bounded = GlobalSuffixTree(max_responses=1000, max_tokens=50, ks=(1, 2), context_tokens=0)
+    rng = random.Random(0)
+    for _ in range(200):
+        d = bounded.open([])
+        bounded.extend(d, [rng.randrange(50) for _ in range(10)])
+        assert len(bounded) <= 50 + 10  # the growing document may exceed until the next eviction
+        assert bounded._entries <= 2 * max(1024, len(bounded) * 2) + 20
+
+
+def test_global_tree_never_matches_the_callers_own_response():
+    g = GlobalSuffixTree(ks=(1, 2), context_tokens=2)
+    own = g.open([7, 8])
+    g.extend(own, [1, 2, 3, 1, 2])
+    p = SuffixParams(global_anchors=(2,))
+    assert g.candidates([9, 1, 2], exclude=own, p=p) == []
+    assert g.candidates([9, 1, 2], exclude=0, p=p)
+
+
+def test_cross_request_tree_predicts_a_repeated_reply_opening():
+    g = GlobalSuffixTree(ks=(1, 2, 4, 8), context_tokens=4)
+    prompt = [100, 101, 102, 103]
+    reply = [5, 6, 7, 8, 9, 10]
+    first = SuffixDraft(EchoIndex(), global_tree=g)
+    first.prefill(prompt)
+    first.draft(reply, 0)  # the committed reply is added to the global tree
+    second = SuffixDraft(EchoIndex(), global_tree=g, params=SuffixParams(alpha=4.0))
+    second.prefill([1, 2] + prompt)
+    assert second.draft([], 8)[:4] == [5, 6, 7, 8]
+    assert second.last.store == "global"
+
+
+def test_request_tree_draft_and_confidence_key():
+    d = SuffixDraft(EchoIndex())
+    d.prefill([1, 2, 3, 4, 5, 1, 2, 3])
+    assert d.draft([], 5)[:2] == [4, 5]
+    assert d.last.store == "request" and d.confidence()[0] == "request"

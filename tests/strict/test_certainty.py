@@ -1,0 +1,138 @@
+"""Certainty classes of strict rows: every row has one, and only ``determined`` rows can ever be
+asserted, whatever ``MLX_FILL_PROMOTE`` says and however much evidence a ``likely`` row has."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+
+import pytest
+
+from mlx_fill.strict.guards import SYNTAXES, Markers, Role, TurnGuard
+from mlx_fill.core.proposal import DecodeView, FillSession
+from mlx_fill.strict.rows import CERTAINTIES, Row, compile_plan
+from mlx_fill.session import server_ledger
+from mlx_fill.strict.source import strict_source
+from strict_helpers import FAMILIES, call, contained, reply_ids, teacher_force, tokenizer, tools
+
+USER = [{"role": "user", "content": "hi"}]
+TOOL_SETS = ("default", "single", "prefix", "open", "ref", "noargs")
+
+
+def _reply(*calls) -> dict:
+    return {"role": "assistant", "content": "", "tool_calls": list(calls)}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_compiled_row_has_a_class(family):
+    tok = tokenizer(family)
+    for name in TOOL_SETS:
+        plan = compile_plan(tok, USER, tools(name))
+        assert plan is not None
+        rows = [*plan.head.values(), *plan.later_head.values(), *plan.close.values()]
+        assert rows and all(r.certainty in CERTAINTIES for r in rows), (family, name)
+        assert set(plan.later_head) == set(plan.head)
+
+
+@pytest.mark.parametrize("family", ["qwen3-coder", "qwen3.5", "glm4.x"])
+def test_raw_text_syntaxes_determine_only_the_first_calls_head(family):
+    plan = compile_plan(tokenizer(family), USER, tools())
+    assert plan.head and all(r.certainty == "determined" for r in plan.head.values())
+    assert all(r.certainty == "likely" for r in plan.later_head.values())
+    assert plan.close and all(r.certainty == "likely" for r in plan.close.values())
+
+
+def test_hermes_json_determines_the_scaffold_only():
+    plan = compile_plan(tokenizer("qwen3"), USER, tools())
+    assert plan.head[""].certainty == "determined"
+    assert plan.later_head[""].certainty == "determined"   # a JSON value cannot end a call
+    names = [r for r in plan.head.values() if r.kind == "name"]
+    assert names and all(r.certainty == "likely" for r in names)   # they reach into arguments
+    assert all(r.certainty == "likely" for r in plan.close.values())
+    single = compile_plan(tokenizer("qwen3"), USER, tools("single"))
+    assert single.head[""].certainty == "likely"   # through the sole key: arguments spacing
+
+
+def test_a_row_without_a_valid_class_cannot_be_built():
+    with pytest.raises(TypeError):
+        Row("scaffold", "", "", (1,), (2, 3))  # type: ignore[call-arg]
+    for bad in (None, "", "assert", "maybe"):
+        with pytest.raises(ValueError, match="certainty"):
+            Row("scaffold", "", "", (1,), (2, 3), bad)  # type: ignore[arg-type]
+
+
+def _policies(tok, tool_list, ids, ledger, trace=None):
+    session = FillSession([strict_source(tok, USER, tool_list, ledger=ledger)], trace=trace)
+    out, pos = [], 0
+    while pos < len(ids):
+        p = session.propose(DecodeView([], ids[:pos], frozenset(tok.eos_token_ids)))
+        if p is None:
+            pos += 1
+            continue
+        ok = tuple(ids[pos:pos + len(p.ids)]) == p.ids
+        session.feedback(p, len(p.ids) if ok else 0, pos)
+        out.append((p.origin, p.certainty, p.policy))
+        pos += len(p.ids) if ok else 1
+    return out, session
+
+
+@pytest.mark.parametrize("family", ["qwen3.5", "glm4.x"])
+def test_likely_rows_stay_verify_after_1000_agreements(family, monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("MLX_FILL_CACHE", str(tmp_path))
+    monkeypatch.setenv("MLX_FILL_PROMOTE", "strict:")
+    tok, tool_list = tokenizer(family), tools()
+    ledger = server_ledger("m", tok)
+    ids = reply_ids(tok, USER, tool_list, _reply(call("bash", {"command": "ls"}),
+                                                 call("get_time", {"tz": "UTC"})))
+    caplog.set_level(logging.INFO, logger="mlx_fill.sources.ledger")
+    first, _ = _policies(tok, tool_list, ids, ledger)
+    assert first and all(pol == "verify" for _, _, pol in first)
+    for origin in {o for o, _, _ in first}:
+        for _ in range(1000):
+            ledger.record(origin, True)
+    later, _ = _policies(tok, tool_list, ids, ledger)
+    _policies(tok, tool_list, ids, ledger)
+    likely = [(o, pol) for o, c, pol in later if c == "likely"]
+    determined = [(o, pol) for o, c, pol in later if c == "determined"]
+    assert any(o == "strict:close" for o, _ in likely)
+    assert likely and all(pol == "verify" for _, pol in likely)          # never promoted
+    assert determined and all(pol == "assert" for _, pol in determined)  # still promotes
+    refusals = [r for r in caplog.records if "stays verify" in r.getMessage()]
+    refused_rows = [r.args[0] for r in refusals]
+    assert refused_rows and len(refused_rows) == len(set(refused_rows))  # once per row
+    assert "strict:close" in refused_rows
+
+
+def test_trace_and_usage_name_the_class():
+    tok, tool_list = tokenizer("qwen3.5"), tools()
+    ids = reply_ids(tok, USER, tool_list, _reply(call("bash", {"command": "ls"})))
+    trace = io.StringIO()
+    fires, session = _policies(tok, tool_list, ids, None, trace)
+    events = [json.loads(line) for line in trace.getvalue().splitlines()]
+    assert [e["certainty"] for e in events] == [c for _, c, _ in fires]
+    usage = session.stats.as_dict()["by_certainty"]
+    assert set(usage) == {"determined", "likely"} and all(n > 0 for n in usage.values())
+
+
+def test_json_guard_reads_call_markers_only_outside_strings():
+    g = TurnGuard(SYNTAXES["hermes-json"], Markers("<tool_call>", "</tool_call>"), Role.CONTENT)
+    g.feed('<tool_call>\n{"name": "bash", "arguments": {"command": "echo \'</tool_call>')
+    assert g.role is Role.CALL and g.calls_ended == 0
+    g.feed('<tool_call> \\"}}</tool_call>\'"}}\n')
+    assert g.role is Role.CALL and not g.declined and g.call_prefix() is not None
+    g.feed("</tool_call>")
+    assert g.role is Role.CONTENT and g.calls_ended == 1
+    assert SYNTAXES["hermes-json"].parse(g.last_body).closed
+    g.feed('\n<tool_call>\n{"name": "bash", "arguments": {"command": "never closed\n</tool_call>')
+    assert g.role is Role.CONTENT and g.calls_ended == 2   # a raw newline ends a bad string
+
+
+def test_json_close_fires_once_after_a_string_holding_the_end_marker():
+    tok, tool_list = tokenizer("qwen3"), tools()
+    command = "echo '\"}}\n</tool_call>\n<tool_call>' > ok."  # ok." splits before the quote
+    ids = reply_ids(tok, USER, tool_list, _reply(call("bash", {"command": command})))
+    source = strict_source(tok, USER, tool_list)
+    fires = teacher_force(source, ids, frozenset(tok.eos_token_ids))
+    assert contained(ids, fires) and source.stats.parse_fallbacks == 0
+    assert [o for _, _, o in fires].count("strict:close") == 1

@@ -1,0 +1,83 @@
+"""The serving path compiles strict rows lazily: same fires as the eager source, and prose turns
+never compile."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlx_fill.strict.source import LazyStrictSource, lazy_strict_source, strict_source
+from strict_helpers import FAMILIES, call, reply_ids, teacher_force, tokenizer, tools
+
+USER = [{"role": "user", "content": "hi"}]
+REPLIES = {
+    "two calls": {"role": "assistant", "content": "Let me look.", "tool_calls": [
+        call("read_file", {"path": "src/a.py"}), call("read_file", {"path": "src/b.py"})]},
+    "prose mentioning tools": {"role": "assistant",
+                               "content": "I would call read_file on `src/a.py` next."},
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("case", sorted(REPLIES))
+def test_lazy_source_fires_exactly_like_the_eager_one(family, case):
+    tok, tool_list = tokenizer(family), tools()
+    ids = reply_ids(tok, USER, tool_list, REPLIES[case])
+    eos = frozenset(tok.eos_token_ids)
+    lazy = lazy_strict_source(tok, USER, tool_list)
+    assert isinstance(lazy, LazyStrictSource)
+    eager_fires = teacher_force(strict_source(tok, USER, tool_list), ids, eos)
+    assert teacher_force(lazy, ids, eos) == eager_fires
+    assert lazy._built == (case == "two calls")
+    assert bool(eager_fires) == (case == "two calls")
+
+
+def test_lazy_source_still_rejects_malformed_tools_up_front():
+    bad = [{"type": "function", "function": {"name": "x", "parameters": {"type": 7}}}]
+    with pytest.raises(ValueError, match=r"tools\[0\]"):
+        lazy_strict_source(tokenizer("qwen3"), USER, bad)
+
+
+def test_parse_fallbacks_reach_the_request_telemetry():
+    from mlx_fill.core.proposal import DecodeView, FillSession
+    tok, tool_list = tokenizer("qwen3-coder"), tools()
+    session = FillSession([lazy_strict_source(tok, USER, tool_list)])
+    broken = tok.encode("<tool_call>\n<function=bash><parameter=command>ls</parameter>"
+                        "</function>\n</tool_call>", add_special_tokens=False)
+    for pos in range(len(broken) + 1):
+        p = session.propose(DecodeView([], broken[:pos]))
+        if p is not None:
+            session.feedback(p, 0, pos)
+    assert session.stats.parse_fallbacks == 1
+
+
+def test_rows_verify_until_the_ledger_promotes_them(tmp_path):
+    from mlx_fill.sources.ledger import Ledger
+    from mlx_fill.core.proposal import DecodeView, FillSession
+    tok, tool_list = tokenizer("qwen3.5"), tools()
+    ids = reply_ids(tok, USER, tool_list, REPLIES["two calls"])
+    ledger = Ledger("m", "t", promote_after=2, eligible=frozenset({"strict:"}),
+                    path=tmp_path / "l.json")
+
+    def policies():
+        session = FillSession([strict_source(tok, USER, tool_list, ledger=ledger)])
+        out, pos = [], 0
+        while pos < len(ids):
+            p = session.propose(DecodeView([], ids[:pos]))
+            if p is None:
+                pos += 1
+                continue
+            ok = tuple(ids[pos:pos + len(p.ids)]) == p.ids
+            session.feedback(p, len(p.ids) if ok else 0, pos)
+            out.append((p.origin, p.policy))
+            pos += len(p.ids) if ok else 1
+        return out
+
+    first = policies()
+    policies()
+    third = policies()
+    assert first and all(policy == "verify" for _, policy in first)
+    assert {o for o, _ in first} == {o for o, _ in third}
+    promoted = [o for o, pol in third if pol == "assert"]
+    assert promoted and all(ledger.rows[o].agreements >= 2 for o in promoted)
+    ledger.record(promoted[0], False)  # one disagreement demotes the row for good
+    assert all(pol == "verify" for o, pol in policies() if o == promoted[0])
