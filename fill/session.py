@@ -31,7 +31,7 @@ from typing import Any
 from mlx_fill.core.plan import unqualified
 from mlx_fill.core.resolve import plan_for
 from mlx_fill.sources.prediction import PredictionSource, prediction_text
-from mlx_fill.core.proposal import FillSession, ProposalSource
+from mlx_fill.core.proposal import MEDIA_REFUSAL, FillSession, ProposalSource
 
 MODES = ("off", "strict", "echo", "all")
 DEFAULT_MAX_SPAN = 64
@@ -120,7 +120,7 @@ def _refusal(*, logprobs: bool, seed: int | None, response_format: Any, media: b
     if response_format not in (None, {"type": "text"}):
         return "response_format"
     if media:
-        return "media"
+        return MEDIA_REFUSAL
     return None
 
 

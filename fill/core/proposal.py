@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from .plan import DispatchPlan
 
 Policy = Literal["assert", "verify"]
+# the one refusal name for image/audio input (counted by the session and by the decode loop)
+MEDIA_REFUSAL = "media"
 
 
 @dataclass(frozen=True)

@@ -169,7 +169,7 @@ def test_media_input_refuses_fill_and_decodes_normally():
     out = [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=10, fill=s,
                                        input_embeddings=embeds)]
     assert out == ref
-    assert s.stats.refusals == {"media_input": 1} and s.stats.injected == 0
+    assert s.stats.refusals == {"media": 1} and s.stats.injected == 0
 
 
 @pytest.mark.parametrize("policy", ["assert", "verify"])
