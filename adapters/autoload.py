@@ -18,15 +18,12 @@ import os
 import sys
 import warnings
 
+from mlx_fill.modes import enabled
+
 ENV = "MLX_FILL"
 SUPPORTED = ("0.32.",)  # mlx-lm version prefixes whose private server API was checked
 WATCHED = ("mlx_lm.generate", "mlx_lm.server")
 _warned = False
-
-
-def enabled(value: str | None) -> bool:
-    """True when ``MLX_FILL`` asks for any fill mode."""
-    return (value or "").strip().lower() not in ("", "off", "0", "false", "no")
 
 
 def warn_once(message: str) -> None:

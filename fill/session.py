@@ -2,7 +2,7 @@
 
 Modes (``MLX_FILL`` / ``--fill``): ``off`` -> no session; ``strict`` -> the strict source only
 (spans the template/schema and parser state determine); ``echo`` -> strict + echo; ``all`` ->
-strict + echo + suffix + ngram, plus the sources named in ``spec`` / ``MLX_FILL_SPEC``. An OpenAI
+strict + echo + suffix + ngram, plus the sources named in ``extra_sources`` / ``MLX_FILL_SOURCES``. An OpenAI
 ``prediction`` adds a :class:`~mlx_fill.sources.prediction.PredictionSource` (``verify``: lossless) in
 every mode but ``off``.
 
@@ -16,7 +16,7 @@ dropped (``allow_assert=False``); ``verify`` stays lossless in distribution.
 Environment knobs: ``MLX_FILL_MAX_SPAN`` (ids per proposal, default 64), ``MLX_FILL_TRACE`` (a
 JSONL file every fill event is appended to), ``MLX_FILL_PLAN`` (a dispatch plan file, tried
 first by :func:`~mlx_fill.core.resolve.resolve`),
-``MLX_FILL_SPEC`` (comma-separated extra sources for ``all``),
+``MLX_FILL_SOURCES`` (comma-separated extra sources for ``all``),
 ``MLX_FILL_PROMOTE`` (comma-separated ledger rows, or prefixes ending in ``:`` such as
 ``strict:``, that the evidence ledger may promote from ``verify`` to ``assert``; default none)
 and ``MLX_FILL_PROMOTE_AFTER`` (agreements needed, default 50), read by :func:`server_ledger`.
@@ -29,23 +29,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from mlx_fill.core.plan import unqualified
+from mlx_fill.modes import check_mode
 from mlx_fill.core.resolve import plan_for
 from mlx_fill.sources.prediction import PredictionSource, prediction_text
-from mlx_fill.core.proposal import MEDIA_REFUSAL, FillSession, ProposalSource
+from mlx_fill.core.proposal import DEFAULT_MAX_SPAN, MEDIA_REFUSAL, FillSession, ProposalSource
 
-MODES = ("off", "strict", "echo", "all")
-DEFAULT_MAX_SPAN = 64
 _MODE_SOURCES = {"strict": (), "echo": ("echo",), "all": ("echo", "suffix", "ngram")}
-
-
-def check_mode(mode: str | None) -> str:
-    """The normalised mode; ValueError for anything but :data:`MODES` (None and '' mean off)."""
-    m = (mode or "off").strip().lower()
-    if m in ("0", "false", "no"):
-        m = "off"
-    if m not in MODES:
-        raise ValueError(f"fill mode must be one of {', '.join(MODES)}; got {mode!r}")
-    return m
 
 
 def env_max_span() -> int:
@@ -58,13 +47,13 @@ def env_max_span() -> int:
     return value
 
 
-def spec_names(spec: str | Sequence[str] | None) -> list[str]:
-    """Extra source names from ``spec`` (a list or comma-separated string), else ``MLX_FILL_SPEC``."""
-    if spec is None:
-        spec = os.environ.get("MLX_FILL_SPEC", "")
-    if isinstance(spec, str):
-        spec = spec.split(",")
-    return [s.strip() for s in spec if s and s.strip()]
+def source_names(names: str | Sequence[str] | None) -> list[str]:
+    """Extra source names from ``names`` (a list or comma-separated string), else ``MLX_FILL_SOURCES``."""
+    if names is None:
+        names = os.environ.get("MLX_FILL_SOURCES", "")
+    if isinstance(names, str):
+        names = names.split(",")
+    return [s.strip() for s in names if s and s.strip()]
 
 
 def env_promote() -> tuple[frozenset[str], int]:
@@ -95,9 +84,9 @@ def check_env() -> None:
     env_max_span()
     env_promote()
     from mlx_fill.spec.roster import NAMES
-    unknown = [n for n in spec_names(None) if n not in NAMES]
+    unknown = [n for n in source_names(None) if n not in NAMES]
     if unknown:
-        raise ValueError(f"MLX_FILL_SPEC: unknown sources {unknown}; known: {list(NAMES)}")
+        raise ValueError(f"MLX_FILL_SOURCES: unknown sources {unknown}; known: {list(NAMES)}")
 
 
 def _strict_source(tokenizer: Any, messages: Any, tools: Any, template_kwargs: Any, ledger: Any):
@@ -141,7 +130,7 @@ def build_session(
     prediction: Any = None,
     max_span: int | None = None,
     trace_path: str | os.PathLike | None = None,
-    spec: str | Sequence[str] | None = None,
+    extra_sources: str | Sequence[str] | None = None,
     global_tree: Any = None,
     ledger: Any = None,
     refuse: str | None = None,
@@ -178,7 +167,7 @@ def build_session(
         plan = plan_for(model)  # after the request's own validation: a bad request measures nothing
         names = list(_MODE_SOURCES[mode])
         if mode == "all":
-            names += [n for n in spec_names(spec) if n not in names]
+            names += [n for n in source_names(extra_sources) if n not in names]
         if names:
             from mlx_fill.spec.roster import make_sources
             sources += make_sources(names, plan=plan, tokenizer=tokenizer,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Collection, Sequence
 
-from mlx_fill.core.index import EchoIndex
+from mlx_fill.core.index import LOOKUP_MAX_SPAN, EchoIndex
 from mlx_fill.sources.echo import EchoDraft, EchoSource
 from mlx_fill.sources.ledger import Ledger
 from mlx_fill.core.plan import DispatchPlan
@@ -73,7 +73,7 @@ def make_sources(
     global_tree: GlobalSuffixTree | None = None,
     ledger: Ledger | None = None,
     index: EchoIndex | None = None,
-    max_span: int = 32,
+    max_span: int = LOOKUP_MAX_SPAN,
     ngram_k: int = 10,
     combine: bool = False,
     acceptance: dict | None = None,

@@ -18,7 +18,7 @@ from typing import Any
 
 from mlx_fill.limits import DEFAULT_LIMITS, Limits, value_depth
 from mlx_fill.sources.prediction import prediction_text
-from mlx_fill.strict.toolspec import tool_specs
+from mlx_fill.strict.schema import tool_schemas
 
 MAX_STOP = 4
 
@@ -152,7 +152,7 @@ def _tools(value: Any, limits: Limits) -> list[dict] | None:
             raise RequestError(400, f"{where}: {size} bytes of JSON schema, at most "
                                     f"{limits.max_schema_bytes}", where)
     try:
-        tool_specs(value)
+        tool_schemas(value)
     except ValueError as e:
         raise RequestError(400, str(e), str(e).split(":", 1)[0]) from None
     return value or None

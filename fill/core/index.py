@@ -14,6 +14,9 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 DEFAULT_KS = (1, 2, 3, 4, 8)
+# how far a lookup on the index follows its occurrences unless told (echo, the roster's members,
+# the corpus study); a session caps every proposal at its own ``max_span`` on top
+LOOKUP_MAX_SPAN = 32
 
 
 class EchoIndex:

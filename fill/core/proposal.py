@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 Policy = Literal["assert", "verify"]
 # the one refusal name for image/audio input (counted by the session and by the decode loop)
 MEDIA_REFUSAL = "media"
+# ids one proposal may hold (a session's cap; ``MLX_FILL_MAX_SPAN`` overrides it per process)
+DEFAULT_MAX_SPAN = 64
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,6 @@ class DecodeView:
     prompt: Sequence[int]
     emitted: Sequence[int]
     eos_ids: frozenset[int] = frozenset()
-    temperature: float = 0.0
     pending: bool = False
 
     @property
@@ -128,7 +129,7 @@ class FillSession:
         prompt_ids: Sequence[int] | None = None,
         eos_ids: Sequence[int] = (),
         plan: "DispatchPlan | None" = None,
-        max_span: int = 64,
+        max_span: int = DEFAULT_MAX_SPAN,
         allow_assert: bool = True,
         trace: IO[str] | None = None,
     ) -> None:

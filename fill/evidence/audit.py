@@ -39,7 +39,7 @@ from pathlib import Path
 from mlx_fill.assets.store import FAMILIES, load_tokenizer
 from mlx_fill.core.errors import UserError, existing_file
 from mlx_fill.core.proposal import DecodeView, FillSession
-from mlx_fill.strict.rows import CERTAINTIES, plan_for
+from mlx_fill.strict.rows import CERTAINTIES, table_for
 from mlx_fill.strict.source import strict_source
 from mlx_fill.strict.tokenbytes import ids_bytes, token_bytes
 
@@ -211,16 +211,16 @@ def _tools(corpus: Path, case: dict, default):
 
 def print_rows(tok, family: str, tools, out) -> int:
     """Print every compiled row with its certainty class; returns how many rows lack one."""
-    plan = plan_for(tok, [{"role": "user", "content": "audit"}], tools)
-    if plan is None:
+    table = table_for(tok, [{"role": "user", "content": "audit"}], tools)
+    if table is None:
         print(f"[{family}] no rows: the template cannot render tool calls", file=out)
         return 0
-    rows = plan.rows()
+    rows = table.rows()
     classes = {c: sum(r.certainty == c for r in rows) for c in CERTAINTIES}
-    print(f"[{family}] syntax={plan.syntax} rows={len(rows)} "
+    print(f"[{family}] syntax={table.syntax} rows={len(rows)} "
           + " ".join(f"{c}={n}" for c, n in classes.items()), file=out)
     for r in rows:
-        where = "" if r in plan.head.values() or r in plan.close.values() else " (later call)"
+        where = "" if r in table.head.values() or r in table.close.values() else " (later call)"
         cls = r.certainty if r.certainty in CERTAINTIES else "MISSING-CLASS"
         print(f"  {r.origin:<32} {cls:<10} key={r.key!r} trigger={list(r.trigger)} "
               f"({tok.decode(list(r.trigger))!r}) span={list(r.span)} "

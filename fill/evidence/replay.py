@@ -61,7 +61,7 @@ def _open_text(path: Path):
     return open(path, encoding="utf-8")
 
 
-def load_sessions(path: str | Path) -> tuple[list[dict], list[CorruptLine]]:
+def load_recordings(path: str | Path) -> tuple[list[dict], list[CorruptLine]]:
     """Sessions from a transcripts JSONL file (gzip detected by magic bytes).
 
     A line that is not a JSON object with a ``messages`` list of role-bearing dicts is skipped
@@ -199,7 +199,7 @@ def session_tools(session: dict) -> tuple[list[dict] | None, str]:
     return synthesize_tools(session["messages"]) or None, "synthesized"
 
 
-def session_turns(session: dict) -> tuple[list[Turn], str]:
+def recording_turns(session: dict) -> tuple[list[Turn], str]:
     """The session's turns, in order, and how its tools were obtained."""
     structured = session.get("tool_call_style") == "structured"
     tools, origin = session_tools(session)
@@ -332,7 +332,7 @@ def select_turns(sessions: list[dict], *, sources: list[str] | None, max_session
             continue
         if max_sessions is not None and len(notes) >= max_sessions:
             break
-        turns, origin = session_turns(session)
+        turns, origin = recording_turns(session)
         turns = turns[:turns_per_session] if turns_per_session is not None else turns
         if not turns:
             continue
@@ -397,7 +397,7 @@ def run(args) -> int:
             raise UserError(f"{flag} must be >= 1")
     if not args.sessions.is_file():
         raise UserError(f"no such transcripts file: {args.sessions}")
-    sessions, corrupt = load_sessions(args.sessions)
+    sessions, corrupt = load_recordings(args.sessions)
     for bad in corrupt:
         print(f"transcripts line {bad.line} skipped: {bad.reason}", file=sys.stderr)
     turns, notes = select_turns(sessions, sources=args.source, max_sessions=args.max_sessions,

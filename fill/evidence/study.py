@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from mlx_fill.assets.store import FAMILIES
-from mlx_fill.core.index import EchoIndex
+from mlx_fill.core.index import LOOKUP_MAX_SPAN, EchoIndex
 from mlx_fill.core.errors import UserError, existing_file
 from mlx_fill.core.paths import TRANSCRIPTS
 from mlx_fill.core.plan import DispatchPlan
@@ -222,12 +222,12 @@ def _worker(args: tuple) -> dict:
     (path, family, picks, row_names, plan_json, max_span, worker, queue) = args
     from mlx_fill.assets.store import load_tokenizer
     from mlx_fill.spec.suffix import GlobalSuffixTree
-    from .transcripts import load_sessions, markers, render_session
+    from .transcripts import load_recordings, markers, render_recording
     tok = load_tokenizer(family)
     mk = markers(tok)
     eos = frozenset(int(t) for t in tok.eos_token_ids)
     plan = DispatchPlan.from_json(plan_json) if plan_json else None
-    sessions, _ = load_sessions(path)
+    sessions, _ = load_recordings(path)
     rows = [Row(BASELINE, [], None)] + [
         Row(n, ROW_SOURCES[n], GlobalSuffixTree() if "suffix" in ROW_SOURCES[n] else None)
         for n in row_names]
@@ -235,7 +235,7 @@ def _worker(args: tuple) -> dict:
     for i in picks:
         s = sessions[i]
         try:
-            rendered = render_session(s, tok, mk)
+            rendered = render_recording(s, tok, mk)
         except ValueError as e:
             skipped.append(f"{s.get('session_id')}: {e}")
         else:
@@ -249,11 +249,11 @@ def _worker(args: tuple) -> dict:
 
 
 def run_study(path: Path, family: str, row_names: list[str], *, sessions: int | None = None,
-              per_source: int | None = None, plan: DispatchPlan | None = None, max_span: int = 32, workers: int = 2,
+              per_source: int | None = None, plan: DispatchPlan | None = None, max_span: int = LOOKUP_MAX_SPAN, workers: int = 2,
               progress: bool = True) -> dict:
     """Run the study and return the JSON-able result (see the module contract)."""
-    from .transcripts import load_sessions
-    all_sessions, corrupt = load_sessions(path)
+    from .transcripts import load_recordings
+    all_sessions, corrupt = load_recordings(path)
     picks = list(range(len(all_sessions)))[:sessions] if sessions else list(range(len(all_sessions)))
     if per_source:
         taken: dict[str, int] = defaultdict(int)

@@ -4,7 +4,7 @@ Loading (gzip or plain JSONL, corrupt lines skipped and reported) and the OpenAI
 a recording (tools recorded or synthesized, inline-text harnesses without tools) come from
 :mod:`mlx_fill.evidence.replay`, so the study and the replay harness see the same conversation.
 
-:func:`render_session` renders the WHOLE conversation once (non-thinking mode) and cuts it at
+:func:`render_recording` renders the WHOLE conversation once (non-thinking mode) and cuts it at
 every assistant turn: the turn's output runs from after the template's assistant opener to its
 end-of-turn token inclusive; everything else is prompt. Segments are tokenized separately, so
 the token stream is append-only across turns (the history a later request re-sends is the same
@@ -18,10 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .replay import _render_history, load_sessions, synthesize_tools
+from .replay import _render_history, load_recordings, synthesize_tools
 
-__all__ = ["RenderedTurn", "RenderedSession", "TemplateMarkers", "markers", "render_session",
-           "load_sessions"]
+__all__ = ["RenderedTurn", "RenderedSession", "TemplateMarkers", "markers", "render_recording",
+           "load_recordings"]
 
 TEXT_LABEL = "(text)"
 
@@ -88,7 +88,7 @@ def _call_spans(text: str, names: list[str]) -> list[tuple[int, int, str]]:
     return spans
 
 
-def render_session(session: dict, tokenizer: Any, mk: TemplateMarkers | None = None
+def render_recording(session: dict, tokenizer: Any, mk: TemplateMarkers | None = None
                    ) -> RenderedSession:
     """Render and tokenize one recorded session (see the module contract). Raises ValueError
     when the rendering cannot be cut into turns unambiguously."""

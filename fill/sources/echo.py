@@ -8,7 +8,8 @@ token when ``delimiters`` is given. ``corroboration`` counts the occurrences tha
 whole span: a single occurrence is a copy, not a pattern.
 
 :class:`EchoSource` is the fill source (policy ``verify``; ``assert`` only for corroborated,
-delimiter-ended spans whose row the evidence ledger has promoted, and never at temperature > 0).
+delimiter-ended spans whose row the evidence ledger has promoted; the session drops every
+``assert`` above temperature 0).
 :class:`EchoDraft` is the same lookup as a :class:`~mlx_fill.spec.base.DraftSource`.
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Collection, Sequence
 
-from mlx_fill.core.index import EchoIndex, IndexedDraft
+from mlx_fill.core.index import LOOKUP_MAX_SPAN, EchoIndex, IndexedDraft
 from mlx_fill.core.proposal import DecodeView, Proposal
 
 
@@ -39,7 +40,7 @@ def echo_span(
     *,
     anchors: Sequence[int] = (8, 4, 2),
     candidates: int = 4,
-    max_span: int = 32,
+    max_span: int = LOOKUP_MAX_SPAN,
     delimiters: Collection[int] = frozenset(),
 ) -> EchoSpan | None:
     """Branch-point-stopped continuation of the longest anchor in ``anchors`` that recurs."""
@@ -76,7 +77,7 @@ class EchoDraft(IndexedDraft):
     :class:`EchoIndex`. ``stats`` (if given) records shadow acceptance (see ``spec.cost``)."""
 
     def __init__(self, index: EchoIndex | None = None, *, name: str = "echo",
-                 anchors: Sequence[int] = (8, 4, 2), candidates: int = 4, max_span: int = 32,
+                 anchors: Sequence[int] = (8, 4, 2), candidates: int = 4, max_span: int = LOOKUP_MAX_SPAN,
                  delimiters: Collection[int] = frozenset()):
         super().__init__(index if index is not None else EchoIndex(), name)
         self.anchors = tuple(anchors)
@@ -106,8 +107,8 @@ class EchoSource:
     """The echo tier as a fill :class:`~mlx_fill.core.proposal.ProposalSource`.
 
     Proposes ``verify`` spans. A span is proposed as ``assert`` only when ``assert_allowed()``
-    is true (the evidence ledger promoted row ``echo:corroborated`` for this model/template),
-    the view is at temperature 0, and the span is corroborated by >= 2 occurrences, had no
+    is true (the evidence ledger promoted row ``echo:corroborated`` for this model/template)
+    and the span is corroborated by >= 2 occurrences, had no
     branch stop and ends at a delimiter. Feedback on corroborated ``verify`` spans is reported
     to ``record(origin, agreed)`` (the ledger), agreement iff every id was accepted.
     With a ``gate`` (:class:`~mlx_fill.spec.cost.CostGate`) the span length is the cost
@@ -143,7 +144,7 @@ class EchoSource:
         if not ids or span is None:
             return None
         corroborated = span.corroboration >= 2 and not span.branch_stop and span.at_delimiter
-        if corroborated and view.temperature == 0 and self._assert_allowed():
+        if corroborated and self._assert_allowed():
             return Proposal(span.ids, "assert", f"{self.name}:corroborated")
         return Proposal(span.ids, "verify", f"{self.name}:corroborated" if corroborated
                         else self.name)

@@ -4,7 +4,7 @@ Every ``verify`` outcome of a ledger-tracked row is an agreement (the target pro
 proposed id) or a disagreement. A row is promoted from ``verify`` to ``assert`` only once it has
 ``promote_after`` agreements and zero disagreements, and only for rows in ``eligible``; the first
 disagreement demotes it for good (its counter stays nonzero). Promotion never applies at
-temperature > 0. Echo is not eligible unless the operator lists it (off by default). A strict
+temperature > 0 (the session drops every ``assert`` there). Echo is not eligible unless the operator lists it (off by default). A strict
 row whose certainty class is ``likely`` (:func:`mlx_fill.strict.rows.certainty`: what follows a raw-text
 value, spacing inside a JSON arguments object) is never promoted, whatever ``eligible`` lists
 and however much evidence it has; the ledger logs that once per row.
@@ -64,12 +64,11 @@ class Ledger:
         return row in self.eligible or any(
             e.endswith(":") and row.startswith(e) for e in self.eligible)
 
-    def promoted(self, row: str, temperature: float = 0.0, *,
-                 certainty: str | None = None) -> bool:
-        """True iff ``row`` may be asserted: not a ``likely`` strict row, eligible, temperature
-        0, enough agreements, none against. ``certainty`` is the row's class (None for sources
-        that are not compiled rows)."""
-        if temperature > 0 or not self.is_eligible(row):
+    def promoted(self, row: str, *, certainty: str | None = None) -> bool:
+        """True iff ``row`` may be asserted: not a ``likely`` strict row, eligible, enough
+        agreements, none against. ``certainty`` is the row's class (None for sources that are
+        not compiled rows). Temperature is the session's to enforce (no ``assert`` above 0)."""
+        if not self.is_eligible(row):
             return False
         if certainty != "determined" and certainty is not None:
             if row not in self._refused:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from mlx_fill.core.proposal import DecodeView, FillSession, Proposal
+from mlx_fill.core.proposal import DEFAULT_MAX_SPAN, DecodeView, FillSession, Proposal
 
 ORIGIN = "prediction"
 ANCHORS = (8, 4, 3, 2)
@@ -41,7 +41,7 @@ def prediction_text(prediction: Any) -> str:
 class PredictionSource:
     """``verify`` proposals from a predicted completion's ids (at most ``max_span`` per round)."""
 
-    def __init__(self, ids: Sequence[int], *, max_span: int = 64, name: str = ORIGIN):
+    def __init__(self, ids: Sequence[int], *, max_span: int = DEFAULT_MAX_SPAN, name: str = ORIGIN):
         self.name = name
         self.ids = [int(t) for t in ids]
         self.max_span = max_span

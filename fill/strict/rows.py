@@ -27,7 +27,7 @@ template suggests, and may only ever be verified (``mlx_fill.strict.source`` sta
 supported syntax and for the other call syntaxes in the assets).
 
 Spans shorter than 2 ids or containing an EOS id are dropped. Plans are cached under an exact
-identity key (template, tools, tokenizer, kwargs); a cached plan is reused for a new
+identity key (template, tools, tokenizer, kwargs); a cached table is reused for a new
 conversation only when that conversation renders the same reference call body.
 """
 
@@ -43,7 +43,7 @@ import jinja2
 
 from .guards import SYNTAXES, Markers, Role, detect_syntax
 from .tokenbytes import ids_bytes, token_bytes
-from .toolspec import ToolSpec, tool_specs
+from .schema import ToolSchema, tool_schemas
 
 # Values the probes put into the first argument: different first/last characters and types,
 # so that a cut never lands on a token that could merge with a value the model might write.
@@ -127,7 +127,7 @@ class Row:
 
 
 @dataclass(frozen=True)
-class RowPlan:
+class RowTable:
     """Compiled rows for one (template, tools, tokenizer, kwargs) identity.
 
     ``head`` rows serve a turn's first call; ``later_head`` the same spans for a call that
@@ -137,7 +137,7 @@ class RowPlan:
 
     syntax: str
     markers: Markers
-    tools: dict[str, ToolSpec]
+    tools: dict[str, ToolSchema]
     head: dict[str, Row]
     close: dict[str, Row]
     reference_body: tuple[int, ...]
@@ -282,28 +282,28 @@ def _bodies(r: Rendered, markers: Markers, tools: list[str]) -> list[_Body]:
     return out
 
 
-def _head_probes(spec: ToolSpec) -> list[tuple[str, dict]]:
+def _head_probes(schema: ToolSchema) -> list[tuple[str, dict]]:
     """Probe calls covering every legal way this tool's call can begin."""
-    if spec.sole_key is not None:
-        argsets = [{spec.sole_key: v} for v in HEAD_VALUES]
+    if schema.sole_key is not None:
+        argsets = [{schema.sole_key: v} for v in HEAD_VALUES]
     else:
-        argsets = [{k: "x"} for k in spec.properties]
-        if spec.open:
+        argsets = [{k: "x"} for k in schema.properties]
+        if schema.open:
             argsets.append({EXTRA_KEY: "x"})
-        if not spec.required:
+        if not schema.required:
             argsets.append({})
-    return [(spec.name, a) for a in argsets]
+    return [(schema.name, a) for a in argsets]
 
 
-def _close_probes(spec: ToolSpec) -> list[tuple[str, dict, str]]:
+def _close_probes(schema: ToolSchema) -> list[tuple[str, dict, str]]:
     """Complete calls of a closable tool, last value varied: (name, args, last value)."""
-    if spec.open or not spec.properties:
+    if schema.open or not schema.properties:
         return []
     out = []
     for v in CLOSE_VALUES:
-        args = {k: "x" for k in spec.properties[:-1]}
-        args[spec.properties[-1]] = v
-        out.append((spec.name, args, v))
+        args = {k: "x" for k in schema.properties[:-1]}
+        args[schema.properties[-1]] = v
+        out.append((schema.name, args, v))
     return out
 
 
@@ -389,11 +389,11 @@ def _head_rows(bodies: list[_Body], table, eos: set[int], syntax: str,
     return rows
 
 
-def _close_rows(prober: _Prober, markers: Markers, specs: list[ToolSpec], syntax,
+def _close_rows(prober: _Prober, markers: Markers, schemas: list[ToolSchema], syntax,
                 eos: set[int]) -> dict[str, Row]:
     table = prober.table
     found: dict[str, set[tuple[tuple[int, ...], tuple[int, ...]]]] = defaultdict(set)
-    probes = [p for spec in specs for p in _close_probes(spec)]
+    probes = [p for schema in schemas for p in _close_probes(schema)]
     if not probes:
         return {}
     bodies = prober.probe([(name, args) for name, args, _ in probes], markers)
@@ -438,23 +438,23 @@ def _close_rows(prober: _Prober, markers: Markers, specs: list[ToolSpec], syntax
     return rows
 
 
-def compile_plan(tokenizer, messages: list[dict], tools: list[dict] | None,
-                 template_kwargs: dict | None = None) -> RowPlan | None:
+def compile_table(tokenizer, messages: list[dict], tools: list[dict] | None,
+                  template_kwargs: dict | None = None) -> RowTable | None:
     """Compile strict rows for this conversation; None when there is nothing to compile.
 
     Raises ``ValueError`` (naming the path) for malformed tools/schemas. Returns None when there
     are no tools, the tokenizer has no tool-call markers, the conversation ends with an
     assistant message, or the template cannot render tool calls after the generation prompt.
     """
-    specs = tool_specs(tools)
+    schemas = tool_schemas(tools)
     markers = _markers(tokenizer)
-    if not specs or markers is None or (messages and messages[-1].get("role") == "assistant"):
+    if not schemas or markers is None or (messages and messages[-1].get("role") == "assistant"):
         return None
     kwargs = dict(template_kwargs or {})
     eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
     try:
         prober = _Prober(tokenizer, messages, tools, kwargs)
-        probes = [p for spec in specs for p in _head_probes(spec)]
+        probes = [p for schema in schemas for p in _head_probes(schema)]
         bodies = prober.probe(probes, markers)
         content = prober.reply({"role": "assistant", "content": CONTENT_PROBE})
         if markers.call_start in content.text:
@@ -467,22 +467,22 @@ def compile_plan(tokenizer, messages: list[dict], tools: list[dict] | None,
         syntax = detect_syntax(ref.text, probes[0][0], tuple(probes[0][1]))
         head = _head_rows(bodies, prober.table, eos, syntax.name, after_call=False)
         later = _head_rows(bodies, prober.table, eos, syntax.name, after_call=True)
-        close = _close_rows(prober, markers, specs, syntax, eos) if syntax.grammar_file else {}
+        close = _close_rows(prober, markers, schemas, syntax, eos) if syntax.grammar_file else {}
     except (TemplateError, jinja2.TemplateError):
         return None  # the template cannot render tool calls after the generation prompt
     if syntax.grammar_file is None:
         head, later, close = {}, {}, {}
-    return RowPlan(syntax.name, markers, {s.name: s for s in specs}, head, close, ref.ids,
-                   tuple(sorted(close, key=len, reverse=True)), later)
+    return RowTable(syntax.name, markers, {s.name: s for s in schemas}, head, close, ref.ids,
+                    tuple(sorted(close, key=len, reverse=True)), later)
 
 
 def reference_body(tokenizer, messages: list[dict], tools: list[dict], kwargs: dict,
-                   plan: RowPlan) -> tuple[int, ...] | None:
-    """The first head probe's body ids rendered in THIS conversation (plan reuse check)."""
-    spec = next(iter(plan.tools.values()))
+                   table: RowTable) -> tuple[int, ...] | None:
+    """The first head probe's body ids rendered in THIS conversation (table reuse check)."""
+    schema = next(iter(table.tools.values()))
     try:
         prober = _Prober(tokenizer, messages, tools, kwargs)
-        return prober.calls(_head_probes(spec)[:1], plan.markers)[0].ids
+        return prober.calls(_head_probes(schema)[:1], table.markers)[0].ids
     except (TemplateError, jinja2.TemplateError):
         return None
 
@@ -492,7 +492,7 @@ def _digest(obj) -> str:
 
 
 def identity_key(tokenizer, tools: list[dict] | None, template_kwargs: dict | None) -> str:
-    """Exact plan identity: template, tools, tokenizer and kwargs hashes."""
+    """Exact table identity: template, tools, tokenizer and kwargs hashes."""
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
     tok_id = (getattr(hf, "name_or_path", ""), len(hf),
               sorted((i, t.content) for i, t in hf.added_tokens_decoder.items()))
@@ -501,28 +501,28 @@ def identity_key(tokenizer, tools: list[dict] | None, template_kwargs: dict | No
                     _digest(template_kwargs or {})])
 
 
-_PLANS: dict[str, RowPlan | None] = {}
+_TABLES: dict[str, RowTable | None] = {}
 _MAX_PLANS = 64
 
 
-def plan_for(tokenizer, messages: list[dict], tools: list[dict] | None,
-             template_kwargs: dict | None = None) -> RowPlan | None:
-    """The cached plan for this identity when this conversation renders the same reference
+def table_for(tokenizer, messages: list[dict], tools: list[dict] | None,
+              template_kwargs: dict | None = None) -> RowTable | None:
+    """The cached table for this identity when this conversation renders the same reference
     call body; otherwise a freshly compiled one (cached when the identity is new)."""
-    specs = tool_specs(tools)
-    if not specs or (messages and messages[-1].get("role") == "assistant"):
+    schemas = tool_schemas(tools)
+    if not schemas or (messages and messages[-1].get("role") == "assistant"):
         return None
     key = identity_key(tokenizer, tools, template_kwargs)
-    if key in _PLANS:
-        plan = _PLANS[key]
-        if plan is None:
+    if key in _TABLES:
+        table = _TABLES[key]
+        if table is None:
             return None
         kwargs = dict(template_kwargs or {})
-        if reference_body(tokenizer, messages, tools, kwargs, plan) == plan.reference_body:
-            return plan
-        return compile_plan(tokenizer, messages, tools, template_kwargs)
-    plan = compile_plan(tokenizer, messages, tools, template_kwargs)
-    if len(_PLANS) >= _MAX_PLANS:
-        _PLANS.pop(next(iter(_PLANS)))
-    _PLANS[key] = plan
-    return plan
+        if reference_body(tokenizer, messages, tools, kwargs, table) == table.reference_body:
+            return table
+        return compile_table(tokenizer, messages, tools, template_kwargs)
+    table = compile_table(tokenizer, messages, tools, template_kwargs)
+    if len(_TABLES) >= _MAX_PLANS:
+        _TABLES.pop(next(iter(_TABLES)))
+    _TABLES[key] = table
+    return table

@@ -66,8 +66,8 @@ from dataclasses import dataclass
 
 from .guards import SYNTAXES, Role, TurnGuard
 from mlx_fill.core.proposal import DecodeView, Proposal
-from .rows import Row, RowPlan, initial_role, plan_for
-from .toolspec import tool_specs
+from .rows import Row, RowTable, initial_role, table_for
+from .schema import tool_schemas
 from .tokenbytes import IncrementalText, token_bytes
 
 
@@ -81,21 +81,21 @@ class StrictStats:
 
 
 class StrictSource:
-    """A ProposalSource over a compiled :class:`RowPlan` for one request."""
+    """A ProposalSource over a compiled :class:`RowTable` for one request."""
 
     name = "strict"
 
-    def __init__(self, plan: RowPlan, tokenizer, initial: Role, ledger=None) -> None:
-        self.plan = plan
+    def __init__(self, table: RowTable, tokenizer, initial: Role, ledger=None) -> None:
+        self.table = table
         self.ledger = ledger
-        self.guard = TurnGuard(SYNTAXES[plan.syntax], plan.markers, initial)
+        self.guard = TurnGuard(SYNTAXES[table.syntax], table.markers, initial)
         self.text = IncrementalText(token_bytes(tokenizer))
         self.stats = StrictStats()
         self.armed = True
         self._seen = 0
         self._fired_in_call = False
         self._calls_ended = 0
-        self._max_head_key = max((len(k) for k in plan.head), default=0)
+        self._max_head_key = max((len(k) for k in table.head), default=0)
         self._request_stats = None
 
     def _advance(self, emitted) -> None:
@@ -115,23 +115,23 @@ class StrictSource:
         g = self.guard
         if g.role is not Role.CALL or g.declined:
             return None
-        head = self.plan.head_rows(g.calls_ended)
+        head = self.table.head_rows(g.calls_ended)
         if len(g.body) <= self._max_head_key and g.body in head:
             row = head[g.body]
             if _ends_with(emitted, row.trigger):
                 return row
             return None
-        for key in self.plan.close_keys:
+        for key in self.table.close_keys:
             if not g.body.endswith(key):
                 continue
             state = g.call_prefix()
             if state is None:
                 return None
-            spec = self.plan.tools.get(state.tool)
-            if (spec is None or state.closed is False and not spec.closable(state.keys)
+            schema = self.table.tools.get(state.tool)
+            if (schema is None or state.closed is False and not schema.closable(state.keys)
                     or state.value_end != len(g.body) - len(key)):
                 return None
-            row = self.plan.close[key]
+            row = self.table.close[key]
             return row if _ends_with(emitted, row.trigger) else None
         return None
 
@@ -179,11 +179,11 @@ def strict_source(tokenizer, messages: list[dict], tools: list[dict] | None,
                   template_kwargs: dict | None = None, ledger=None) -> StrictSource | None:
     """A StrictSource for this request, or None when no rows compile (no tools, or a template
     that cannot render tool calls). Raises ValueError naming the path of a malformed tool."""
-    plan = plan_for(tokenizer, messages, tools, template_kwargs)
-    if plan is None or not plan.rows():
+    table = table_for(tokenizer, messages, tools, template_kwargs)
+    if table is None or not table.rows():
         return None
-    role = initial_role(tokenizer, messages, tools, dict(template_kwargs or {}), plan.markers)
-    return StrictSource(plan, tokenizer, role, ledger)
+    role = initial_role(tokenizer, messages, tools, dict(template_kwargs or {}), table.markers)
+    return StrictSource(table, tokenizer, role, ledger)
 
 
 class LazyStrictSource:
@@ -232,7 +232,7 @@ def lazy_strict_source(tokenizer, messages: list[dict], tools: list[dict] | None
     """:func:`strict_source` for serving: tools are validated now (ValueError naming the path),
     rows are compiled only once the model emits the tool-call start token. Falls back to the
     eager source when that marker is not one token of the vocabulary."""
-    if not tool_specs(tools) or (messages and messages[-1].get("role") == "assistant"):
+    if not tool_schemas(tools) or (messages and messages[-1].get("role") == "assistant"):
         return None
     start = getattr(tokenizer, "tool_call_start", None) or ""
     start_id = tokenizer.convert_tokens_to_ids(start) if start else None

@@ -190,15 +190,15 @@ def mechanism_turns(tok, per_source: int, max_prompt: int, max_out: int) -> list
     (the recent context the echo sources draw on; prefill cost is not what this part measures),
     the output the recorded reply's ids up to the end-of-turn token. Only the first
     ``SCAN_TURNS`` turns of a session are rendered (each rendering is the whole history)."""
-    from mlx_fill.evidence.replay import load_sessions, session_turns
+    from mlx_fill.evidence.replay import load_recordings, recording_turns
     from mlx_fill.core.paths import TRANSCRIPTS
 
-    sessions, _ = load_sessions(TRANSCRIPTS)
+    sessions, _ = load_recordings(TRANSCRIPTS)
     picked: list[RecordedTurn] = []
     for source in ("pi_mono", "tau_bench_gpt4o_airline", "mini_swe_agent_gemini3pro"):
         mine = 0
         for session in (s for s in sessions if s.get("source") == source):
-            turns, _ = session_turns(session)
+            turns, _ = recording_turns(session)
             for turn in turns[1:SCAN_TURNS]:
                 if mine >= per_source:
                     break

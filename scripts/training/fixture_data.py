@@ -193,7 +193,7 @@ def _normalize(row: dict) -> Session:
     return Session(source, row["session_id"], tools, merged)
 
 
-def load_sessions() -> list[Session]:
+def load_recordings() -> list[Session]:
     path = transcripts_path() / "dev.jsonl.gz"
     with gzip.open(path, "rt", encoding="utf-8") as fh:
         rows = [json.loads(line) for line in fh]

@@ -59,7 +59,7 @@ def main() -> int:
         ids = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
         return len(ids) <= MAX_PROMPT_TOKENS
 
-    _, held = fd.split_sessions(fd.load_sessions(), 0)
+    _, held = fd.split_sessions(fd.load_recordings(), 0)
     rows = []
     for source in fd.SOURCES:
         picked = {"call": 0, "prose": 0}

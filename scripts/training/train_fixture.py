@@ -126,7 +126,7 @@ def examples_for(sessions, tokenizer, family: str, max_tokens: int):
 def training_sequences(spec: Spec, tokenizer) -> list[fixture_data.Sequence]:
     """Windows of the training sessions, loss on every assistant turn in a window; a source in
     ``spec.train_cap`` contributes that many windows, from its sessions in seeded order."""
-    sessions = fixture_data.load_sessions()
+    sessions = fixture_data.load_recordings()
     train_sessions, _ = fixture_data.split_sessions(sessions, spec.seed)
     renderer = fixture_data.Renderer(tokenizer._tokenizer, set(stop_ids(tokenizer, spec.family)), spec.max_tokens)
     rng = np.random.Generator(np.random.PCG64(spec.seed))
@@ -147,7 +147,7 @@ def training_sequences(spec: Spec, tokenizer) -> list[fixture_data.Sequence]:
 
 
 def eval_examples(spec: Spec, tokenizer):
-    sessions = fixture_data.load_sessions()
+    sessions = fixture_data.load_recordings()
     _, held = fixture_data.split_sessions(sessions, spec.seed)
     rng = np.random.Generator(np.random.PCG64(spec.seed + 1))
     examples = examples_for(held, tokenizer, spec.family, spec.max_tokens)

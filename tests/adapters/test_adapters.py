@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ from mlx_fill.adapters.mlx_lm import stream_generate
 from mlx_fill.sources.echo import EchoSource
 from mlx_fill.sources.prediction import PredictionSource, prediction_text, prediction_usage
 from mlx_fill.core.proposal import DecodeView, FillStats
+from mlx_fill.modes import OFF, enabled
 from mlx_fill.session import build_session, check_mode
 from mlx_lm import load
 from mlx_lm.generate import GenerationResponse
@@ -80,7 +82,7 @@ def test_modes_and_sources(lm):
     with pytest.raises(ValueError, match="fill mode"):
         check_mode("turbo")
     with pytest.raises(ValueError, match="unknown model-free sources"):
-        build_session("all", model=model, tokenizer=tok, prompt_ids=prompt, spec="echo,warp")
+        build_session("all", model=model, tokenizer=tok, prompt_ids=prompt, extra_sources="echo,warp")
 
 
 @pytest.mark.parametrize("kw,reason", [
@@ -126,7 +128,7 @@ def test_prediction_source_follows_and_reanchors():
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:
-    knobs = ("MLX_FILL", "MLX_FILL_MAX_SPAN", "MLX_FILL_TRACE", "MLX_FILL_PLAN", "MLX_FILL_SPEC")
+    knobs = ("MLX_FILL", "MLX_FILL_MAX_SPAN", "MLX_FILL_TRACE", "MLX_FILL_PLAN", "MLX_FILL_SOURCES")
     full = {k: v for k, v in os.environ.items() if k not in knobs}
     return subprocess.run([sys.executable, *code.split("\0")], capture_output=True, text=True, check=False,
                           env={**full, **env}, timeout=120)
@@ -145,6 +147,16 @@ def test_hook_installed_and_inert_when_unset():
     unset = _python("-X\0importtime\0-c\0pass")
     assert "mlx_fill.adapters" not in unset.stderr  # nothing of ours is imported when unset
     assert json.loads(_python(PATCHED, MLX_FILL="off").stdout) == [False, "mlx_lm.generate"]
+
+
+def test_the_pth_line_spells_off_as_the_modes_do():
+    """The ``.pth`` line must import nothing when fill is off, so it repeats the spellings of
+    off literally; they are the one list in ``mlx_fill.modes``."""
+    line = (REPO / "adapters" / "hooks" / "mlx_fill.pth").read_text()
+    start = line.index("not in (") + len("not in ")
+    spelled = ast.literal_eval(line[start:line.index(")", start) + 1])
+    assert spelled == OFF
+    assert all(check_mode(s) == "off" and not enabled(s) for s in OFF)
 
 
 def test_hook_patches_lazily_and_idempotently():
@@ -176,7 +188,7 @@ def test_hook_fails_open_with_one_warning(monkeypatch):
 
 
 @pytest.mark.parametrize("env", [{"MLX_FILL": "turbo"},
-                                 {"MLX_FILL": "all", "MLX_FILL_SPEC": "echo,warp"}],
+                                 {"MLX_FILL": "all", "MLX_FILL_SOURCES": "echo,warp"}],
                          ids=["bad-mode", "bad-spec"])
 def test_bad_configuration_fails_open_in_server_process(env):
     r = _python(PATCHED, **env)

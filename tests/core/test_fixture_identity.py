@@ -68,12 +68,12 @@ def has_call(tok, ids, tools: list[dict]) -> bool:
     return bool(calls) and calls[0]["name"] in {t["function"]["name"] for t in tools}
 
 
-def run_mode(name: str, mode: str, spec=None):
+def run_mode(name: str, mode: str, extra_sources=None):
     model, tok, cases = fixture(name)
     results = []
     for row, ids, plain in cases:
         session = build_session(mode, model=model, tokenizer=tok, prompt_ids=ids,
-                                messages=row["messages"], tools=row["tools"], spec=spec)
+                                messages=row["messages"], tools=row["tools"], extra_sources=extra_sources)
         out = decode(model, tok, ids, session)
         results.append((row, plain, out, session.stats))
     return tok, results

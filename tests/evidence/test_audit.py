@@ -99,10 +99,10 @@ def test_a_row_without_a_class_fails_the_audit(tmp_path, monkeypatch):
     from mlx_fill.strict.source import strict_source
     from strict_helpers import tokenizer, tools
 
-    monkeypatch.setattr(rows, "_PLANS", {})   # a private plan cache for this test
-    plan = strict_source(tokenizer("qwen3.5"), [{"role": "user", "content": "audit"}],
-                         tools()).plan
-    object.__setattr__(plan.close[next(iter(plan.close))], "certainty", None)
+    monkeypatch.setattr(rows, "_TABLES", {})   # a private table cache for this test
+    table = strict_source(tokenizer("qwen3.5"), [{"role": "user", "content": "audit"}],
+                         tools()).table
+    object.__setattr__(table.close[next(iter(table.close))], "certainty", None)
     root = _corpus(tmp_path, "qwen3.5", {"id": "c", "messages": USER, "reply": CALL,
                                          "expect": "fill"})
     out = tmp_path / "audit.json"

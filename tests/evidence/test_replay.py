@@ -74,7 +74,7 @@ def test_load_sessions_skips_and_reports_corrupt_lines(tmp_path, gz):
              json.dumps({"messages": [{"role": "user", "content": ["parts"]}]}),
              json.dumps({"messages": [{"role": "assistant", "tool_calls": [{"arguments": {}}]}]}),
              json.dumps(_inline())]
-    sessions, corrupt = replay.load_sessions(_write_lines(tmp_path / "t.jsonl", lines, gz=gz))
+    sessions, corrupt = replay.load_recordings(_write_lines(tmp_path / "t.jsonl", lines, gz=gz))
     assert [s["session_id"] for s in sessions] == ["s-structured", "s-inline"]
     assert [(c.line, c.reason.split(":")[0]) for c in corrupt] == [
         (2, "invalid JSON"), (3, "not a JSON object"), (4, "no messages list"), (5, "a message without a role"),
@@ -85,7 +85,7 @@ def test_truncated_gzip_keeps_what_was_read(tmp_path):
     data = gzip.compress(("\n".join(json.dumps(_structured()) for _ in range(200)) + "\n").encode())
     path = tmp_path / "cut.jsonl.gz"
     path.write_bytes(data[: len(data) // 2])
-    sessions, corrupt = replay.load_sessions(path)
+    sessions, corrupt = replay.load_recordings(path)
     assert 0 < len(sessions) < 200
     assert len(corrupt) == 1 and corrupt[0].reason.startswith("unreadable")
 
@@ -113,11 +113,11 @@ def test_optional_keys_and_mixed_types():
 
 
 def test_session_without_tools_is_marked_synthesized_and_recorded_tools_are_kept():
-    turns, origin = replay.session_turns(_structured())
+    turns, origin = replay.recording_turns(_structured())
     assert origin == "synthesized" and all(t.tools_origin == "synthesized" for t in turns)
     assert [t["function"]["name"] for t in turns[0].tools] == ["find", "note"]
     recorded = [{"type": "function", "function": {"name": "find", "parameters": {"type": "object"}}}]
-    turns, origin = replay.session_turns(_structured(tools=recorded))
+    turns, origin = replay.recording_turns(_structured(tools=recorded))
     assert origin == "recorded" and turns[0].tools == recorded
     assert replay.session_tools(_inline()) == (None, "none")
     assert replay.session_tools(_structured(tools=recorded)) == (recorded, "recorded")
@@ -126,7 +126,7 @@ def test_session_without_tools_is_marked_synthesized_and_recorded_tools_are_kept
 # ----------------------------------------------------------------------------- history
 
 def test_structured_turns_send_the_recorded_history():
-    turns, _ = replay.session_turns(_structured())
+    turns, _ = replay.recording_turns(_structured())
     # The second assistant message in a row is not a turn: nothing non-assistant precedes it.
     assert [(t.turn, t.message_index) for t in turns] == [(0, 2), (1, 5), (2, 7)]
     first, second = turns[0], turns[1]
@@ -148,7 +148,7 @@ def test_structured_turns_send_the_recorded_history():
 
 
 def test_missing_call_ids_are_synthesized_and_bound_in_order():
-    turns, _ = replay.session_turns(_structured(ids=False))
+    turns, _ = replay.recording_turns(_structured(ids=False))
     messages = turns[1].messages
     assert [c["id"] for c in messages[2]["tool_calls"]] == ["call_2_0", "call_2_1"]
     # Recorded tool_call_ids are kept verbatim even when the calls had none.
@@ -156,7 +156,7 @@ def test_missing_call_ids_are_synthesized_and_bound_in_order():
 
 
 def test_inline_sessions_send_results_as_user_messages_without_tools():
-    turns, origin = replay.session_turns(_inline())
+    turns, origin = replay.recording_turns(_inline())
     assert origin == "none" and turns[0].tools is None
     assert turns[1].messages[2:] == [{"role": "assistant", "content": "```bash\nls\n```"},
                                      {"role": "user", "content": "a.py"}]
@@ -173,7 +173,7 @@ def test_select_turns_filters_sources_sessions_and_turns():
 
 
 def test_schedule_interleaves_and_alternates_the_first_arm():
-    turns, _ = replay.session_turns(_inline())
+    turns, _ = replay.recording_turns(_inline())
     plan = [(t.turn, rep, arm) for t, rep, arm in replay.schedule(turns, ["A", "B"], 2)]
     assert plan == [(0, 0, "A"), (0, 0, "B"), (0, 1, "B"), (0, 1, "A"),
                     (1, 0, "A"), (1, 0, "B"), (1, 1, "B"), (1, 1, "A")]
@@ -198,7 +198,7 @@ def test_unreachable_endpoint_is_recorded_not_raised(tmp_path, capsys):
     from openai import OpenAI
 
     client = OpenAI(base_url=f"http://127.0.0.1:{free_port()}/v1", api_key="x", timeout=5, max_retries=0)
-    turn = replay.session_turns(_inline())[0][0]
+    turn = replay.recording_turns(_inline())[0][0]
     for stream in (True, False):
         reply = replay.request_turn(client, "m", turn, max_tokens=4, temperature=0.0, stream=stream)
         assert reply.error and reply.error.startswith("APIConnectionError")

@@ -10,7 +10,7 @@ import pytest
 from mlx_fill import cli
 from mlx_fill.assets.store import load_tokenizer
 from mlx_fill.evidence.study import BASELINE, markdown_report, run_study
-from mlx_fill.evidence.transcripts import markers, render_session
+from mlx_fill.evidence.transcripts import markers, render_recording
 
 READ = {"name": "read", "arguments": {"path": "src/app/main.py"}}
 
@@ -81,7 +81,7 @@ def _reference_pld_forwards(tokens, turn, think, eos):
 
 
 def test_render_cuts_assistant_outputs_and_labels_tool_calls(tok):
-    r = render_session(_sessions()[0], tok, markers(tok))
+    r = render_recording(_sessions()[0], tok, markers(tok))
     assert len(r.turns) == 3
     first = tok.decode(r.tokens[r.turns[0].start:r.turns[0].end])
     assert first.startswith("Reading it.") and first.endswith("</tool_call><|im_end|>")
@@ -98,7 +98,7 @@ def test_baseline_row_equals_from_scratch_reference(transcripts, tok):
     eos = frozenset(tok.eos_token_ids)
     mk = markers(tok)
     for s in _sessions():
-        r = render_session(s, tok, mk)
+        r = render_recording(s, tok, mk)
         want = sum(_reference_pld_forwards(r.tokens, t, r.think_ids, eos) for t in r.turns)
         got = result["rows"][BASELINE]["by_source"][s["source"]]
         assert got["forwards"] == want

@@ -19,7 +19,7 @@ from mlx_fill.adapters.server.serve import Engine, create_app
 from mlx_fill.adapters.server.template_vars import RENDERER_VARS, template_variables
 from mlx_fill.limits import DEFAULT_LIMITS, JSON_DEPTH_CAP, Limits, deep_member, json_depth
 from mlx_fill.core.resolve import prepare
-from mlx_fill.strict.toolspec import _Memo, tool_specs
+from mlx_fill.strict.schema import _Memo, tool_schemas
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -97,7 +97,7 @@ def test_deep_tool_schema_is_400_naming_the_tool(client, engine, monkeypatch):
 
 def test_toolspec_refuses_schemas_past_the_recursion_safe_depth():
     with pytest.raises(ValueError, match=r"tools\[0\].function.parameters: nested deeper"):
-        tool_specs([tool(nested(120))])
+        tool_schemas([tool(nested(120))])
 
 
 @pytest.mark.parametrize("seed", [-1, 2 ** 70])
@@ -179,11 +179,11 @@ def test_mixed_enum_schema_check_is_not_pairwise(monkeypatch):
     def pairwise(_):
         raise AssertionError("quadratic uniqueItems")
     monkeypatch.setattr(jsonschema._keywords, "uniq", pairwise)
-    assert tool_specs([tool(mixed_enum(6000))])[0].properties == ("a",)
+    assert tool_schemas([tool(mixed_enum(6000))])[0].properties == ("a",)
     dup = mixed_enum(10)
     dup["properties"]["a"]["enum"] += [3]
     with pytest.raises(ValueError, match="non-unique"):
-        tool_specs([tool(dup)])
+        tool_schemas([tool(dup)])
 
 
 def test_health_answers_while_a_request_is_being_checked(client, engine, monkeypatch):

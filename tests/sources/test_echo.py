@@ -9,7 +9,7 @@ import pytest
 from mlx_fill.core.index import EchoIndex
 from mlx_fill.sources.echo import EchoDraft, EchoSource, echo_span
 from mlx_fill.sources.ledger import Ledger
-from mlx_fill.core.proposal import DecodeView
+from mlx_fill.core.proposal import DecodeView, FillSession
 
 
 def _brute_positions(seq, k, key):
@@ -104,7 +104,8 @@ def test_echo_source_is_verify_unless_ledger_promotes_and_never_at_temperature()
     src2.feedback(src2.propose(DecodeView(seq, [])), 2)
     assert led.rows["echo:corroborated"].agreements == 2
     assert make().propose(DecodeView(seq, [])).policy == "assert"
-    assert make().propose(DecodeView(seq, [], temperature=0.7)).policy == "verify"
+    # above temperature 0 the session (allow_assert=False, as build_session arms it) drops it
+    assert FillSession([make()], allow_assert=False).propose(DecodeView(seq, [])) is None
     led.record("echo:corroborated", False)  # the first disagreement demotes for good
     assert make().propose(DecodeView(seq, [])).policy == "verify"
 

@@ -16,13 +16,12 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_FILL_CACHE", str(tmp_path))
 
 
-def test_promotion_needs_n_agreements_eligibility_and_temperature_zero():
+def test_promotion_needs_n_agreements_and_eligibility():
     led = Ledger("m", "t", promote_after=3, eligible=frozenset({ROW}))
     for i in range(3):
         assert not led.promoted(ROW)
         led.record(ROW, True)
     assert led.promoted(ROW)
-    assert not led.promoted(ROW, temperature=0.1)
     other = Ledger("m", "t", promote_after=3)  # echo is off by default
     for _ in range(10):
         other.record(ROW, True)

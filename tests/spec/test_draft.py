@@ -260,7 +260,7 @@ def test_fixture_pair_lossless_on_transcript_prompts():
     from mlx_lm import load
 
     from mlx_fill.assets.fixtures import FixtureMissing, fixture_path
-    from spec_prompts import transcript_prompts
+    from agent_prompts import transcript_prompts
     try:
         target_dir, draft_dir = fixture_path("qwen3-json"), fixture_path("qwen3-draft")
     except FixtureMissing as e:

@@ -263,7 +263,7 @@ def test_fixture_hybrid_lossless_on_transcript_prompts(tmp_path):
     from mlx_lm import load
 
     from mlx_fill.assets.fixtures import FixtureMissing, fixture_path
-    from spec_prompts import transcript_prompts
+    from agent_prompts import transcript_prompts
     try:
         source_dir = fixture_path("qwen35-xml")
     except FixtureMissing as e:
@@ -292,7 +292,7 @@ def test_committed_fixture_head_is_assembled_and_gets_drafts_accepted():
     from mlx_lm import load
 
     from mlx_fill.assets.fixtures import committed_dir, fixture_path
-    from spec_prompts import transcript_prompts
+    from agent_prompts import transcript_prompts
 
     committed = committed_dir("qwen35-xml") / "model-mtp.safetensors"
     folder = fixture_path("qwen35-xml")

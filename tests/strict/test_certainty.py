@@ -11,7 +11,7 @@ import pytest
 
 from mlx_fill.strict.guards import SYNTAXES, Markers, Role, TurnGuard
 from mlx_fill.core.proposal import DecodeView, FillSession
-from mlx_fill.strict.rows import CERTAINTIES, Row, compile_plan
+from mlx_fill.strict.rows import CERTAINTIES, Row, compile_table
 from mlx_fill.session import server_ledger
 from mlx_fill.strict.source import strict_source
 from strict_helpers import FAMILIES, call, contained, reply_ids, teacher_force, tokenizer, tools
@@ -28,29 +28,29 @@ def _reply(*calls) -> dict:
 def test_every_compiled_row_has_a_class(family):
     tok = tokenizer(family)
     for name in TOOL_SETS:
-        plan = compile_plan(tok, USER, tools(name))
-        assert plan is not None
-        rows = [*plan.head.values(), *plan.later_head.values(), *plan.close.values()]
+        table = compile_table(tok, USER, tools(name))
+        assert table is not None
+        rows = [*table.head.values(), *table.later_head.values(), *table.close.values()]
         assert rows and all(r.certainty in CERTAINTIES for r in rows), (family, name)
-        assert set(plan.later_head) == set(plan.head)
+        assert set(table.later_head) == set(table.head)
 
 
 @pytest.mark.parametrize("family", ["qwen3-coder", "qwen3.5", "glm4.x"])
 def test_raw_text_syntaxes_determine_only_the_first_calls_head(family):
-    plan = compile_plan(tokenizer(family), USER, tools())
-    assert plan.head and all(r.certainty == "determined" for r in plan.head.values())
-    assert all(r.certainty == "likely" for r in plan.later_head.values())
-    assert plan.close and all(r.certainty == "likely" for r in plan.close.values())
+    table = compile_table(tokenizer(family), USER, tools())
+    assert table.head and all(r.certainty == "determined" for r in table.head.values())
+    assert all(r.certainty == "likely" for r in table.later_head.values())
+    assert table.close and all(r.certainty == "likely" for r in table.close.values())
 
 
 def test_hermes_json_determines_the_scaffold_only():
-    plan = compile_plan(tokenizer("qwen3"), USER, tools())
-    assert plan.head[""].certainty == "determined"
-    assert plan.later_head[""].certainty == "determined"   # a JSON value cannot end a call
-    names = [r for r in plan.head.values() if r.kind == "name"]
+    table = compile_table(tokenizer("qwen3"), USER, tools())
+    assert table.head[""].certainty == "determined"
+    assert table.later_head[""].certainty == "determined"   # a JSON value cannot end a call
+    names = [r for r in table.head.values() if r.kind == "name"]
     assert names and all(r.certainty == "likely" for r in names)   # they reach into arguments
-    assert all(r.certainty == "likely" for r in plan.close.values())
-    single = compile_plan(tokenizer("qwen3"), USER, tools("single"))
+    assert all(r.certainty == "likely" for r in table.close.values())
+    single = compile_table(tokenizer("qwen3"), USER, tools("single"))
     assert single.head[""].certainty == "likely"   # through the sole key: arguments spacing
 
 

@@ -8,8 +8,8 @@ import pytest
 from mlx_lm.tokenizer_utils import load as load_wrapper
 
 from mlx_fill.assets.store import search_roots
-from mlx_fill.strict.rows import compile_plan, identity_key, plan_for
-from mlx_fill.strict.toolspec import tool_specs
+from mlx_fill.strict.rows import compile_table, identity_key, table_for
+from mlx_fill.strict.schema import tool_schemas
 from mlx_fill.strict.source import strict_source
 from strict_helpers import FAMILIES, call, contained, reply_ids, teacher_force, tokenizer, tools
 
@@ -31,14 +31,14 @@ def _call_reply(name: str, args: dict) -> dict:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_row_is_a_slice_of_real_renderings_with_unseen_values(family):
     tok = tokenizer(family)
-    plan = compile_plan(tok, USER, tools())
-    assert plan is not None and plan.head and plan.close
-    specs = {s.name: s for s in tool_specs(tools())}
+    table = compile_table(tok, USER, tools())
+    assert table is not None and table.head and table.close
+    specs = {s.name: s for s in tool_schemas(tools())}
     for name, spec in specs.items():
         for value in UNSEEN:
             args = {k: value for k in (spec.properties or [])}
             ids = reply_ids(tok, USER, tools(), _call_reply(name, args))
-            for row in plan.head.values():
+            for row in table.head.values():
                 if row.kind == "scaffold" or row.detail == name:
                     assert _contains(ids, row.trigger + row.span), (family, name, value, row)
             fires = teacher_force(strict_source(tok, USER, tools()), ids,
@@ -52,9 +52,9 @@ def test_every_row_is_a_slice_of_real_renderings_with_unseen_values(family):
 def test_spans_are_at_least_two_ids_and_never_hold_eos(family):
     tok = tokenizer(family)
     for name in ("default", "single", "prefix", "open", "ref", "noargs"):
-        plan = compile_plan(tok, USER, tools(name))
-        assert plan is not None
-        for row in plan.rows():
+        table = compile_table(tok, USER, tools(name))
+        assert table is not None
+        for row in table.rows():
             assert len(row.span) >= 2
             assert not set(row.span) & set(tok.eos_token_ids)
             assert any(c.isalpha() for c in tok.decode(list(row.trigger))) or row.kind == "close"
@@ -63,16 +63,16 @@ def test_spans_are_at_least_two_ids_and_never_hold_eos(family):
 def test_probe_names_do_not_invent_the_eq_get_boundary():
     """Qwen3.5 writes <function=get_weather> as '=get' '_weather': no row may cut after '='."""
     tok = tokenizer("qwen3.5")
-    plan = compile_plan(tok, USER, tools())
+    table = compile_table(tok, USER, tools())
     eq = tok.encode("=", add_special_tokens=False)
     eq_get = tok.encode("\n<function=get_weather>", add_special_tokens=False)
     assert tok.decode([eq_get[3]]) == "=get"                  # the premise: one token
-    for row in plan.head.values():
+    for row in table.head.values():
         assert tuple(row.span[-1:]) != tuple(eq), row
         assert tok.decode(list(row.span)).rstrip().endswith("=") is False, row
-    scaffold = plan.head[""]
+    scaffold = table.head[""]
     assert tok.decode(list(scaffold.span)) == "\n<function"
-    weather = plan.head["\n<function=get_weather"]
+    weather = table.head["\n<function=get_weather"]
     assert weather.trigger[-2:] == tuple(eq_get[3:5])       # '=get' '_weather' as the model writes
 
 
@@ -88,8 +88,8 @@ def test_thinking_newline_merge_still_compiles_rows():
     p_ids = tok.encode(primer, add_special_tokens=False)
     f_ids = tok.encode(full, add_special_tokens=False)
     assert primer.endswith("<think>\n") and f_ids[: len(p_ids)] != p_ids   # the premise
-    plan = compile_plan(tok, msgs, tools())
-    assert plan is not None and plan.head[""].span
+    table = compile_table(tok, msgs, tools())
+    assert table is not None and table.head[""].span
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -97,8 +97,8 @@ def test_system_prompt_example_calls_do_not_change_rows(family):
     tok = tokenizer(family)
     system = {"role": "system", "content": "Example:\n<tool_call>\n<function=example_function_name>"
               "\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>\n"}
-    plain = compile_plan(tok, USER, tools())
-    with_example = compile_plan(tok, [system, *USER], tools())
+    plain = compile_table(tok, USER, tools())
+    with_example = compile_table(tok, [system, *USER], tools())
     assert with_example.rows() == plain.rows()
     assert all("example" not in tok.decode(list(r.span)) for r in with_example.rows())
 
@@ -107,22 +107,22 @@ def test_system_prompt_example_calls_do_not_change_rows(family):
 def test_open_objects_get_no_sole_key_and_no_close(family):
     tok = tokenizer(family)
     open_tools = tools("open")
-    plan = compile_plan(tok, USER, open_tools)
-    assert plan is not None
+    table = compile_table(tok, USER, open_tools)
+    assert table is not None
     for name, key in (("get_weather", "city"), ("lookup", "id")):
-        assert not plan.tools[name].closable((key,))
-        rows = [r for r in plan.head.values() if r.detail == name]
+        assert not table.tools[name].closable((key,))
+        rows = [r for r in table.head.values() if r.detail == name]
         assert rows and all(key not in tok.decode(list(r.span)) for r in rows)
-    closed = compile_plan(tok, USER, tools())
+    closed = compile_table(tok, USER, tools())
     weather = [r for r in closed.head.values() if r.detail == "get_weather"]
     assert any("city" in tok.decode(list(r.span)) for r in weather)
 
 
 def test_ref_parameters_resolve_to_a_certain_sole_key():
     tok = tokenizer("qwen3-coder")
-    plan = compile_plan(tok, USER, tools("ref"))
-    assert plan.tools["create_event"].sole_key == "title"
-    rows = [r for r in plan.head.values() if r.detail == "create_event"]
+    table = compile_table(tok, USER, tools("ref"))
+    assert table.tools["create_event"].sole_key == "title"
+    rows = [r for r in table.head.values() if r.detail == "create_event"]
     assert rows and "title" in tok.decode(list(rows[0].span))
 
 
@@ -142,14 +142,14 @@ def test_ref_parameters_resolve_to_a_certain_sole_key():
 ])
 def test_malformed_tools_raise_with_the_offending_path(bad, path):
     with pytest.raises(ValueError) as err:
-        compile_plan(tokenizer("qwen3"), USER, bad)
+        compile_table(tokenizer("qwen3"), USER, bad)
     assert str(err.value).startswith(path), str(err.value)
 
 
 def test_schema_check_is_memoized_yet_every_request_gets_its_error():
     """The meta-schema check is cached on the schema's JSON; a bad schema still fails on every
     request (with the path of the tool it sits in now), a good one is not re-checked."""
-    from mlx_fill.strict.toolspec import _memo
+    from mlx_fill.strict.schema import _memo
 
     bad = {"type": "object", "properties": {"x": {"type": 5}}}
     good = {"type": "object", "properties": {"x": {"type": "string"}}}
@@ -157,13 +157,13 @@ def test_schema_check_is_memoized_yet_every_request_gets_its_error():
         tools = [{"type": "function", "function": {"name": f"t{i}", "parameters": good}} for i in range(index)]
         tools.append({"type": "function", "function": {"name": "bad", "parameters": bad}})
         with pytest.raises(ValueError) as err:
-            tool_specs(tools)
+            tool_schemas(tools)
         assert str(err.value).startswith(f"tools[{index}].function.parameters.properties.x"), str(err.value)
     hits = _memo.hits
-    tool_specs([{"type": "function", "function": {"name": "g", "parameters": dict(good)}}])
+    tool_schemas([{"type": "function", "function": {"name": "g", "parameters": dict(good)}}])
     assert _memo.hits == hits + 1
     with pytest.raises(ValueError, match=r"tools\[0\]\.function\.parameters"):
-        tool_specs([{"type": "function", "function": {"name": "n", "parameters": {"type": float("nan")}}}])
+        tool_schemas([{"type": "function", "function": {"name": "n", "parameters": {"type": float("nan")}}}])
 
 
 def test_templates_that_cannot_render_tool_calls_yield_no_rows():
@@ -171,22 +171,22 @@ def test_templates_that_cannot_render_tool_calls_yield_no_rows():
     if not folders:
         pytest.skip("no llama3.x tokenizer/template beside the checkout")
     llama = load_wrapper(folders[0])
-    assert compile_plan(llama, USER, tools(), {"date_string": "26 Jul 2024"}) is None
-    assert compile_plan(tokenizer("qwen3"), USER, None) is None
+    assert compile_table(llama, USER, tools(), {"date_string": "26 Jul 2024"}) is None
+    assert compile_table(tokenizer("qwen3"), USER, None) is None
     ends_with_assistant = [*USER, {"role": "assistant", "content": "partial"}]
-    assert compile_plan(tokenizer("qwen3"), ends_with_assistant, tools()) is None
+    assert compile_table(tokenizer("qwen3"), ends_with_assistant, tools()) is None
 
 
 def test_plan_cache_is_keyed_on_exact_identity_and_reused_across_conversations():
     tok = tokenizer("qwen3-coder")
-    first = plan_for(tok, USER, tools())
+    first = table_for(tok, USER, tools())
     multi = [*USER, _call_reply("get_time", {"tz": "UTC"}), {"role": "tool", "content": "12:00"},
              {"role": "user", "content": "and now?"}]
-    assert plan_for(tok, multi, tools()) is first
+    assert table_for(tok, multi, tools()) is first
     assert identity_key(tok, tools(), None) != identity_key(tok, tools("single"), None)
     no_think = {"enable_thinking": False}
     assert identity_key(tok, tools(), None) != identity_key(tok, tools(), no_think)
-    assert plan_for(tok, USER, tools("single")) is not first
+    assert table_for(tok, USER, tools("single")) is not first
 
 
 def _extra_templates() -> list[tuple[str, Path]]:

@@ -10,7 +10,7 @@ from collections import defaultdict
 from itertools import zip_longest
 from typing import Any
 
-from mlx_fill.evidence.replay import load_sessions, session_turns
+from mlx_fill.evidence.replay import load_recordings, recording_turns
 from mlx_fill.core.paths import TRANSCRIPTS
 
 
@@ -37,7 +37,7 @@ def transcript_prompts(tokenizer: Any, count: int, max_len: int = 2400,
                        per_session: int = 2) -> list[list[int]]:
     """``count`` prompts (at most ``max_len`` ids, at most ``per_session`` from one session),
     sessions taken round-robin over transcript sources."""
-    sessions, _ = load_sessions(TRANSCRIPTS)
+    sessions, _ = load_recordings(TRANSCRIPTS)
     by_source: dict[str, list[dict]] = defaultdict(list)
     for s in sessions:
         by_source[str(s.get("source"))].append(s)
@@ -47,7 +47,7 @@ def transcript_prompts(tokenizer: Any, count: int, max_len: int = 2400,
             if session is None or len(out) >= count:
                 continue
             taken = 0
-            for turn in session_turns(session)[0]:
+            for turn in recording_turns(session)[0]:
                 ids = list(tokenizer.apply_chat_template(
                     _with_argument_objects(turn.messages), tools=turn.tools,
                     add_generation_prompt=True, tokenize=True))

@@ -1,9 +1,9 @@
 """What a request's ``tools`` array says about argument keys, read with ``jsonschema``.
 
 Strict rows may assert an argument key or a call close only when the schema leaves no choice:
-:class:`ToolSpec` records the declared properties, the required ones, and whether any other key
+:class:`ToolSchema` records the declared properties, the required ones, and whether any other key
 could appear (``additionalProperties`` not ``false``, non-empty ``patternProperties``, or a
-composite schema whose keys cannot be read off ``properties``). :func:`tool_specs` validates the
+composite schema whose keys cannot be read off ``properties``). :func:`tool_schemas` validates the
 array and raises ``ValueError`` naming the offending path (``tools[2].function.parameters...``).
 """
 
@@ -26,7 +26,7 @@ _COMPOSITE = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "dependent
 
 
 @dataclass(frozen=True)
-class ToolSpec:
+class ToolSchema:
     """Argument-key facts of one tool. ``open`` means keys outside ``properties`` may appear."""
 
     name: str
@@ -180,7 +180,7 @@ def _resolve(root: dict, node: object, where: str) -> dict:
     return node
 
 
-def tool_spec(tool: object, index: int) -> ToolSpec:
+def tool_schema(tool: object, index: int) -> ToolSchema:
     """One validated entry of an OpenAI-style ``tools`` array."""
     where = f"tools[{index}]"
     if not isinstance(tool, dict):
@@ -214,21 +214,21 @@ def tool_spec(tool: object, index: int) -> ToolSpec:
              or any(k in params for k in _COMPOSITE)
              or not is_object)
     required = params.get("required", [])
-    return ToolSpec(name, tuple(props), frozenset(required), open_)
+    return ToolSchema(name, tuple(props), frozenset(required), open_)
 
 
-def tool_specs(tools: list | None) -> list[ToolSpec]:
-    """Validated specs for a ``tools`` array; duplicate names are an error."""
+def tool_schemas(tools: list | None) -> list[ToolSchema]:
+    """Validated schemas for a ``tools`` array; duplicate names are an error."""
     if tools is None:
         return []
     if not isinstance(tools, list):
         raise ValueError(f"tools: must be a list, got {type(tools).__name__}")
-    specs, seen = [], {}
+    schemas, seen = [], {}
     for i, t in enumerate(tools):
-        spec = tool_spec(t, i)
-        if spec.name in seen:
-            raise ValueError(f"tools[{i}].function.name: duplicate tool name {spec.name!r} "
-                             f"(also tools[{seen[spec.name]}])")
-        seen[spec.name] = i
-        specs.append(spec)
-    return specs
+        schema = tool_schema(t, i)
+        if schema.name in seen:
+            raise ValueError(f"tools[{i}].function.name: duplicate tool name {schema.name!r} "
+                             f"(also tools[{seen[schema.name]}])")
+        seen[schema.name] = i
+        schemas.append(schema)
+    return schemas
