@@ -40,14 +40,14 @@ from typing import Any
 
 from mlx_fill.sources.ledger import Ledger
 from mlx_fill.limits import over_compile_budget
-from mlx_fill.sources.prediction import prediction_usage
 from mlx_fill.core.proposal import FillSession
 from mlx_fill.session import (
     build_session,
     check_env,
-    finish_session,
+    end_session,
     predicted_count,
     server_ledger,
+    usage_extra,
 )
 from mlx_fill.adapters.server.template_vars import template_variables
 
@@ -80,14 +80,8 @@ class FillRequest:
 
     def usage(self) -> dict[str, Any]:
         """``usage`` additions: ``fill`` and, with a prediction, ``completion_tokens_details``."""
-        extra: dict[str, Any] = {}
-        if self.session is not None:
-            extra["fill"] = self.session.stats.as_dict()
-        elif self.error is not None:
-            extra["fill"] = {"error": self.error}
-        if self.body.get("prediction") is not None:
-            extra["completion_tokens_details"] = prediction_usage(self.session, self.predicted)
-        return extra
+        predicted = self.predicted if self.body.get("prediction") is not None else None
+        return usage_extra(self.session, predicted=predicted, error=self.error)
 
 
 _current: contextvars.ContextVar[tuple[FillRequest, Any, str] | None] = contextvars.ContextVar(
@@ -299,9 +293,4 @@ def _finishing(responses, session: FillSession, ledger: Ledger | None):
     try:
         yield from responses
     finally:
-        finish_session(session)
-        if ledger is not None:
-            try:
-                ledger.save()
-            except OSError as e:
-                log.warning("mlx-fill: evidence ledger not saved (%s)", e)
+        end_session(session, ledger)

@@ -1,4 +1,7 @@
-"""One place that turns a request into a :class:`FillSession` (or None): modes, sources, refusals.
+"""The composition root: the one place that turns a request into a :class:`FillSession` (or
+None) (modes, sources including a draft model, refusals, the dispatch plan resolved once) and
+that owns the request's lifecycle for every adapter: :func:`usage_extra` (``usage.fill``) and
+:func:`end_session` (trace closed, evidence ledger saved).
 
 Modes (``MLX_FILL`` / ``--fill``): ``off`` -> no session; ``strict`` -> the strict source only
 (spans the template/schema and parser state determine); ``echo`` -> strict + echo; ``all`` ->
@@ -24,6 +27,7 @@ and ``MLX_FILL_PROMOTE_AFTER`` (agreements needed, default 50), read by :func:`s
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -31,9 +35,11 @@ from typing import Any
 from mlx_fill.core.plan import unqualified
 from mlx_fill.modes import check_mode
 from mlx_fill.core.resolve import plan_for
-from mlx_fill.sources.prediction import PredictionSource, prediction_text
+from mlx_fill.sources.prediction import PredictionSource, prediction_text, prediction_usage
 from mlx_fill.core.proposal import DEFAULT_MAX_SPAN, MEDIA_REFUSAL, FillSession, ProposalSource
 
+log = logging.getLogger("mlx_fill")
+DRAFT_TOKENS = 4  # ids a draft model proposes per round (``--draft-model``)
 _MODE_SOURCES = {"strict": (), "echo": ("echo",), "all": ("echo", "suffix", "ngram")}
 
 
@@ -133,6 +139,7 @@ def build_session(
     extra_sources: str | Sequence[str] | None = None,
     global_tree: Any = None,
     ledger: Any = None,
+    draft_model: Any = None,
     refuse: str | None = None,
 ) -> FillSession | None:
     """The fill session for one request; None when ``mode`` is ``off``.
@@ -141,11 +148,12 @@ def build_session(
     the client asked for logprobs or top_logprobs. ``prediction``: an OpenAI Predicted Outputs
     object. ``refuse``: a reason the caller already has to serve without fill (e.g.
     ``compile_budget``); no source is built then. ``max_span`` / ``trace_path`` default to
-    ``MLX_FILL_MAX_SPAN`` / ``MLX_FILL_TRACE``.
+    ``MLX_FILL_MAX_SPAN`` / ``MLX_FILL_TRACE``. ``draft_model``: a loaded draft model (same
+    tokenizer) proposing :data:`DRAFT_TOKENS` ids per round after every other source.
     The session carries the dispatch plan (:func:`~mlx_fill.core.resolve.plan_for`: looked up once
     per configuration and process, quick-qualified on the loaded model the first time no plan
     applies). Raises ValueError for a bad mode, malformed tools/schemas or a malformed prediction.
-    The caller closes the trace with :func:`finish_session` when generation ends.
+    The caller ends it with :func:`end_session` when generation ends.
     """
     mode = check_mode(mode)
     if mode == "off":
@@ -173,6 +181,11 @@ def build_session(
             sources += make_sources(names, plan=plan, tokenizer=tokenizer,
                                     prompt_ids=prompt_ids, global_tree=global_tree,
                                     ledger=ledger, max_span=max_span)
+        if draft_model is not None:
+            from mlx_fill.spec.base import DraftProposalSource
+            from mlx_fill.spec.draft import DraftModelSource
+            sources.append(DraftProposalSource(DraftModelSource(draft_model),
+                                               length=lambda: DRAFT_TOKENS))
     trace_path = trace_path if trace_path is not None else os.environ.get("MLX_FILL_TRACE") or None
     trace = (open(trace_path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 -- closed by finish_session
              if trace_path else None)
@@ -183,10 +196,35 @@ def build_session(
     return session
 
 
-def finish_session(session: FillSession | None) -> None:
-    """Close the session's trace file (if any). Idempotent."""
-    if session is not None and session.trace is not None and not session.trace.closed:
+def end_session(session: FillSession | None, ledger: Any = None) -> None:
+    """The teardown every adapter runs when generation ends, also when it is cut short: close
+    the session's trace file (if any) and, when the request had a session, save the evidence
+    ledger (an OSError is logged, never raised: the response is already made). Idempotent."""
+    if session is None:
+        return
+    if session.trace is not None and not session.trace.closed:
         session.trace.close()
+    if ledger is not None:
+        try:
+            ledger.save()
+        except OSError as e:
+            log.warning("mlx-fill: evidence ledger not saved (%s)", e)
+
+
+def usage_extra(session: FillSession | None, *, predicted: int | None = None,
+                error: str | None = None) -> dict[str, Any]:
+    """The ``usage`` additions every adapter reports: ``fill`` (the session's stats, or the
+    ``error`` that kept fill off) and, for a request with a prediction of ``predicted`` ids
+    (:func:`predicted_count`; None: no prediction),
+    ``completion_tokens_details.{accepted,rejected}_prediction_tokens``."""
+    extra: dict[str, Any] = {}
+    if session is not None:
+        extra["fill"] = session.stats.as_dict()
+    elif error is not None:
+        extra["fill"] = {"error": error}
+    if predicted is not None:
+        extra["completion_tokens_details"] = prediction_usage(session, predicted)
+    return extra
 
 
 def predicted_count(tokenizer: Any, prediction: Any) -> int:

@@ -137,12 +137,8 @@ class Engine:
             self.fill, model=self.model, tokenizer=self.tokenizer, prompt_ids=prompt_ids,
             messages=req.messages, tools=req.tools, template_kwargs=req.chat_template_kwargs,
             temperature=req.temperature, seed=req.seed, prediction=req.prediction,
-            global_tree=self.global_tree, ledger=self.ledger, refuse=refuse)
-        if session is not None and self.draft is not None and session.refused is None:
-            from mlx_fill.spec.base import DraftProposalSource
-            from mlx_fill.spec.draft import DraftModelSource
-            session.sources.append(DraftProposalSource(DraftModelSource(self.draft),
-                                                       length=lambda: DRAFT_TOKENS))
+            global_tree=self.global_tree, ledger=self.ledger, draft_model=self.draft,
+            refuse=refuse)
         return session
 
     def _thinking_open(self, prompt_ids: list[int]) -> bool:
@@ -190,8 +186,7 @@ class Engine:
         import mlx.core as mx
         from mlx_lm.sample_utils import make_sampler
 
-        from mlx_fill.sources.prediction import prediction_usage
-        from mlx_fill.session import finish_session, predicted_count
+        from mlx_fill.session import end_session, predicted_count, usage_extra
         from mlx_fill.adapters.mlx_lm import generate_step
 
         req, prompt_ids, session = prepared.req, prepared.prompt_ids, prepared.session
@@ -203,7 +198,7 @@ class Engine:
                 raise PrefillCancelled
 
         if stop():
-            finish_session(session)
+            end_session(session)
             return None
         cache, rest = self._cache_for(prompt_ids)
         max_tokens = req.max_tokens or self.max_tokens
@@ -239,9 +234,7 @@ class Engine:
             finish = "cancelled"
         finally:
             steps.close()  # the cache now holds prompt + every yielded id
-            finish_session(session)
-            if session is not None and self.ledger is not None:
-                self.ledger.save()
+            end_session(session, self.ledger)
             if prefilled:  # a prefill cut between chunks holds only part of the prompt
                 self.prompt_cache.insert_cache(self.model_path, prompt_ids + tokens, cache)
         if not prefilled:
@@ -249,17 +242,11 @@ class Engine:
         if finish == "length":
             detok.finalize()
             splitter.feed(detok.last_segment)
-        extra: dict[str, Any] = {}
-        if session is not None:
-            extra["fill"] = session.stats.as_dict()
-        if req.prediction is not None:
-            extra["completion_tokens_details"] = prediction_usage(
-                session, predicted_count(self.tokenizer, req.prediction))
+        predicted = (None if req.prediction is None
+                     else predicted_count(self.tokenizer, req.prediction))
+        extra = usage_extra(session, predicted=predicted)
         text = splitter.finish()
         return Outcome(text, tokens, finish, len(prompt_ids), len(prompt_ids) - len(rest), extra)
-
-
-DRAFT_TOKENS = 4
 
 
 @dataclass
