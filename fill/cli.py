@@ -27,6 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ab": ("mlx_fill.evidence.replay", "paired A/B replay against two endpoints"),
     "report": ("mlx_fill.evidence.report", "agreement and wall-clock verdicts for replay runs"),
 }
+# the optional dependencies, by the extra that installs them
+EXTRAS = {"fastapi": "serve", "uvicorn": "serve", "matplotlib": "evidence", "openai": "evidence"}
 
 
 def _usage() -> str:
@@ -55,6 +57,17 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"mlx-fill: unknown command {name!r} (see `mlx-fill --help`)", file=sys.stderr)
         return 2
+    try:
+        return _run(name, rest)
+    except ModuleNotFoundError as e:  # an optional extra that is not installed
+        extra = EXTRAS.get((e.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"mlx-fill {name}: needs {e.name} (pip install 'mlx-fill[{extra}]')", file=sys.stderr)
+        return 2
+
+
+def _run(name: str, rest: list[str]) -> int:
     module = importlib.import_module(COMMANDS[name][0])
     parser = _Parser(prog=f"mlx-fill {name}", description=COMMANDS[name][1])
     if hasattr(module, "add_arguments_for"):

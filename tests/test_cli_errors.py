@@ -102,3 +102,16 @@ def test_replay_and_ab_missing_transcripts(command, tmp_path, capsys):
 
 def test_report_missing_runs_file(tmp_path, capsys):
     _one_line(capsys, ["report", str(tmp_path / "runs.jsonl")], "no such runs file", "mlx-fill replay")
+
+
+@pytest.mark.parametrize(("command", "missing", "extra"), [("serve", "fastapi", "serve"),
+                                                           ("replay", "openai", "evidence")])
+def test_a_missing_extra_is_named_with_its_install_command(capsys, monkeypatch, command, missing,
+                                                           extra):
+    import mlx_fill.cli as cli
+
+    def absent(name, *a, **kw):
+        raise ModuleNotFoundError(f"No module named {missing!r}", name=missing)
+
+    monkeypatch.setattr(cli.importlib, "import_module", absent)
+    _one_line(capsys, [command, "--help"], missing, f"mlx-fill[{extra}]")

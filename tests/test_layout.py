@@ -107,3 +107,13 @@ def test_the_extras_stay_optional():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=300).stdout
     assert out.strip() == "[]"
+
+
+def test_the_public_api_is_listed_once_and_resolves():
+    """``mlx_fill.__all__`` is the public face; every name in it resolves (lazily)."""
+    import mlx_fill
+
+    assert len(set(mlx_fill.__all__)) == len(mlx_fill.__all__)
+    for name in mlx_fill.__all__:
+        assert getattr(mlx_fill, name) is not None, name
+    assert sorted(dir(mlx_fill)) == sorted(mlx_fill.__all__)
