@@ -52,7 +52,7 @@ def test_qualify_bad_model_path(tmp_path, capsys):
 
 def test_fixture_without_committed_weights(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(fixtures, "FIXTURES_DIR", tmp_path)
-    _one_line(capsys, ["fixture", "qwen3-json"], "trained.safetensors", "scripts/train_fixture.py qwen3-json")
+    _one_line(capsys, ["fixture", "qwen3-json"], "trained.safetensors", "python -m scripts.training.train_fixture qwen3-json")
 
 
 def test_assets_unknown_family(capsys):

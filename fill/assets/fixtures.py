@@ -1,6 +1,6 @@
 """Tiny trained tool-calling fixture models: ``mlx-fill fixture NAME`` prints a loadable model dir.
 
-What is committed under ``fixtures/models/<name>/`` (see ``scripts/train_fixture.py``):
+What is committed under ``fixtures/models/<name>/`` (see ``scripts/training/train_fixture.py``):
 
 * ``config.json``: the mlx-lm model config (full vocabulary size, tied embeddings);
 * ``trained.safetensors``: every trained weight under its mlx-lm parameter name, except the
@@ -11,7 +11,7 @@ What is committed under ``fixtures/models/<name>/`` (see ``scripts/train_fixture
   no ``tie_word_embeddings``) is stored with the same restricted rows as ``lm_head.weight``; its
   untouched rows come from the same initialization with seed + 1;
 * optionally ``model-mtp.safetensors``: a multi-token-prediction head trained on the fixture
-  (``scripts/train_mtp.py``), copied as is (mlx-lm's loader drops ``mtp.*``;
+  (``scripts/training/train_mtp.py``), copied as is (mlx-lm's loader drops ``mtp.*``;
   ``mlx_fill.spec.mtp.load_mtp_head`` reads it).
 
 ``fixture_path(name)`` assembles the full model in ``user_cache_dir()/"fixtures"/<name>``: the
@@ -40,7 +40,7 @@ _FAMILY = {"qwen3-json": "qwen3", "qwen35-xml": "qwen3.5", "glm-xml": "glm4.x", 
 
 FIXTURES_DIR = REPO_ROOT / "fixtures" / "models"
 COMMITTED_FILES = ("config.json", "trained.safetensors", "fixture.json")
-# committed only for some fixtures: the qwen35-xml MTP head (``scripts/train_mtp.py``)
+# committed only for some fixtures: the qwen35-xml MTP head (``scripts/training/train_mtp.py``)
 OPTIONAL_FILES = ("model-mtp.safetensors",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 STAMP = ".assembled-from"
@@ -82,7 +82,7 @@ def _input_digest(name: str) -> str:
     if missing:
         raise FixtureMissing(
             f"fixture {name!r}: {', '.join(missing)} missing under {source} "
-            f"(train it with `python scripts/train_fixture.py {name}`)"
+            f"(train it with `python -m scripts.training.train_fixture {name}`)"
         )
     digest = hashlib.sha256()
     for file_name in COMMITTED_FILES + _optional_files(source):

@@ -7,7 +7,7 @@ and its cost curve belongs to them too. What selects those kernels at run time:
   (:func:`mlx_lm_version`), whose model code decides which operations a forward runs;
 - on the CPU backend, the BLAS library serving MLX's matrix products (:func:`blas`): the MLX
   Linux CPU wheel links a reference BLAS it bundles (``mlx_cpu.libs/libblas-<hash>.so.3.10.0``),
-  but a library preloaded with ``LD_PRELOAD`` (OpenBLAS, as ``scripts/openblas.py`` does)
+  but a library preloaded with ``LD_PRELOAD`` (OpenBLAS, as ``scripts/training/openblas.py`` does)
   answers the same ``cblas_*`` symbols first; OpenBLAS in turn picks kernels per core type
   (detected, or forced with ``OPENBLAS_CORETYPE``); on macOS it is Accelerate;
 - on Metal or CUDA, the GPU architecture (:func:`device`).

@@ -286,7 +286,7 @@ def test_fixture_hybrid_lossless_on_transcript_prompts(tmp_path):
 
 
 def test_committed_fixture_head_is_assembled_and_gets_drafts_accepted():
-    """The MTP head trained for the ``qwen35-xml`` fixture (``scripts/train_mtp.py``) is
+    """The MTP head trained for the ``qwen35-xml`` fixture (``scripts/training/train_mtp.py``) is
     assembled into the fixture's dir byte for byte, loads, stays lossless on frozen held-out
     prompts and gets drafts accepted: a trained head, not only a random one, runs the path."""
     from mlx_lm import load

@@ -1,4 +1,4 @@
-"""The training kernels (``scripts/numpy_kernels.py``, ``scripts/chunked_delta.py``) compute the
+"""The training kernels (``scripts/training/numpy_kernels.py``, ``scripts/training/chunked_delta.py``) compute the
 functions mlx-lm's own ops compute, values and gradients: a fixture trained through them is the
 model mlx-lm runs.
 
