@@ -167,3 +167,51 @@ def test_tool_calls_are_ordinary_tokens_and_parse_back(loaded):
     rendered = tokenizer.apply_chat_template(messages + [turn], tools=tools, tokenize=False)
     reply = rendered[len(prompt):].removesuffix("<|im_end|>\n")
     assert fixtures.parse_tool_calls(tokenizer, reply, tools) == [call]
+
+
+def _random_lora_b(params):
+    """Every ``lora_b`` (zero-initialized by mlx-lm) replaced by small random values."""
+    import mlx.core as mx
+    from mlx.utils import tree_map_with_path
+
+    return tree_map_with_path(
+        lambda path, v: mx.random.normal(v.shape) * 0.01 if path.endswith("lora_b") else v, params)
+
+
+def test_fused_adapter_is_the_lora_model(folder, tmp_path):
+    """``assemble_fused`` writes a model whose logits are those of the base with the adapter."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    lora = {"rank": 4, "scale": 20.0, "dropout": 0.0}
+    model, tokenizer = load(str(folder))
+    model.freeze()
+    linear_to_lora_layers(model, 2, lora)
+    mx.random.seed(0)
+    model.update(_random_lora_b(model.trainable_parameters()))
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    mx.save_safetensors(str(adapter / "adapters.safetensors"), dict(tree_flatten(model.trainable_parameters())))
+    (adapter / "adapter_config.json").write_text(json.dumps({"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": lora}))
+    fused_dir = tmp_path / "fused"
+    fused_dir.mkdir()
+    smollm2.assemble_fused(folder, adapter, fused_dir)
+    fused, _ = load(str(fused_dir))
+    ids = mx.array([tokenizer.encode("The capital of France is", add_special_tokens=False)])
+    base_logits = load(str(folder))[0](ids)
+    assert not mx.allclose(model(ids), base_logits, atol=1e-3)  # the adapter changes the model
+    assert mx.allclose(fused(ids), model(ids), atol=1e-3)
+
+
+@pytest.mark.skipif(not all((smollm2.ADAPTER_DIR / f).is_file() for f in smollm2.ADAPTER_FILES),
+                    reason="the smollm2-tools adapter is not trained yet (scripts/train_smollm2_tools.py)")
+def test_smollm2_tools_calls_a_declared_tool():
+    model, tokenizer = load(str(fixtures.fixture_path("smollm2-tools")))
+    tools = [{"type": "function", "function": {"name": "bash", "description": "Run one bash command.",
+              "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}]
+    messages = [{"role": "user", "content": "List the files in the current directory."}]
+    prompt = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+    text = generate(model, tokenizer, prompt, max_tokens=60)
+    calls = fixtures.parse_tool_calls(tokenizer, text, tools)
+    assert calls and all(c["name"] == "bash" for c in calls), text
