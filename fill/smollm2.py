@@ -149,6 +149,8 @@ def dense_weights(arrays: dict, dtype) -> dict:
     from the packed width), all cast to ``dtype``."""
     import mlx.core as mx
 
+    if "output.weight" in arrays:
+        raise ValueError("the GGUF has an untied output head; this assembly assumes tied embeddings")
     out = {}
     for name, value in arrays.items():
         base, _, leaf = name.rpartition(".")
@@ -159,8 +161,6 @@ def dense_weights(arrays: dict, dtype) -> dict:
             bits = value.shape[1] * 32 // (scales.shape[1] * GROUP_SIZE)
             value = mx.dequantize(value, scales, biases, group_size=GROUP_SIZE, bits=bits)
         out[_parameter_name(name)] = value.astype(dtype)
-    if "output.weight" in arrays:
-        raise ValueError("the GGUF has an untied output head; this assembly assumes tied embeddings")
     return out
 
 

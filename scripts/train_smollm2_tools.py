@@ -50,8 +50,9 @@ from mlx_fill import fixtures, smollm2  # noqa: E402
 
 SEED = 0
 WINDOW = 1536
-STEPS = 150
+STEPS = 80
 TRAIN_CAP = 200  # windows per source
+PAD_TO = 32
 LEARNING_RATE = 1e-4
 LORA_LAYERS = 16
 LORA = {"rank": 8, "scale": 20.0, "dropout": 0.0}
@@ -86,9 +87,21 @@ def span_mask(sequence: fixture_data.Sequence) -> np.ndarray:
     return mask
 
 
+def padded(sequence: fixture_data.Sequence, max_seq_length: int) -> tuple[mx.array, mx.array]:
+    """(ids, mask) of one window with a leading batch axis, zero-padded (mask 0) so that the
+    model input ``ids[:, :-1]`` is a multiple of PAD_TO long: the trainer's compiled step is
+    traced once per length, as with mlx-lm's own batching."""
+    ids = np.array(sequence.ids[:max_seq_length], np.int32)
+    mask = span_mask(sequence)[:max_seq_length]
+    length = 1 + PAD_TO * -(-(len(ids) - 1) // PAD_TO)
+    ids = np.pad(ids, (0, length - len(ids)))
+    mask = np.pad(mask, (0, length - len(mask)))
+    return mx.array(ids[None]), mx.array(mask[None])
+
+
 def span_batches(sequences: list[fixture_data.Sequence], seed: int):
-    """``mlx_lm.tuner.train``'s ``iterate_batches``: one window per batch, (ids, mask) with a
-    leading batch axis; the sources take turns (each source's windows in seeded order, cycled),
+    """``mlx_lm.tuner.train``'s ``iterate_batches``: one window per batch (:func:`padded`); the
+    sources take turns (each source's windows in seeded order, cycled),
     so every source gets the same number of steps however many windows it has."""
 
     def iterate(dataset, batch_size, max_seq_length, loop=False, comm_group=None, **_):
@@ -101,8 +114,7 @@ def span_batches(sequences: list[fixture_data.Sequence], seed: int):
             if n >= max(len(o) for o in orders) and not loop:
                 return
             for order in orders:
-                sequence = order[n % len(order)]
-                yield mx.array([sequence.ids[:max_seq_length]]), mx.array(span_mask(sequence)[None, :max_seq_length])
+                yield padded(order[n % len(order)], max_seq_length)
 
     return iterate
 
