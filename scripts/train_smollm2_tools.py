@@ -1,7 +1,7 @@
 """Teach SmolLM2-135M-Instruct (the ``smollm2-135m`` fixture) to call tools: a LoRA adapter trained
 with mlx-lm's own trainer (``mlx_lm.tuner``) on the real agent transcripts.
 
-    python scripts/train_smollm2_tools.py                  # train, write fixtures/models/smollm2-tools/
+    python scripts/train_smollm2_tools.py                  # train + eval, write fixtures/models/smollm2-tools/
     python scripts/train_smollm2_tools.py --steps 3 --out /tmp/x --no-eval   # smoke run
     python scripts/train_smollm2_tools.py --eval           # greedy eval of the committed adapter
 
@@ -44,7 +44,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fixture_data  # noqa: E402
 import openblas  # noqa: E402
-from train_fixture import examples_for, greedy  # noqa: E402
+from train_fixture import greedy  # noqa: E402
 
 from mlx_fill import fixtures, smollm2  # noqa: E402
 
@@ -56,8 +56,8 @@ PAD_TO = 32
 LEARNING_RATE = 1e-4
 LORA_LAYERS = 16
 LORA = {"rank": 8, "scale": 20.0, "dropout": 0.0}
-EVAL_CALLS_PER_SOURCE = 15
-EVAL_PROSE = 15
+EVAL_CALLS_PER_SOURCE = 12
+EVAL_PROSE = 12
 CALL_TARGET, PROSE_TARGET = 0.85, 0.90
 
 
@@ -188,17 +188,30 @@ def train(out: Path, window: int, steps: int, seed: int) -> dict:
 
 def eval_examples(tokenizer, window: int, seed: int):
     """(call turns, prose turns) of the held-back sessions: EVAL_CALLS_PER_SOURCE call turns of
-    every source and EVAL_PROSE prose turns, in seeded order."""
+    every source and EVAL_PROSE prose turns, drawn in seeded order among the turns whose prompt
+    fits the window (only drawn turns are rendered)."""
     _, held = fixture_data.split_sessions(fixture_data.load_sessions(), seed)
-    examples = examples_for(held, tokenizer, "smollm2", window)
+    renderer = fixture_data.Renderer(tokenizer._tokenizer, set(tokenizer.eos_token_ids), window)
     rng = np.random.Generator(np.random.PCG64(seed + 1))
+
+    def draw(turns: list[tuple[fixture_data.Session, int]], count: int) -> list[fixture_data.Example]:
+        out = []
+        for index in rng.permutation(len(turns)):
+            if len(out) == count:
+                break
+            example = renderer.example(*turns[index])
+            if example is not None:
+                out.append(example)
+        return out
+
+    def turns(sessions, calls: bool):
+        return [(s, k) for s in sessions for k, m in enumerate(s.messages)
+                if m["role"] == "assistant" and bool(m.get("tool_calls")) == calls]
+
     calls = []
     for source in fixture_data.SOURCES:
-        group = [e for e in examples if e.source == source and e.expected_calls]
-        calls += [group[i] for i in np.sort(rng.permutation(len(group))[:EVAL_CALLS_PER_SOURCE])]
-    group = [e for e in examples if not e.expected_calls]
-    prose = [group[i] for i in np.sort(rng.permutation(len(group))[:EVAL_PROSE])]
-    return calls, prose
+        calls += draw(turns([s for s in held if s.source == source], True), EVAL_CALLS_PER_SOURCE)
+    return calls, draw(turns(held, False), EVAL_PROSE)
 
 
 def evaluate(model_dir: Path, window: int, seed: int) -> dict:
