@@ -19,6 +19,7 @@ from mlx_lm import generate, load
 
 from mlx_fill.assets import fixtures, smollm2
 from mlx_fill.assets import store as assets
+from mlx_fill.core.paths import TRANSCRIPTS
 
 NAME = "smollm2-135m"
 PER_SOURCE = 3  # sessions per transcript source
@@ -26,8 +27,8 @@ MAX_TEXT_CHARS = 4000
 
 
 def transcripts_file() -> Path:
-    """The recorded agent sessions the tokenizer is checked on."""
-    return Path(__file__).resolve().parents[2].parent / "shared" / "transcripts" / "dev.jsonl.gz"
+    """The recorded agent sessions the tokenizer is checked on (shipped with the repository)."""
+    return TRANSCRIPTS
 
 
 def _sessions() -> list[dict]:
