@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import importlib.metadata
 import os
 import platform
@@ -76,7 +77,9 @@ def mlx_version() -> str:
     return str(getattr(mx, "__version__", UNKNOWN))
 
 
+@functools.cache
 def mlx_lm_version() -> str:
+    """The installed mlx-lm release (read once per process)."""
     try:
         return importlib.metadata.version("mlx-lm")
     except importlib.metadata.PackageNotFoundError:
@@ -142,7 +145,12 @@ def describe_library(path: str) -> Blas:
 
 def blas() -> Blas:
     """The BLAS MLX's CPU backend calls in this process (:data:`NO_BLAS` on a GPU backend)."""
-    if backend() != "cpu":
-        return NO_BLAS
+    return _cpu_blas() if backend() == "cpu" else NO_BLAS
+
+
+@functools.cache
+def _cpu_blas() -> Blas:
+    """Found once per process: the library a symbol binds to does not change after start-up
+    (``LD_PRELOAD`` is read at exec), and every request's plan key asks for it."""
     path = gemm_library()
     return describe_library(path) if path else Blas(UNKNOWN, UNKNOWN, UNKNOWN)
