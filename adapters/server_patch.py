@@ -137,6 +137,9 @@ def _ledger_for(model_key: str, tokenizer: Any) -> Ledger | None:
     return _ledgers[key]
 
 
+# per model: the cost-gated sources' per-draft acceptance estimates, kept for the process lifetime
+_acceptance: dict[str, dict] = {}
+
 _template_vars: dict[str, frozenset[str]] = {}
 
 
@@ -166,7 +169,7 @@ def _budget_refusal(body: dict, tokenizer: Any) -> str | None:
 
 
 def _open_session(fill_request: FillRequest, args: Any, kwargs: dict,
-                  ledger: Ledger | None = None) -> FillSession | None:
+                  ledger: Ledger | None = None, model_key: str = "") -> FillSession | None:
     """The request's session; a request fill cannot serve (malformed tools or prediction) or
     must not compile (:func:`_budget_refusal`) gets a refused session, so it decodes exactly as
     without fill and says why in ``usage.fill``."""
@@ -189,7 +192,8 @@ def _open_session(fill_request: FillRequest, args: Any, kwargs: dict,
             logprobs=bool(getattr(args, "logprobs", False)) or (getattr(args, "top_logprobs", -1) or -1) > 0,
             response_format=body.get("response_format"),
             media=kwargs.get("input_embeddings") is not None,
-            prediction=body.get("prediction"), ledger=ledger)
+            prediction=body.get("prediction"), ledger=ledger,
+            acceptance=_acceptance.setdefault(model_key, {}))
     except ValueError as e:
         session = FillSession([], prompt_ids=prompt_ids)
         session.refuse("invalid_request")
@@ -261,7 +265,7 @@ def apply(server: Any, mode: str) -> bool:
         fill_request, args, model_key = current
         try:
             ledger = _ledger_for(model_key, kw["tokenizer"])
-            session = _open_session(fill_request, args, kw, ledger)
+            session = _open_session(fill_request, args, kw, ledger, model_key)
         except Exception as e:  # noqa: BLE001 -- a fill bug must not fail the request
             log.warning("mlx-fill: request served without fill (%s: %s)", type(e).__name__, e)
             fill_request.error = f"{type(e).__name__}: {e}"

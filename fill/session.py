@@ -7,7 +7,10 @@ Modes (``MLX_FILL`` / ``--fill``): ``off`` -> no session; ``strict`` -> the stri
 (spans the template/schema and parser state determine); ``echo`` -> strict + echo; ``all`` ->
 strict + echo + suffix + ngram, plus the sources named in ``extra_sources`` / ``MLX_FILL_SOURCES``. An OpenAI
 ``prediction`` adds a :class:`~mlx_fill.sources.prediction.PredictionSource` (``verify``: lossless) in
-every mode but ``off``.
+every mode but ``off``. Every source that proposes ``verify`` drafts from context (echo, suffix,
+ngram, prediction) is priced per draft by a :class:`~mlx_fill.spec.cost.CostGate` on the
+request's dispatch plan: it proposes only the prefix whose expected accepted ids pay for the
+forward under the loaded model's own cost curve.
 
 A request that fill must not touch still gets a session, refused with a counted reason, so the
 reason shows in ``usage.fill.refusals``: ``logprobs`` (forced tokens have no real logprobs),
@@ -35,7 +38,10 @@ from typing import Any
 from mlx_fill.core.plan import unqualified
 from mlx_fill.modes import check_mode
 from mlx_fill.core.resolve import plan_for
+from mlx_fill.sources.prediction import ORIGIN as PREDICTION
 from mlx_fill.sources.prediction import PredictionSource, prediction_text, prediction_usage
+from mlx_fill.spec.cost import CostGate
+from mlx_fill.spec.roster import NAMES, make_sources, source_acceptance
 from mlx_fill.core.proposal import DEFAULT_MAX_SPAN, MEDIA_REFUSAL, FillSession, ProposalSource
 
 log = logging.getLogger("mlx_fill")
@@ -89,7 +95,6 @@ def check_env() -> None:
     variable, instead of every request failing later."""
     env_max_span()
     env_promote()
-    from mlx_fill.spec.roster import NAMES
     unknown = [n for n in source_names(None) if n not in NAMES]
     if unknown:
         raise ValueError(f"MLX_FILL_SOURCES: unknown sources {unknown}; known: {list(NAMES)}")
@@ -141,6 +146,7 @@ def build_session(
     ledger: Any = None,
     draft_model: Any = None,
     refuse: str | None = None,
+    acceptance: dict | None = None,
 ) -> FillSession | None:
     """The fill session for one request; None when ``mode`` is ``off``.
 
@@ -150,7 +156,9 @@ def build_session(
     ``compile_budget``); no source is built then. ``max_span`` / ``trace_path`` default to
     ``MLX_FILL_MAX_SPAN`` / ``MLX_FILL_TRACE``. ``draft_model``: a loaded draft model (same
     tokenizer) proposing :data:`DRAFT_TOKENS` ids per round after every other source.
-    The session carries the dispatch plan (:func:`~mlx_fill.core.resolve.plan_for`: looked up once
+    ``acceptance``: a dict the caller keeps for a server's lifetime (one per model), holding
+    every cost-gated source's per-draft acceptance estimates across requests (None: each
+    request starts from the prior). The session carries the dispatch plan (:func:`~mlx_fill.core.resolve.plan_for`: looked up once
     per configuration and process, quick-qualified on the loaded model the first time no plan
     applies). Raises ValueError for a bad mode, malformed tools/schemas or a malformed prediction.
     The caller ends it with :func:`end_session` when generation ends.
@@ -168,19 +176,20 @@ def build_session(
         strict = _strict_source(tokenizer, messages, tools, template_kwargs, ledger)
         if strict is not None:
             sources.append(strict)
-        if prediction is not None:
-            ids = tokenizer.encode(prediction_text(prediction), add_special_tokens=False)
-            if ids:
-                sources.append(PredictionSource(ids, max_span=max_span))
+        predicted = (tokenizer.encode(prediction_text(prediction), add_special_tokens=False)
+                     if prediction is not None else [])
         plan = plan_for(model)  # after the request's own validation: a bad request measures nothing
+        if predicted:
+            gate = CostGate(plan, max_span,
+                            acceptance=source_acceptance(acceptance, PREDICTION, max_span))
+            sources.append(PredictionSource(predicted, max_span=max_span, gate=gate))
         names = list(_MODE_SOURCES[mode])
         if mode == "all":
             names += [n for n in source_names(extra_sources) if n not in names]
         if names:
-            from mlx_fill.spec.roster import make_sources
             sources += make_sources(names, plan=plan, tokenizer=tokenizer,
                                     prompt_ids=prompt_ids, global_tree=global_tree,
-                                    ledger=ledger, max_span=max_span)
+                                    ledger=ledger, max_span=max_span, acceptance=acceptance)
         if draft_model is not None:
             from mlx_fill.spec.base import DraftProposalSource
             from mlx_fill.spec.draft import DraftModelSource

@@ -1,22 +1,30 @@
-"""The cost model: how many ids to propose this round.
+"""The cost model: how many ids to propose this round, priced for the draft at hand.
 
 A verify round over ``m`` proposed ids runs one forward of ``m + extra_rows`` rows, which costs
-``plan.cost_of(m + extra_rows)`` one-row forwards (the ``qualify`` cost curve), and emits
-``1 + sum_{j=1..m} prod_{i<j} q_i`` tokens in expectation, where ``q_i`` is the source's running
-probability that position ``i`` is accepted given every earlier one was. Plain decoding emits one
-token per one-row forward, so a round is worth running only when its expected tokens per unit
-cost exceed 1; :func:`choose_length` returns the ``m`` maximizing that ratio, or 0 when no ``m``
-beats plain decoding (a request never gets slower in expectation because speculation is on).
+``plan.cost_of(m + extra_rows)`` one-row forwards (the loaded model's own ``qualify`` cost
+curve), and emits ``1 + sum_{j=1..m} prod_{i<j} q_i`` tokens in expectation, where ``q_i`` is the
+probability that position ``i`` of THIS draft is accepted given every earlier one was. Plain
+decoding emits one token per one-row forward, so a round is worth running only when its
+expected tokens per unit cost exceed 1; :func:`choose_length` returns the ``m`` maximizing that
+ratio, or 0 when no ``m`` beats plain decoding (a request never gets slower in expectation
+because a source is on).
 
-:class:`AcceptanceByPosition` keeps ``q_i`` as exponentially decayed counts with a Beta prior.
-:class:`CostGate` ties the two together for one source and one request; for model-free sources
-it keeps learning while proposing nothing (shadow drafts scored against what was emitted), so a
-source that stopped paying can earn its way back.
+Acceptance is estimated per draft, not per source: a source describes each draft by a hashable
+*key* (echo: anchor length, corroboration, delimiter end; n-gram: matched length; suffix: match
+and score buckets; prediction: in step with the output or re-anchored, and on what). Every key
+has its own :class:`AcceptanceByPosition`, whose prior is the source-wide estimate
+(:class:`DraftAcceptance`: back-off, so a key seen for the first time is priced like the
+source's average draft and moves away from it as its own evidence arrives).
+
+:class:`CostGate` ties curve and estimates together for one source and one request (the
+estimates may live across requests: pass the same :class:`DraftAcceptance`). Model-free sources
+keep learning while proposing nothing: a declined draft is kept as a *shadow* and scored token by
+token against what was emitted, so a source that stopped paying can earn its way back.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Hashable, Sequence
 
 from mlx_fill.core.plan import DispatchPlan
 
@@ -26,45 +34,61 @@ class AcceptanceByPosition:
 
     ``reached[i]`` counts rounds that proposed position ``i`` with every earlier position
     accepted; ``accepted[i]`` those that also accepted ``i``. Counts decay by ``decay`` per
-    observed round (kept lazily: a new round weighs ``decay ** -rounds``).
-    ``q(i) = (accepted[i] + prior_a) / (reached[i] + prior_a + prior_b)``.
+    round (kept lazily: a new round weighs ``decay ** -rounds``). Without a ``parent``,
+    ``q(i) = (accepted[i] + prior_a) / (reached[i] + prior_a + prior_b)``; with one, the prior
+    is the parent's estimate with weight ``prior_a + prior_b``:
+    ``q(i) = (accepted[i] + w * parent.q(i)) / (reached[i] + w)``.
+
+    A round is recorded at once (:meth:`observe`) or position by position as its outcome
+    becomes known (:meth:`open_round`, then :meth:`record` for positions 0, 1, ... in order).
     """
 
     def __init__(self, max_len: int = 64, *, decay: float = 0.98, prior_a: float = 1.0,
-                 prior_b: float = 1.0):
+                 prior_b: float = 1.0, parent: "AcceptanceByPosition | None" = None):
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
         self.max_len = max_len
         self.decay = decay
         self.prior_a = prior_a
         self.prior_b = prior_b
+        self.parent = parent
         self._reached = [0.0] * max_len
         self._accepted = [0.0] * max_len
         self._w = 1.0
         self.rounds = 0
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        """A round proposed ``drafted`` ids and the first ``accepted`` were accepted."""
-        if not 0 <= accepted <= drafted:
-            raise ValueError(f"accepted {accepted} outside 0..{drafted}")
+    def open_round(self) -> None:
+        """Start a round: older rounds lose weight by ``decay``."""
         self._w /= self.decay
         if self._w > 1e150:
             self._reached = [r / self._w for r in self._reached]
             self._accepted = [a / self._w for a in self._accepted]
             self._w = 1.0
-        w = self._w
-        for i in range(min(drafted, accepted + 1, self.max_len)):
-            self._reached[i] += w
-            if i < accepted:
-                self._accepted[i] += w
         self.rounds += 1
+
+    def record(self, i: int, accepted: bool) -> None:
+        """Position ``i`` of the open round was reached (every earlier one accepted) and was
+        or was not accepted."""
+        if i < self.max_len:
+            self._reached[i] += self._w
+            if accepted:
+                self._accepted[i] += self._w
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A round proposed ``drafted`` ids and the first ``accepted`` were accepted."""
+        if not 0 <= accepted <= drafted:
+            raise ValueError(f"accepted {accepted} outside 0..{drafted}")
+        self.open_round()
+        for i in range(min(drafted, accepted + 1, self.max_len)):
+            self.record(i, i < accepted)
 
     def q(self, i: int) -> float:
         if i >= self.max_len:
             return 0.0
         w = self._w
-        return (self._accepted[i] / w + self.prior_a) / (
-            self._reached[i] / w + self.prior_a + self.prior_b)
+        strength = self.prior_a + self.prior_b
+        prior = self.parent.q(i) if self.parent is not None else self.prior_a / max(strength, 1e-12)
+        return (self._accepted[i] / w + strength * prior) / (self._reached[i] / w + strength)
 
     def survival(self, m: int) -> list[float]:
         """``s[j] = P(positions 0..j all accepted)`` for j < m."""
@@ -109,48 +133,95 @@ def choose_length(plan: DispatchPlan, stats: AcceptanceByPosition, max_len: int,
     return best_m if best_rate > min_gain else 0
 
 
+class DraftAcceptance:
+    """Acceptance estimates of one source, per draft key: ``stats(key)`` is the key's
+    :class:`AcceptanceByPosition`, backed off to the source-wide one (``stats(())``), which
+    every round also updates. Keep one per source for a server's lifetime to carry what was
+    learned across requests (it is a pure function of the drafts and the emitted ids)."""
+
+    def __init__(self, max_len: int = 64, *, decay: float = 0.98):
+        self.max_len = max_len
+        self.decay = decay
+        self.source = AcceptanceByPosition(max_len=max_len, decay=decay)
+        self._by_key: dict[Hashable, AcceptanceByPosition] = {}
+
+    def stats(self, key: Hashable = ()) -> AcceptanceByPosition:
+        if key == ():
+            return self.source
+        st = self._by_key.get(key)
+        if st is None:
+            st = self._by_key[key] = AcceptanceByPosition(max_len=self.max_len, decay=self.decay,
+                                                          parent=self.source)
+        return st
+
+    def tables(self, key: Hashable) -> tuple[AcceptanceByPosition, ...]:
+        """The statistics one round of a ``key`` draft updates: the key's and the source's."""
+        return (self.source,) if key == () else (self.stats(key), self.source)
+
+    def observe(self, key: Hashable, drafted: int, accepted: int) -> None:
+        for st in self.tables(key):
+            st.observe(drafted, accepted)
+
+    @property
+    def keys(self) -> list[Hashable]:
+        return list(self._by_key)
+
+
 class CostGate:
-    """Per-source, per-request length policy: ``length()`` before each draft, ``observe`` after
-    each verified round, ``begin(feed)``/``shadow(ids)`` to score drafts that were not proposed
-    (model-free sources only: a shadow draft costs nothing but a lookup)."""
+    """Per-source, per-request length policy, priced per draft: ``length(key, available)``
+    for a draft of ``available`` ids described by ``key``, ``observe(drafted, accepted, key)``
+    after each verified round, ``shadow(ids, key)`` to keep a declined draft (model-free sources
+    only: a shadow costs nothing but a lookup) and ``begin(feed)`` to score it against the
+    newly committed ids, position by position as they arrive."""
 
     def __init__(self, plan: DispatchPlan, max_len: int = 32, *, extra_rows: int = 1,
-                 stats: AcceptanceByPosition | None = None):
+                 acceptance: DraftAcceptance | None = None):
         self.plan = plan
         self.max_len = max_len
         self.extra_rows = extra_rows
-        self.stats = stats if stats is not None else AcceptanceByPosition(max_len=max_len)
+        self.acceptance = acceptance if acceptance is not None else DraftAcceptance(max_len)
         self.costs = round_costs(plan, max_len, extra_rows)
         self._shadow: list[int] = []
+        self._shadow_tables: tuple[AcceptanceByPosition, ...] = ()
         self._shadow_ok = 0
 
-    def length(self) -> int:
-        return choose_length(self.plan, self.stats, self.max_len, extra_rows=self.extra_rows,
-                             costs=self.costs)
+    @property
+    def stats(self) -> AcceptanceByPosition:
+        """The source-wide estimate."""
+        return self.acceptance.source
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        self.stats.observe(drafted, accepted)
+    def length(self, key: Hashable = (), available: int | None = None) -> int:
+        """How many of a ``key`` draft's ``available`` ids (None: up to ``max_len``) to
+        propose; 0: none pays."""
+        limit = self.max_len if available is None else min(available, self.max_len)
+        if limit <= 0:
+            return 0
+        return choose_length(self.plan, self.acceptance.stats(key), limit,
+                             extra_rows=self.extra_rows, costs=self.costs)
 
-    def shadow(self, ids: Sequence[int]) -> None:
-        """Remember a draft that was not proposed; it is scored by the next fed tokens."""
-        if not self._shadow and ids:
-            self._shadow = list(ids)
-            self._shadow_ok = 0
+    def observe(self, drafted: int, accepted: int, key: Hashable = ()) -> None:
+        self.acceptance.observe(key, drafted, accepted)
+
+    def shadow(self, ids: Sequence[int], key: Hashable = ()) -> None:
+        """Keep a draft that was not proposed; the next fed ids score it (ignored while an
+        earlier shadow is still being scored)."""
+        if self._shadow or not ids:
+            return
+        self._shadow = list(ids[:self.max_len])
+        self._shadow_tables = self.acceptance.tables(key)
+        self._shadow_ok = 0
+        for st in self._shadow_tables:
+            st.open_round()
 
     def begin(self, feed: Sequence[int]) -> None:
-        """Score the pending shadow draft against newly committed tokens."""
-        if not self._shadow:
-            return
+        """Score the pending shadow draft against newly committed ids: each position is
+        recorded as soon as the id for its slot is known."""
         for t in feed:
-            if t != self._shadow[self._shadow_ok]:
-                self._settle()
+            if not self._shadow:
                 return
+            ok = t == self._shadow[self._shadow_ok]
+            for st in self._shadow_tables:
+                st.record(self._shadow_ok, ok)
             self._shadow_ok += 1
-            if self._shadow_ok == len(self._shadow):
-                self._settle()
-                return
-
-    def _settle(self) -> None:
-        self.stats.observe(len(self._shadow), self._shadow_ok)
-        self._shadow = []
-        self._shadow_ok = 0
+            if not ok or self._shadow_ok == len(self._shadow):
+                self._shadow = []

@@ -8,7 +8,7 @@ chosen by its own :class:`~mlx_fill.spec.cost.CostGate` from the plan's cost cur
 
 from __future__ import annotations
 
-from typing import Any, Collection, Sequence
+from typing import Any, Collection, Hashable, Sequence
 
 from mlx_fill.core.index import LOOKUP_MAX_SPAN, EchoIndex
 from mlx_fill.sources.echo import EchoDraft, EchoSource
@@ -17,7 +17,7 @@ from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.proposal import ProposalSource
 from .base import DraftProposalSource, DraftSource
 from .combine import BestOf
-from .cost import AcceptanceByPosition, CostGate
+from .cost import CostGate, DraftAcceptance
 from .ngram import NgramDraft
 from .suffix import GlobalSuffixTree, SuffixDraft, SuffixParams
 
@@ -26,27 +26,43 @@ ECHO_ROW = "echo:corroborated"
 
 
 class GatedDraft:
-    """A model-free DraftSource whose declined rounds are drafted anyway and scored as shadow
-    drafts, and whose verified rounds feed the gate's acceptance statistics."""
+    """A model-free DraftSource priced per draft: every round drafts up to the gate's
+    ``max_len``, the gate chooses how much of that draft pays from the estimate for its key
+    (the source's ``confidence()``), a declined draft is kept as a shadow, and verified rounds
+    feed the estimate of the key they were proposed under."""
 
     def __init__(self, source: DraftSource, gate: CostGate):
         self.source = source
         self.gate = gate
         self.name = source.name
+        self._key: Hashable = ()
 
     def prefill(self, prompt: Sequence[int]) -> None:
         self.source.prefill(prompt)
 
     def draft(self, feed: Sequence[int], n: int) -> list[int]:
         self.gate.begin(feed)
-        if n <= 0:
-            self.gate.shadow(self.source.draft(feed, self.gate.max_len))
+        ids = self.source.draft(feed, self.gate.max_len)
+        if not ids:
             return []
-        return self.source.draft(feed, n)
+        key = draft_key(self.source)
+        m = self.gate.length(key, min(n, len(ids)))
+        if m <= 0:
+            self.gate.shadow(ids, key)
+            return []
+        self._key = key
+        return ids[:m]
 
     def commit(self, drafted: Sequence[int], accepted: int) -> None:
-        self.gate.observe(len(drafted), accepted)
+        self.gate.observe(len(drafted), accepted, self._key)
         self.source.commit(drafted, accepted)
+
+
+def draft_key(source: Any) -> Hashable:
+    """The key a draft is priced under: the source's description of its last draft
+    (``confidence()``), or the source-wide estimate when it gives none."""
+    confidence = getattr(source, "confidence", None)
+    return confidence() if confidence is not None else ()
 
 
 def delimiter_ids(delimiters: Collection[int | str], tokenizer: Any) -> frozenset[int]:
@@ -115,12 +131,7 @@ def make_sources(
     def gate(max_len: int, name: str) -> CostGate | None:
         if plan is None:
             return None
-        if acceptance is None:
-            return CostGate(plan, max_len)
-        key = (name, "gate")
-        if key not in acceptance:
-            acceptance[key] = AcceptanceByPosition(max_len=max_len)
-        return CostGate(plan, max_len, stats=acceptance[key])
+        return CostGate(plan, max_len, acceptance=source_acceptance(acceptance, name, max_len))
 
     out: list[ProposalSource] = []
     for name in names:
@@ -137,8 +148,17 @@ def make_sources(
             src, cap = SuffixDraft(index, global_tree=global_tree,
                                    params=SuffixParams(max_spec=max_span)), max_span
         g = gate(cap, name)
-        if g is None:
-            out.append(DraftProposalSource(src, length=lambda cap=cap: cap))
-        else:
-            out.append(DraftProposalSource(GatedDraft(src, g), length=g.length))
+        out.append(DraftProposalSource(src if g is None else GatedDraft(src, g),
+                                       length=lambda cap=cap: cap))
     return out
+
+
+def source_acceptance(acceptance: dict | None, name: str, max_len: int) -> DraftAcceptance:
+    """Source ``name``'s per-draft estimates: kept in ``acceptance`` (a server-lifetime dict)
+    when given, else fresh for this request."""
+    if acceptance is None:
+        return DraftAcceptance(max_len)
+    key = (name, "gate")
+    if key not in acceptance:
+        acceptance[key] = DraftAcceptance(max_len)
+    return acceptance[key]

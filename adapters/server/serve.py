@@ -104,6 +104,7 @@ class Engine:
         if self.fill != "off":
             from mlx_fill.session import server_ledger
             self.ledger = server_ledger(str(model_path), self.tokenizer)
+        self.acceptance: dict = {}  # per-draft acceptance estimates, kept for the server's lifetime
         self.global_tree = None
         if self.fill == "all":
             from mlx_fill.spec.suffix import GlobalSuffixTree
@@ -138,7 +139,7 @@ class Engine:
             messages=req.messages, tools=req.tools, template_kwargs=req.chat_template_kwargs,
             temperature=req.temperature, seed=req.seed, prediction=req.prediction,
             global_tree=self.global_tree, ledger=self.ledger, draft_model=self.draft,
-            refuse=refuse)
+            refuse=refuse, acceptance=self.acceptance)
         return session
 
     def _thinking_open(self, prompt_ids: list[int]) -> bool:

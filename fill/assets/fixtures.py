@@ -28,6 +28,7 @@ with the same stamp rule.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import functools
 import hashlib
 import json
@@ -154,13 +155,20 @@ def fixture_path(name: str) -> Path:
     stamp = dest / STAMP
     if stamp.is_file() and stamp.read_text().strip() == digest:
         return dest
-    tmp = dest.with_name(dest.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    build(tmp)
-    (tmp / STAMP).write_text(digest + "\n")
-    shutil.rmtree(dest, ignore_errors=True)
-    tmp.rename(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    # one builder per fixture across processes (test workers, ranks of mlx.launch, a server and a
+    # script): the others wait on the lock and then find the stamp
+    with open(dest.parent / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if stamp.is_file() and stamp.read_text().strip() == digest:
+            return dest
+        tmp = dest.with_name(dest.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        build(tmp)
+        (tmp / STAMP).write_text(digest + "\n")
+        shutil.rmtree(dest, ignore_errors=True)
+        tmp.rename(dest)
     return dest
 
 

@@ -96,6 +96,7 @@ class FillStats:
     source_errors: Counter = field(default_factory=Counter)
     parse_fallbacks: int = 0
     checkpoint_ms: float = 0.0
+    source_ms: float = 0.0  # wall time inside the sources' propose/feedback (the bookkeeping)
     by_origin: Counter = field(default_factory=Counter)
     by_certainty: Counter = field(default_factory=Counter)  # committed ids per strict row class
 
@@ -111,6 +112,7 @@ class FillStats:
         d["by_certainty"] = dict(self.by_certainty)
         d["forwards_saved"] = self.forwards_saved
         d["checkpoint_ms"] = round(self.checkpoint_ms, 3)
+        d["source_ms"] = round(self.source_ms, 3)
         return d
 
 
@@ -158,6 +160,13 @@ class FillSession:
         """The first usable proposal of the armed sources, cut at EOS and ``max_span``."""
         if self.refused is not None:
             return None
+        t0 = time.perf_counter()
+        try:
+            return self._propose(view)
+        finally:
+            self.stats.source_ms += (time.perf_counter() - t0) * 1e3
+
+    def _propose(self, view: DecodeView) -> Proposal | None:
         for src in list(self.sources):
             try:
                 p = src.propose(view)
@@ -181,6 +190,7 @@ class FillSession:
 
     def feedback(self, proposal: Proposal, accepted: int, position: int) -> None:
         """Record the outcome; forward it to the source that made the proposal."""
+        t0 = time.perf_counter()
         s = self.stats
         s.events += 1
         s.by_origin[proposal.origin] += accepted
@@ -207,3 +217,4 @@ class FillSession:
             if proposal.certainty is not None:
                 event["certainty"] = proposal.certainty
             self.trace.write(json.dumps(event) + "\n")
+        s.source_ms += (time.perf_counter() - t0) * 1e3

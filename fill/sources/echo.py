@@ -111,8 +111,10 @@ class EchoSource:
     and the span is corroborated by >= 2 occurrences, had no
     branch stop and ends at a delimiter. Feedback on corroborated ``verify`` spans is reported
     to ``record(origin, agreed)`` (the ledger), agreement iff every id was accepted.
-    With a ``gate`` (:class:`~mlx_fill.spec.cost.CostGate`) the span length is the cost
-    model's choice, and rounds it declines are scored as shadow drafts.
+    With a ``gate`` (:class:`~mlx_fill.spec.cost.CostGate`) every span is priced under its own
+    key (:meth:`EchoDraft.confidence`: anchor, corroboration, delimiter end): the gate keeps
+    the prefix that pays, and a span it declines is scored as a shadow draft. A cut span is
+    never ``corroborated`` (it no longer ends where the occurrences agreed).
     """
 
     def __init__(self, draft: EchoDraft, *, gate=None,
@@ -125,6 +127,7 @@ class EchoSource:
         self._record = record
         self._prompt_len = -1
         self._seen = 0
+        self._key: tuple = ()
 
     def propose(self, view: DecodeView) -> Proposal | None:
         if self._prompt_len < 0:
@@ -132,27 +135,31 @@ class EchoSource:
             self._prompt_len = len(view.prompt)
         feed = view.emitted[self._seen:]
         self._seen = len(view.emitted)
-        n = self.draft.max_span
         if self.gate is not None:
             self.gate.begin(feed)
-            n = self.gate.length()
-        ids = self.draft.draft(feed, n if n > 0 else self.draft.max_span)
+        ids = self.draft.draft(feed, self.draft.max_span)
         span = self.draft.last_span
-        if n <= 0:
-            self.gate.shadow(ids)
-            return None
         if not ids or span is None:
             return None
-        corroborated = span.corroboration >= 2 and not span.branch_stop and span.at_delimiter
+        n = len(ids)
+        if self.gate is not None:
+            key = self.draft.confidence()
+            n = self.gate.length(key, len(ids))
+            if n <= 0:
+                self.gate.shadow(ids, key)
+                return None
+            self._key = key
+        corroborated = (n == len(span.ids) and span.corroboration >= 2 and not span.branch_stop
+                        and span.at_delimiter)
         if corroborated and self._assert_allowed():
             return Proposal(span.ids, "assert", f"{self.name}:corroborated")
-        return Proposal(span.ids, "verify", f"{self.name}:corroborated" if corroborated
+        return Proposal(span.ids[:n], "verify", f"{self.name}:corroborated" if corroborated
                         else self.name)
 
     def feedback(self, proposal: Proposal, accepted: int) -> None:
         if proposal.policy != "verify":
             return
         if self.gate is not None:
-            self.gate.observe(len(proposal.ids), accepted)
+            self.gate.observe(len(proposal.ids), accepted, self._key)
         if self._record is not None and proposal.origin.endswith(":corroborated"):
             self._record(proposal.origin, accepted == len(proposal.ids))

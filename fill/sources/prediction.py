@@ -5,6 +5,12 @@ the agreeing prefix, so a wrong prediction costs time, never tokens. It keeps a 
 prediction: while the output follows the prediction the cursor advances with it; after a
 divergence it re-anchors on the longest trailing n-gram of the output that occurs in the
 prediction at or after the cursor (edits keep their order), else anywhere.
+
+With a ``gate`` (:class:`~mlx_fill.spec.cost.CostGate`) a prediction is priced like any other
+draft: its key says whether the cursor is in step with the output (``("sync",)``) or was just
+re-anchored on a ``k``-gram (``("anchor", k)``), the gate keeps the prefix that pays under the
+loaded model's cost curve, and a declined span is scored as a shadow draft, so a prediction that
+has stopped matching costs lookups, not forwards.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mlx_fill.core.proposal import DEFAULT_MAX_SPAN, DecodeView, FillSession, Proposal
+from mlx_fill.spec.cost import CostGate
 
 ORIGIN = "prediction"
 ANCHORS = (8, 4, 3, 2)
@@ -41,42 +48,60 @@ def prediction_text(prediction: Any) -> str:
 class PredictionSource:
     """``verify`` proposals from a predicted completion's ids (at most ``max_span`` per round)."""
 
-    def __init__(self, ids: Sequence[int], *, max_span: int = DEFAULT_MAX_SPAN, name: str = ORIGIN):
+    def __init__(self, ids: Sequence[int], *, max_span: int = DEFAULT_MAX_SPAN, name: str = ORIGIN,
+                 gate: CostGate | None = None):
         self.name = name
         self.ids = [int(t) for t in ids]
         self.max_span = max_span
+        self.gate = gate
         self._cursor: int | None = 0
         self._seen = 0
+        self._state: tuple = ("sync",)
+        self._key: tuple = ()
         self._grams: dict[int, dict[tuple[int, ...], list[int]]] = {k: {} for k in ANCHORS}
         for k in ANCHORS:
             for end in range(k, len(self.ids) + 1):
                 self._grams[k].setdefault(tuple(self.ids[end - k:end]), []).append(end)
 
-    def _reanchor(self, emitted: Sequence[int], after: int) -> int | None:
+    def _reanchor(self, emitted: Sequence[int], after: int) -> tuple[int | None, int]:
+        """(cursor, anchor length) after a divergence; (None, 0) when no anchor recurs."""
         for k in ANCHORS:
             if len(emitted) < k:
                 continue
             ends = self._grams[k].get(tuple(emitted[-k:]))
             if ends:
-                return next((e for e in ends if e >= after), ends[0])
-        return None
+                return next((e for e in ends if e >= after), ends[0]), k
+        return None, 0
 
     def propose(self, view: DecodeView) -> Proposal | None:
         emitted = view.emitted
         new = emitted[self._seen:]
         self._seen = len(emitted)
+        if self.gate is not None:
+            self.gate.begin(new)
         c = self._cursor
         if c is not None and list(new) == self.ids[c:c + len(new)]:
             c += len(new)
         else:
-            c = self._reanchor(emitted, c or 0)
+            c, k = self._reanchor(emitted, c or 0)
+            self._state = ("anchor", k)
         self._cursor = c
         if c is None or c >= len(self.ids):
             return None
-        return Proposal(tuple(self.ids[c:c + self.max_span]), "verify", self.name)
+        ids = tuple(self.ids[c:c + self.max_span])
+        key, self._state = self._state, ("sync",)
+        if self.gate is not None:
+            n = self.gate.length(key, len(ids))
+            if n <= 0:
+                self.gate.shadow(ids, key)
+                return None
+            ids = ids[:n]
+            self._key = key
+        return Proposal(ids, "verify", self.name)
 
     def feedback(self, proposal: Proposal, accepted: int) -> None:
-        return None
+        if self.gate is not None:
+            self.gate.observe(len(proposal.ids), accepted, self._key)
 
 
 def prediction_usage(session: FillSession | None, predicted: int) -> dict[str, int]:

@@ -3,17 +3,21 @@
 Two parts, both interleaved (every repeat runs every arm on the same prompt back to back, so
 machine drift hits all arms) and reported as medians:
 
-1. ``e2e`` — the trained fixture models on the frozen held-out prompts
-   (``fixtures/prompts/heldout.jsonl``): plain ``mlx_lm`` ``generate_step`` vs the fill loop in
-   each mode (and the fixture's own MTP head where one is committed). Prints tokens/s, target
-   forwards per emitted token, the share of emitted tokens a fill source wrote and the speed
-   ratio to plain per arm, and checks that every arm produced exactly plain decoding's ids.
+1. ``e2e`` — fixture models (the trained ones, and ``smollm2-tools``, a real pre-trained model
+   taught to call tools) on the frozen held-out prompts (``fixtures/prompts/heldout.jsonl``,
+   every transcript source): plain ``mlx_lm`` ``generate_step`` vs the fill loop in each mode
+   (and the fixture's own MTP head where one is committed). Prints tokens/s, target forwards per
+   emitted token, the share of emitted tokens a fill source wrote, the sources' bookkeeping
+   (time inside propose/feedback per emitted token, as a share of one plain decode step) and the
+   speed ratio to plain per arm, per source and overall, and checks that every arm produced
+   exactly plain decoding's ids. ``prose`` runs the same arms on chat requests with no tools
+   and nothing to copy: what the flag costs where there is nothing to fill.
 2. ``mechanism`` — a random-weight Qwen3-0.6B-shaped model (bf16; 4-bit weights with fp32
    activations) driven through recorded assistant turns by a forcing logits processor, so every
    arm emits the recorded tokens: what fill and speculation save at a realistic forward cost on
    the real workload shape.
 
-    python -m scripts.bench [--quick] [--parts e2e,mechanism] [--fixtures a,b] [--json out.json]
+    python -m scripts.bench [--quick] [--parts e2e,prose,mechanism] [--fixtures a,b] [--json out.json]
 """
 
 from __future__ import annotations
@@ -51,29 +55,37 @@ class Arm:
     tokens: int = 0
     forwards: int = 0
     injected: int = 0  # tokens written by a fill source (verified or asserted), not sampled
+    source_ms: float = 0.0  # time inside the sources' propose/feedback, all repeats
     mismatches: int = 0
 
     def tps(self) -> float:
         return self.tokens / max(sum(self.seconds), 1e-9)
 
 
-def interleave(acc: dict[str, Arm], arms, repeats: int, run_arm, reference) -> None:
+def interleave(acc: dict[str, Arm], arms, repeats: int, run_arm, reference,
+               also: dict[str, Arm] | None = None) -> None:
     """Run every arm ``repeats`` times back to back on one prompt (``run_arm(arm) -> (session,
     ids, seconds)``), then record each arm's median time, tokens, forwards and whether its ids
-    equal ``reference`` (plain decoding's ids when None)."""
+    equal ``reference`` (plain decoding's ids when None), into ``acc`` and ``also`` (a
+    per-source table) alike."""
     times: dict[str, list[float]] = {a: [] for a in arms}
     outs: dict[str, list[int]] = {}
+    tables = [acc] if also is None else [acc, also]
     for _ in range(repeats):
         for a in arms:
             session, outs[a], dt = run_arm(a)
             times[a].append(dt)
-            acc[a].forwards += session.stats.forwards if session is not None else len(outs[a])
-            acc[a].injected += session.stats.injected if session is not None else 0
+            for table in tables:
+                arm = table[a]
+                arm.forwards += session.stats.forwards if session is not None else len(outs[a])
+                arm.injected += session.stats.injected if session is not None else 0
+                arm.source_ms += session.stats.source_ms if session is not None else 0.0
     expected = outs["plain"] if reference is None else reference
-    for a in arms:
-        acc[a].seconds.append(statistics.median(times[a]))
-        acc[a].tokens += len(outs[a])
-        acc[a].mismatches += outs[a] != expected
+    for table in tables:
+        for a in arms:
+            table[a].seconds.append(statistics.median(times[a]))
+            table[a].tokens += len(outs[a])
+            table[a].mismatches += outs[a] != expected
 
 
 def timed_decode(prompt: list[int], model, session: FillSession | None, *, max_tokens: int,
@@ -92,13 +104,17 @@ def timed_decode(prompt: list[int], model, session: FillSession | None, *, max_t
     return out, time.perf_counter() - t0
 
 
-def e2e_session(arm: str, *, model, tok, ids, row, draft=None, mtp_head=None) -> FillSession | None:
+def e2e_session(arm: str, *, model, tok, ids, row, draft=None, mtp_head=None,
+                acceptance: dict | None = None) -> FillSession | None:
+    """The arm's session for one request; ``acceptance`` carries the arm's per-draft
+    acceptance estimates across requests, as a server keeps them."""
     from mlx_fill.session import build_session
     if arm == "plain":
         return None
     if arm in ("ngram", "suffix"):
         from mlx_fill.spec.roster import make_sources
-        sources = make_sources([arm], plan=plan_for(model), tokenizer=tok, prompt_ids=ids)
+        sources = make_sources([arm], plan=plan_for(model), tokenizer=tok, prompt_ids=ids,
+                               acceptance=acceptance)
         return FillSession(sources, prompt_ids=ids, eos_ids=tok.eos_token_ids)
     if arm == "mtp":
         from mlx_fill.spec.mtp import make_mtp_source
@@ -112,10 +128,13 @@ def e2e_session(arm: str, *, model, tok, ids, row, draft=None, mtp_head=None) ->
     if arm == "off":
         return FillSession([], prompt_ids=ids, eos_ids=tok.eos_token_ids)
     return build_session(arm, model=model, tokenizer=tok, prompt_ids=ids,
-                         messages=row["messages"], tools=row["tools"])
+                         messages=row["messages"], tools=row["tools"], acceptance=acceptance)
 
 
-def run_e2e(quick: bool, repeats: int, fixtures: list[str] | None = None) -> dict:
+def run_e2e(quick: bool, repeats: int, fixtures: list[str] | None = None,
+            max_tokens: int = 128) -> dict:
+    """Every arm on the held-out prompts of every fixture: one table per fixture, overall and
+    per transcript source (``by_source``)."""
     from mlx_lm import load
 
     from mlx_fill.assets.fixtures import fixture_path
@@ -124,13 +143,13 @@ def run_e2e(quick: bool, repeats: int, fixtures: list[str] | None = None) -> dic
     rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()]
     rows = rows[:: 4] if quick else rows
     fixtures = fixtures or (["qwen3-json"] if quick else ["qwen3-json", "qwen35-xml", "glm-xml"])
-    draft = load(str(fixture_path("qwen3-draft")))
     result = {}
     for name in fixtures:
         path = fixture_path(name)
         model, tok = load(str(path))
+        draft = load(str(fixture_path("qwen3-draft"))) if name == "qwen3-json" else None
         eos = frozenset(tok.eos_token_ids)
-        arms = ["plain", *[a for a in E2E_ARMS if a != "draft" or name == "qwen3-json"]]
+        arms = ["plain", *[a for a in E2E_ARMS if a != "draft" or draft is not None]]
         models = dict.fromkeys(arms, model)
         mtp_head = None
         if has_mtp(path):
@@ -140,14 +159,58 @@ def run_e2e(quick: bool, repeats: int, fixtures: list[str] | None = None) -> dic
             mtp_head = load_mtp_head(path, models["mtp"])
             arms.append("mtp")
         acc = {a: Arm(a) for a in arms}
+        learned: dict[str, dict] = {a: {} for a in arms}
+        by_source: dict[str, dict[str, Arm]] = {}
         for row in rows:
             ids = tok.apply_chat_template(row["messages"], tools=row["tools"],
                                           add_generation_prompt=True)
 
             def run_arm(a: str):
                 s = e2e_session(a, model=models[a], tok=tok, ids=ids, row=row, draft=draft,
-                                mtp_head=mtp_head)
-                return s, *timed_decode(ids, models[a], s, max_tokens=128, eos=eos)
+                                mtp_head=mtp_head, acceptance=learned[a])
+                return s, *timed_decode(ids, models[a], s, max_tokens=max_tokens, eos=eos)
+
+            mine = by_source.setdefault(row["source"], {a: Arm(a) for a in arms})
+            interleave(acc, arms, repeats, run_arm, reference=None, also=mine)
+        result[name] = summarize(acc, repeats)
+        result[name]["by_source"] = {src: summarize(t, repeats) for src, t in by_source.items()}
+    return result
+
+
+PROSE_PROMPTS = (
+    "Why is the sky blue? Answer in a short paragraph.",
+    "Write a short poem about autumn leaves.",
+    "What are three tips for sleeping better?",
+    "Explain what a hash table is to a beginner.",
+    "Describe a good breakfast in a few sentences.",
+    "What should I pack for a weekend hike?",
+)
+
+
+def run_prose(quick: bool, repeats: int, fixtures: list[str] | None = None,
+              max_tokens: int = 128) -> dict:
+    """Chat requests with no tools and nothing to copy, ``plain`` vs ``off`` (a session with
+    no source) vs ``strict`` and ``all``: what having the flag on costs where nothing fills."""
+    from mlx_lm import load
+
+    from mlx_fill.assets.fixtures import fixture_path
+
+    prompts = PROSE_PROMPTS[:2] if quick else PROSE_PROMPTS
+    result = {}
+    for name in fixtures or ["qwen3-json"]:
+        model, tok = load(str(fixture_path(name)))
+        eos = frozenset(tok.eos_token_ids)
+        arms = ["plain", "off", "strict", "all"]
+        acc = {a: Arm(a) for a in arms}
+        learned: dict[str, dict] = {a: {} for a in arms}
+        for text in prompts:
+            messages = [{"role": "user", "content": text}]
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+            row = {"messages": messages, "tools": None}
+
+            def run_arm(a: str):
+                s = e2e_session(a, model=model, tok=tok, ids=ids, row=row, acceptance=learned[a])
+                return s, *timed_decode(ids, model, s, max_tokens=max_tokens, eos=eos)
 
             interleave(acc, arms, repeats, run_arm, reference=None)
         result[name] = summarize(acc, repeats)
@@ -155,10 +218,12 @@ def run_e2e(quick: bool, repeats: int, fixtures: list[str] | None = None) -> dic
 
 
 def summarize(acc: dict[str, Arm], repeats: int) -> dict:
-    plain = acc["plain"].tps()
-    return {a.name: {"tokens_per_s": round(a.tps(), 2), "ratio_vs_plain": round(a.tps() / plain, 3),
+    plain = acc["plain"]
+    step_ms = 1e3 * sum(plain.seconds) / max(plain.tokens, 1)  # one plain decode step, prefill incl.
+    return {a.name: {"tokens_per_s": round(a.tps(), 2), "ratio_vs_plain": round(a.tps() / plain.tps(), 3),
                      "forwards_per_token": round(a.forwards / repeats / max(a.tokens, 1), 3),
                      "fill_fraction": round(a.injected / repeats / max(a.tokens, 1), 3),
+                     "bookkeeping_share": round(a.source_ms / repeats / max(a.tokens, 1) / step_ms, 4),
                      "mismatched_prompts": a.mismatches, "tokens": a.tokens}
             for a in acc.values()}
 
@@ -282,18 +347,22 @@ def run_mechanism(quick: bool, repeats: int) -> dict:
 
 def print_table(title: str, table: dict) -> None:
     print(f"\n## {title}")
-    print(f"{'arm':<8} {'tok/s':>8} {'x plain':>8} {'fwd/tok':>8} {'filled':>7} {'mismatch':>9}")
+    print(f"{'arm':<8} {'tok/s':>8} {'x plain':>8} {'fwd/tok':>8} {'filled':>7} {'bookkeep':>9} {'mismatch':>9}")
     for arm, r in table.items():
         if not isinstance(r, dict) or "tokens_per_s" not in r:
             continue
         print(f"{arm:<8} {r['tokens_per_s']:>8.2f} {r['ratio_vs_plain']:>8.3f} "
-              f"{r['forwards_per_token']:>8.3f} {r['fill_fraction']:>7.1%} {r['mismatched_prompts']:>9}")
+              f"{r['forwards_per_token']:>8.3f} {r['fill_fraction']:>7.1%} "
+              f"{r['bookkeeping_share']:>9.2%} {r['mismatched_prompts']:>9}")
+    for source, sub in table.get("by_source", {}).items():
+        print_table(f"{title} / {source}", sub)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer prompts, fixtures and repeats")
-    ap.add_argument("--parts", default="e2e,mechanism")
+    ap.add_argument("--parts", default="e2e,prose,mechanism")
+    ap.add_argument("--max-tokens", type=int, default=128, help="tokens per e2e / prose request")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--fixtures", default=None,
@@ -302,20 +371,24 @@ def main() -> int:
     args = ap.parse_args()
     repeats = args.repeats or (1 if args.quick else 3)
     parts = args.parts.split(",")
+    fixtures = args.fixtures.split(",") if args.fixtures else None
     report = {"machine": f"{platform.machine()} {platform.system()}, mlx {mx.__version__}",
               "date": time.strftime("%Y-%m-%d"), "quick": args.quick, "repeats": repeats}
     if "e2e" in parts:
-        report["e2e"] = run_e2e(args.quick, repeats,
-                                args.fixtures.split(",") if args.fixtures else None)
+        report["e2e"] = run_e2e(args.quick, repeats, fixtures, args.max_tokens)
         for name, table in report["e2e"].items():
             print_table(f"e2e {name}", table)
+    if "prose" in parts:
+        report["prose"] = run_prose(args.quick, repeats, fixtures, args.max_tokens)
+        for name, table in report["prose"].items():
+            print_table(f"prose {name}", table)
     if "mechanism" in parts:
         report["mechanism"] = run_mechanism(args.quick, repeats)
         for name, table in report["mechanism"].items():
             print_table(f"mechanism qwen3-0.5b-shaped {name}", table)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
-    bad = [(p, n, a) for p in ("e2e", "mechanism") for n, t in report.get(p, {}).items()
+    bad = [(p, n, a) for p in ("e2e", "prose", "mechanism") for n, t in report.get(p, {}).items()
            for a, r in t.items() if isinstance(r, dict) and r.get("mismatched_prompts")]
     if bad:
         print(f"\nMISMATCHED OUTPUTS: {bad}", file=sys.stderr)

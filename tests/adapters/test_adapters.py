@@ -17,7 +17,9 @@ from mlx_fill.adapters import autoload
 from mlx_fill.adapters.mlx_lm import stream_generate
 from mlx_fill.sources.echo import EchoSource
 from mlx_fill.sources.prediction import PredictionSource, prediction_text, prediction_usage
+from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.proposal import DecodeView, FillStats
+from mlx_fill.spec.cost import CostGate
 from mlx_fill.modes import OFF, enabled
 from mlx_fill.session import build_session, check_mode
 from mlx_lm import load
@@ -47,8 +49,14 @@ def test_fill_off_delegates_to_stock(lm):
     assert all(type(r) is GenerationResponse and not hasattr(r, "fill") for r in ours)
 
 
-def test_prediction_session_is_lossless_and_attaches_telemetry(lm):
+FREE_ROWS = DispatchPlan(key=None, max_chunk=1, cost={16: 1.0}, qualified=True)
+
+
+def test_prediction_session_is_lossless_and_attaches_telemetry(lm, monkeypatch):
+    """With rows priced as free (one-row chunks: exact on any machine) the prediction is
+    verified; the output is plain decoding's either way."""
     model, tok, prompt = lm
+    monkeypatch.setattr("mlx_fill.session.plan_for", lambda _model: FREE_ROWS)
     ref = list(stream_generate(model, tok, prompt, max_tokens=30))
     head = "".join(r.text for r in ref[:15])
     session = build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt,
@@ -223,3 +231,22 @@ def test_strict_fill_on_a_scripted_tool_call_is_lossless(lm):
     stats = on[-1].fill.as_dict()
     assert stats["injected"] > 0
     assert any(origin.startswith("strict") for origin in stats["by_origin"])
+
+
+def test_prediction_is_priced_per_draft_by_the_cost_gate():
+    """On a cost curve where a 2-row forward costs 1.6 one-row forwards, a prediction is first
+    kept as a shadow; once its ids are seen to match it is proposed, and after it stops
+    matching (re-anchored drafts that are wrong) it is declined again."""
+    steep = DispatchPlan(key=None, max_chunk=16, cost={2: 1.6, 4: 2.0, 8: 3.2, 16: 6.0}, qualified=True)
+    right = list(range(100, 140))
+    src = PredictionSource(right, max_span=16, gate=CostGate(steep, 16))
+    view = lambda emitted: DecodeView(prompt=[0], emitted=emitted)
+    assert src.propose(view([])) is None  # at the prior nothing pays: a shadow draft
+    assert src.propose(view(right[:12])) is not None  # the shadow matched position by position
+    p = src.propose(view(right[:12]))
+    src.feedback(p, len(p.ids))
+    assert len(p.ids) > 1
+    gate = src.gate
+    for _ in range(30):  # rounds whose drafts are rejected at once close it again
+        gate.observe(16, 0, key=("sync",))
+    assert src.propose(view(right[:13])) is None

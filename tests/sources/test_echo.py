@@ -119,3 +119,24 @@ def test_echo_source_incremental_feed_equals_fresh_lookup():
         got = src.propose(DecodeView(prompt, emitted[:i]))
         fresh = echo_span(EchoIndex(tokens=prompt + emitted[:i]))
         assert (got.ids if got else None) == (fresh.ids if fresh else None)
+
+
+def test_gated_echo_prices_each_span_under_its_own_key():
+    """The gate keys each echo span by (anchor, corroboration, delimiter end): after spans of
+    one key were always accepted, the next span of that key is proposed (cut to what pays),
+    while the source's first span, at the prior, is only kept as a shadow."""
+    from mlx_fill.core.plan import DispatchPlan
+    from mlx_fill.spec.cost import CostGate
+
+    steep = DispatchPlan(key=None, max_chunk=16, cost={2: 1.6, 4: 2.0, 8: 3.2, 16: 6.0}, qualified=True)
+    copy = list(range(10, 40))
+    prompt = [1, 2, 3] + copy + [4, 5]
+    gate = CostGate(steep, 16)
+    src = EchoSource(EchoDraft(max_span=16), gate=gate)
+    assert src.propose(DecodeView(prompt=prompt, emitted=copy[:8])) is None  # prior: shadow only
+    key = src.draft.confidence()
+    for _ in range(20):
+        gate.observe(16, 16, key=key)
+    p = src.propose(DecodeView(prompt=prompt, emitted=copy[:9]))
+    assert p is not None and p.policy == "verify" and p.ids == tuple(copy[9:9 + len(p.ids)])
+    assert 1 < len(p.ids) <= 16

@@ -7,13 +7,15 @@ import random
 import pytest
 
 from mlx_fill.core.plan import DispatchPlan
-from mlx_fill.spec.cost import (AcceptanceByPosition, CostGate, choose_length,
-                                expected_emitted)
+from mlx_fill.spec.cost import (AcceptanceByPosition, CostGate, DraftAcceptance,
+                                choose_length, expected_emitted)
 
 FLAT = DispatchPlan(key=None, max_chunk=64, cost={64: 1.0}, qualified=True)   # free rows
 LINEAR = DispatchPlan(key=None, max_chunk=64, cost={}, qualified=False)      # c(m) = m
 MILD = DispatchPlan(key=None, max_chunk=64, cost={2: 1.05, 4: 1.1, 8: 1.3, 16: 1.8, 32: 3.0},
                     qualified=True)
+STEEP = DispatchPlan(key=None, max_chunk=16, cost={2: 1.6, 4: 2.0, 8: 3.2, 16: 6.0},
+                     qualified=True)  # SmolLM2-135M bfloat16 on the 2-core CPU (real-model.md)
 
 
 def _stats(rate: float, rounds: int = 400, length: int = 16) -> AcceptanceByPosition:
@@ -68,7 +70,7 @@ def test_chosen_length_maximizes_expected_tokens_per_cost():
 
 
 def test_gate_shadow_drafts_keep_learning_without_proposing():
-    gate = CostGate(MILD, 8, stats=AcceptanceByPosition(max_len=8, decay=1.0))
+    gate = CostGate(MILD, 8, acceptance=DraftAcceptance(8, decay=1.0))
     for _ in range(30):  # a source that was always wrong: gate closes
         gate.observe(8, 0)
     assert gate.length() == 0
@@ -81,3 +83,44 @@ def test_gate_shadow_drafts_keep_learning_without_proposing():
     gate.shadow([5, 6])
     gate.begin([5, 9])
     assert gate.stats.rounds == before + 1 and gate.stats.q(1) < 1.0
+
+
+def test_shadow_positions_count_as_their_ids_arrive():
+    """A long shadow teaches the gate before it settles: each position is recorded as soon as
+    the id for its slot is emitted."""
+    gate = CostGate(MILD, 32, acceptance=DraftAcceptance(32, decay=1.0))
+    gate.shadow(list(range(32)))
+    q0 = gate.stats.q(0)
+    gate.begin([0, 1, 2])
+    assert gate.stats.q(0) > q0 and gate.stats.q(2) > q0 and gate.stats.q(3) == q0
+    gate.begin([7])  # position 3 rejected: the shadow settles
+    assert gate.stats.q(3) < q0
+    gate.begin([4, 5])  # nothing pending: later ids score nothing
+    assert gate.stats.q(4) == q0
+
+
+def test_acceptance_is_estimated_per_draft_key():
+    """The same source's drafts differ: a key that is always right pays while the source's
+    average would not, a key that is always wrong is declined, and a key seen for the first
+    time is priced like the source's average draft (back-off)."""
+    acc = DraftAcceptance(16, decay=1.0)
+    gate = CostGate(STEEP, 15, acceptance=acc)
+    for _ in range(40):
+        gate.observe(15, 15, key=("anchor", 8))
+        for _ in range(3):
+            gate.observe(15, 0, key=("anchor", 2))
+    assert choose_length(STEEP, acc.source, 15) == 0  # one estimate per source: nothing pays
+    assert gate.length(("anchor", 8)) == 15
+    assert gate.length(("anchor", 2)) == 0
+    assert gate.length(("anchor", 4)) == 0  # unseen: priced like the source's average draft
+    assert acc.stats(("anchor", 4)).q(0) == pytest.approx(acc.source.q(0))
+    assert gate.length(("anchor", 8), available=3) == 3  # never more than the draft holds
+
+
+def test_linear_cost_curve_closes_every_key():
+    """A model whose m-row forward costs m one-row forwards (the float32 bundled-BLAS curve)
+    gains nothing from verifying, however good the draft."""
+    gate = CostGate(LINEAR, 16, acceptance=DraftAcceptance(16, decay=1.0))
+    for _ in range(100):
+        gate.observe(16, 16, key="perfect")
+    assert gate.length("perfect") == 0
