@@ -41,6 +41,8 @@ from mlx_fill.core.resolve import plan_for
 from mlx_fill.sources.prediction import ORIGIN as PREDICTION
 from mlx_fill.sources.prediction import PredictionSource, prediction_text, prediction_usage
 from mlx_fill.spec.cost import CostGate
+from mlx_fill.strict.schema import tool_schemas
+from mlx_fill.strict.source import lazy_strict_source
 from mlx_fill.spec.roster import NAMES, make_sources, source_acceptance
 from mlx_fill.core.proposal import DEFAULT_MAX_SPAN, MEDIA_REFUSAL, FillSession, ProposalSource
 
@@ -100,16 +102,13 @@ def check_env() -> None:
         raise ValueError(f"MLX_FILL_SOURCES: unknown sources {unknown}; known: {list(NAMES)}")
 
 
-def _strict_source(tokenizer: Any, messages: Any, tools: Any, template_kwargs: Any, ledger: Any):
+def _strict_source(tokenizer: Any, messages: Any, tools: Any, template_kwargs: Any, ledger: Any,
+                   gate: CostGate | None = None):
     """The strict source, or None when the request has nothing strict can determine. Raises
     ValueError (naming the offending path) for malformed tools or schemas."""
     if messages is None:
         return None
-    try:
-        from mlx_fill.strict.source import lazy_strict_source
-    except ImportError:
-        return None
-    return lazy_strict_source(tokenizer, messages, tools, template_kwargs or {}, ledger)
+    return lazy_strict_source(tokenizer, messages, tools, template_kwargs or {}, ledger, gate)
 
 
 def _refusal(*, logprobs: bool, seed: int | None, response_format: Any, media: bool) -> str | None:
@@ -173,12 +172,15 @@ def build_session(
     sources: list[ProposalSource] = []
     plan = unqualified()
     if refusal is None:
-        strict = _strict_source(tokenizer, messages, tools, template_kwargs, ledger)
-        if strict is not None:
-            sources.append(strict)
+        tool_schemas(tools)  # ValueError naming the path of a malformed tool
         predicted = (tokenizer.encode(prediction_text(prediction), add_special_tokens=False)
                      if prediction is not None else [])
         plan = plan_for(model)  # after the request's own validation: a bad request measures nothing
+        strict = _strict_source(tokenizer, messages, tools, template_kwargs, ledger,
+                                CostGate(plan, max_span, acceptance=source_acceptance(
+                                    acceptance, "strict", max_span)))
+        if strict is not None:
+            sources.append(strict)
         if predicted:
             gate = CostGate(plan, max_span,
                             acceptance=source_acceptance(acceptance, PREDICTION, max_span))

@@ -11,7 +11,10 @@ when the guard puts the stream in the row's structural state:
   duplicated, and the tool's schema allows no further argument.
 
 Policy: every row is proposed as ``verify`` (the same forward checks it; a model that strays
-from its template costs nothing but the check). Only a ``determined`` row (its certainty class,
+from its template costs nothing but the check). With a ``gate``
+(:class:`~mlx_fill.spec.cost.CostGate`) a ``verify`` row is priced like any draft, keyed by its
+origin: the gate keeps the prefix of the span that pays under the loaded model's cost curve,
+and a row it declines is scored as a shadow. Only a ``determined`` row (its certainty class,
 decided when the row is compiled: :func:`mlx_fill.strict.rows.certainty`) can ever become ``assert``,
 and only once the evidence ledger promotes it after enough agreements and no disagreement
 (``mlx_fill.sources.ledger``; strict rows are eligible when the ledger lists ``"strict:"``). A
@@ -85,9 +88,11 @@ class StrictSource:
 
     name = "strict"
 
-    def __init__(self, table: RowTable, tokenizer, initial: Role, ledger=None) -> None:
+    def __init__(self, table: RowTable, tokenizer, initial: Role, ledger=None, gate=None) -> None:
         self.table = table
         self.ledger = ledger
+        self.gate = gate
+        self._key: str = ""
         self.guard = TurnGuard(SYNTAXES[table.syntax], table.markers, initial)
         self.text = IncrementalText(token_bytes(tokenizer))
         self.stats = StrictStats()
@@ -103,6 +108,8 @@ class StrictSource:
             raise ValueError("the emitted stream shrank; a source sees each position once")
         new = emitted[self._seen:]
         self._seen = len(emitted)
+        if self.gate is not None:
+            self.gate.begin(new)
         if new:
             self.guard.feed(self.text.add(new))
         if self.guard.calls_ended != self._calls_ended:
@@ -153,9 +160,16 @@ class StrictSource:
         row = self._row(view.emitted)
         if row is None:
             return None
+        policy, span = self._policy(row), row.span
+        if policy == "verify" and self.gate is not None:
+            n = self.gate.length(row.origin, len(span))
+            if n <= 0:
+                self.gate.shadow(span, row.origin)
+                return None
+            span, self._key = span[:n], row.origin
         self.stats.fires += 1
         self._fired_in_call = True
-        return Proposal(row.span, self._policy(row), row.origin, row.certainty)
+        return Proposal(span, policy, row.origin, row.certainty)
 
     def _policy(self, row: Row) -> str:
         """``assert`` only for a row the ledger promotes; the ledger refuses ``likely`` rows."""
@@ -166,7 +180,11 @@ class StrictSource:
     def feedback(self, proposal: Proposal, accepted: int) -> None:
         """Count committed ids; a verified row's outcome is evidence for the ledger."""
         self.stats.accepted += accepted
-        if self.ledger is not None and proposal.policy == "verify":
+        if proposal.policy != "verify":
+            return
+        if self.gate is not None:
+            self.gate.observe(len(proposal.ids), accepted, self._key)
+        if self.ledger is not None:
             self.ledger.record(proposal.origin, accepted == len(proposal.ids))
 
 
@@ -176,14 +194,15 @@ def _ends_with(seq, tail: tuple[int, ...]) -> bool:
 
 
 def strict_source(tokenizer, messages: list[dict], tools: list[dict] | None,
-                  template_kwargs: dict | None = None, ledger=None) -> StrictSource | None:
+                  template_kwargs: dict | None = None, ledger=None, gate=None) -> StrictSource | None:
     """A StrictSource for this request, or None when no rows compile (no tools, or a template
-    that cannot render tool calls). Raises ValueError naming the path of a malformed tool."""
+    that cannot render tool calls); ``gate`` prices its ``verify`` rows. Raises ValueError
+    naming the path of a malformed tool."""
     table = table_for(tokenizer, messages, tools, template_kwargs)
     if table is None or not table.rows():
         return None
     role = initial_role(tokenizer, messages, tools, dict(template_kwargs or {}), table.markers)
-    return StrictSource(table, tokenizer, role, ledger)
+    return StrictSource(table, tokenizer, role, ledger, gate)
 
 
 class LazyStrictSource:
@@ -227,7 +246,7 @@ class LazyStrictSource:
 
 
 def lazy_strict_source(tokenizer, messages: list[dict], tools: list[dict] | None,
-                       template_kwargs: dict | None = None, ledger=None
+                       template_kwargs: dict | None = None, ledger=None, gate=None
                        ) -> LazyStrictSource | StrictSource | None:
     """:func:`strict_source` for serving: tools are validated now (ValueError naming the path),
     rows are compiled only once the model emits the tool-call start token. Falls back to the
@@ -237,6 +256,6 @@ def lazy_strict_source(tokenizer, messages: list[dict], tools: list[dict] | None
     start = getattr(tokenizer, "tool_call_start", None) or ""
     start_id = tokenizer.convert_tokens_to_ids(start) if start else None
     if not isinstance(start_id, int) or tokenizer.encode(start, add_special_tokens=False) != [start_id]:
-        return strict_source(tokenizer, messages, tools, template_kwargs, ledger)
+        return strict_source(tokenizer, messages, tools, template_kwargs, ledger, gate)
     return LazyStrictSource(
-        start_id, lambda: strict_source(tokenizer, messages, tools, template_kwargs, ledger))
+        start_id, lambda: strict_source(tokenizer, messages, tools, template_kwargs, ledger, gate))

@@ -116,3 +116,21 @@ def test_a_call_that_does_not_parse_disarms_after_rows_fired():
     fires = teacher_force(source, broken + good)
     assert source.stats.parse_fallbacks == 1 and not source.armed
     assert all(p < len(broken) for p, _, _ in fires)
+
+
+def test_a_gate_prices_verify_rows_and_learns_from_declined_ones():
+    """Under a cost curve where verifying never pays (c(m) = m) every row is declined and kept
+    as a shadow that still learns; where rows are nearly free every row fires whole."""
+    from mlx_fill.core.plan import DispatchPlan
+    from mlx_fill.spec.cost import CostGate
+
+    linear = DispatchPlan(key=None, max_chunk=16, cost={}, qualified=True)
+    free = DispatchPlan(key=None, max_chunk=16, cost={64: 1.0}, qualified=True)
+    tok = tokenizer("qwen3")
+    reply = _reply(call("get_weather", {"city": "Paris"}))
+    ids = reply_ids(tok, USER, tools(), reply, None)
+    closed = CostGate(linear, 64)
+    assert teacher_force(strict_source(tok, USER, tools(), gate=closed), ids) == []
+    assert closed.stats.rounds > 0  # the declined rows were scored as shadows
+    ungated = teacher_force(strict_source(tok, USER, tools()), ids)
+    assert teacher_force(strict_source(tok, USER, tools(), gate=CostGate(free, 64)), ids) == ungated != []
