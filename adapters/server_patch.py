@@ -23,6 +23,14 @@ Dispatch plan: ``ModelProvider._load`` is wrapped to resolve the loaded model's 
 after loading (:func:`mlx_fill.core.resolve.prepare`; quick-qualified once when no plan applies), so
 the server measures at start-up, before its first fill request, not inside one.
 
+Distributed (``mlx.launch``, a model ``sharded_load`` split over ``pipeline_group`` or
+``tensor_group``): every rank receives the request (mlx-lm pickles it with its fill mark) and
+takes the serial lane. Rank 0 builds the session and alone reads the ledger; the other ranks
+build a follower session (:func:`~mlx_fill.session.follower_session`) that applies rank 0's
+proposals (:mod:`mlx_fill.core.shared`). A rank whose session build fails still decodes through
+fill's loop with a refused session, so the per-request agreement happens on every rank. The
+plan is resolved at load on every rank together (rank 0's, shared).
+
 Every wrapper carries ``__mlx_fill__ = True`` (idempotence) and ``__wrapped__``. All targets are
 checked before any is replaced; a mismatch raises, and the hook turns that into one warning.
 """
