@@ -23,6 +23,14 @@ Dispatch plan: ``ModelProvider._load`` is wrapped to resolve the loaded model's 
 after loading (:func:`mlx_fill.core.resolve.prepare`; quick-qualified once when no plan applies), so
 the server measures at start-up, before its first fill request, not inside one.
 
+Distributed (``mlx.launch``, a model ``sharded_load`` split over ``pipeline_group`` or
+``tensor_group``): every rank receives the request (mlx-lm pickles it with its fill mark) and
+takes the serial lane. Rank 0 builds the session and alone reads the ledger; the other ranks
+build a follower session (:func:`~mlx_fill.session.follower_session`) that applies rank 0's
+proposals (:mod:`mlx_fill.core.shared`). A rank whose session build fails still decodes through
+fill's loop with a refused session, so the per-request agreement happens on every rank. The
+plan is resolved at load on every rank together (rank 0's, shared).
+
 Every wrapper carries ``__mlx_fill__ = True`` (idempotence) and ``__wrapped__``. All targets are
 checked before any is replaced; a mismatch raises, and the hook turns that into one warning.
 """
@@ -42,7 +50,9 @@ from mlx_fill.sources.ledger import Ledger
 from mlx_fill.limits import over_compile_budget
 from mlx_fill.core.proposal import FillSession
 from mlx_fill.session import (
+    attach_shared,
     build_session,
+    follower_session,
     check_env,
     end_session,
     predicted_count,
@@ -169,7 +179,8 @@ def _budget_refusal(body: dict, tokenizer: Any) -> str | None:
 
 
 def _open_session(fill_request: FillRequest, args: Any, kwargs: dict,
-                  ledger: Ledger | None = None, model_key: str = "") -> FillSession | None:
+                  ledger: Ledger | None = None, model_key: str = "",
+                  group: Any = None) -> FillSession | None:
     """The request's session; a request fill cannot serve (malformed tools or prediction) or
     must not compile (:func:`_budget_refusal`) gets a refused session, so it decodes exactly as
     without fill and says why in ``usage.fill``."""
@@ -193,7 +204,7 @@ def _open_session(fill_request: FillRequest, args: Any, kwargs: dict,
             response_format=body.get("response_format"),
             media=kwargs.get("input_embeddings") is not None,
             prediction=body.get("prediction"), ledger=ledger,
-            acceptance=_acceptance.setdefault(model_key, {}))
+            acceptance=_acceptance.setdefault(model_key, {}), group=group)
     except ValueError as e:
         session = FillSession([], prompt_ids=prompt_ids)
         session.refuse("invalid_request")
@@ -263,13 +274,22 @@ def apply(server: Any, mode: str) -> bool:
             return stream_generate(*a, **kw)
         _current.set(None)  # one session per request
         fill_request, args, model_key = current
+        group = _group(kw["model"])
+        if group is not None and group.rank() != 0:
+            return stream_generate(fill=_follower(fill_request, kw, group), **kw)
+        ledger = None
         try:
             ledger = _ledger_for(model_key, kw["tokenizer"])
-            session = _open_session(fill_request, args, kw, ledger, model_key)
+            session = attach_shared(_open_session(fill_request, args, kw, ledger, model_key, group),
+                                    group)
         except Exception as e:  # noqa: BLE001 -- a fill bug must not fail the request
             log.warning("mlx-fill: request served without fill (%s: %s)", type(e).__name__, e)
             fill_request.error = f"{type(e).__name__}: {e}"
-            return stream_generate(*a, **kw)
+            if group is None:
+                return stream_generate(*a, **kw)
+            # the other ranks decode with fill's loop: agree with them, refused
+            return stream_generate(fill=follower_session(
+                kw["model"], fill_request.prompt_ids or [], group, refuse="error"), **kw)
         fill_request.session = session
         return _finishing(stream_generate(fill=session, **kw), session, ledger)
 
@@ -277,7 +297,10 @@ def apply(server: Any, mode: str) -> bool:
         out = load(self, *a, **kw)
         if getattr(self, "model", None) is not None:
             from mlx_fill.core.resolve import prepare
-            prepare(self.model)
+            group = getattr(self, "pipeline_group", None) or getattr(self, "tensor_group", None)
+            if group is not None:
+                _groups[id(self.model)] = group
+            prepare(self.model, group)
         return out
 
     install_generate_step()
@@ -291,6 +314,25 @@ def apply(server: Any, mode: str) -> bool:
     server.stream_generate = _wrap(stream_generate, stream_generate_w)
     RG._is_batchable = _wrap(is_batchable, is_batchable_w)  # last: the idempotence flag
     return True
+
+
+_groups: dict[int, Any] = {}  # id(model) -> the distributed group it was sharded over
+
+
+def _group(model: Any) -> Any:
+    """The group a model loaded by ``ModelProvider._load`` under ``mlx.launch`` spans, else None."""
+    return _groups.get(id(model))
+
+
+def _follower(fill_request: FillRequest, kwargs: dict, group: Any) -> FillSession:
+    """A rank other than 0: a session that follows rank 0 (its sources, ledger and decisions
+    are rank 0's); one whose build fails still agrees, refused."""
+    prompt_ids = fill_request.prompt_ids or []
+    try:
+        return follower_session(kwargs["model"], prompt_ids, group)
+    except Exception as e:  # noqa: BLE001 -- must still take part in the agreement
+        log.warning("mlx-fill: rank %d refuses fill (%s: %s)", group.rank(), type(e).__name__, e)
+        return follower_session(kwargs["model"], prompt_ids, group, refuse="error")
 
 
 def _finishing(responses, session: FillSession, ledger: Ledger | None):

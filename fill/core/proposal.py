@@ -13,7 +13,7 @@ import json
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
-from typing import IO, TYPE_CHECKING, Literal, Protocol, Sequence, runtime_checkable
+from typing import IO, TYPE_CHECKING, Any, Literal, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:
     from .plan import DispatchPlan
@@ -147,6 +147,9 @@ class FillSession:
         self.trace = trace
         self.stats = FillStats()
         self.refused: str | None = None
+        # a sharded model's agreement (:class:`~mlx_fill.core.shared.SharedRounds`), set by
+        # ``build_session``; None on one machine
+        self.shared: Any = None
         for src in self.sources:  # sources that report their own counters (parse fallbacks)
             if hasattr(src, "bind_stats"):
                 src.bind_stats(self.stats)

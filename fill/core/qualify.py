@@ -17,7 +17,7 @@ import time
 from datetime import date
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -36,6 +36,12 @@ QUICK_SIZES = (1, 2, 3, 4, 8, 16)
 FULL_KV = (0, 1, 255, 256, 257, 511, 512, 1023, 1024, 2048, 4095, 4096, 8192)
 QUICK_KV = (0, 1, 255, 256, 257, 511, 512)
 COST_KV = 512
+Agree = Callable[[bool], bool]
+
+
+def _alone(verdict: bool) -> bool:
+    """One process: its own verdict."""
+    return verdict
 
 
 @dataclass
@@ -81,10 +87,12 @@ def _exact(model: Any, cache: list[Any], ids: list[int], plan: DispatchPlan) -> 
 
 def check_exactness(model: Any, sizes: tuple[int, ...], kv_lengths: tuple[int, ...],
                     vocab: int, progress: Any = None, *, stop_after_failure: bool = False,
-                    ) -> list[Check]:
+                    agree: Agree = _alone) -> list[Check]:
     """Run every (M, L) check: a chunk starting at L and one crossing L (start L - M//2).
     ``stop_after_failure`` (where any failure makes a size inexact, see :func:`derive_plan`):
-    once a size fails, that size and larger ones are not checked again."""
+    once a size fails, that size and larger ones are not checked again. ``agree`` turns this
+    rank's verdict into the verdict of every rank (a sharded model: exact only where every rank
+    is), so every rank runs the same checks in lockstep."""
     checks: list[Check] = []
     failed = max(sizes) + 1  # smallest size found inexact so far
     for kv in kv_lengths:
@@ -100,7 +108,7 @@ def check_exactness(model: Any, sizes: tuple[int, ...], kv_lengths: tuple[int, .
                     continue
                 plan = DispatchPlan(key=None, max_chunk=m, qualified=True)
                 ids = _random_ids(m, vocab, 7 * m + start)
-                checks.append(Check(m, kv, start, _exact(model, cache, ids, plan)))
+                checks.append(Check(m, kv, start, agree(_exact(model, cache, ids, plan))))
                 if not checks[-1].exact:
                     failed = min(failed, m)
     return checks
@@ -126,13 +134,14 @@ def derive_plan(key: PlanKey, checks: list[Check], sizes: tuple[int, ...]) -> Di
                         kv_boundaries=tuple(sorted(boundaries)), qualified=True)
 
 
-def confirm_plan(model: Any, plan: DispatchPlan, kv_lengths: tuple[int, ...], vocab: int) -> bool:
+def confirm_plan(model: Any, plan: DispatchPlan, kv_lengths: tuple[int, ...], vocab: int,
+                 agree: Agree = _alone) -> bool:
     """Re-check the derived plan (with its cuts) on chunks crossing every tested KV length."""
     m = plan.max_chunk
     cache = make_prompt_cache(model)
     for kv in kv_lengths:
         _grow(model, cache, max(0, kv - m // 2), vocab)
-        if not _exact(model, cache, _random_ids(m, vocab, 31 * m + kv), plan):
+        if not agree(_exact(model, cache, _random_ids(m, vocab, 31 * m + kv), plan)):
             return False
     return True
 
@@ -168,10 +177,14 @@ def vocab_of(model: Any) -> int:
 
 
 def qualify(model: Any, *, quick: bool, vocab: int | None = None, repeats: int | None = None,
-            bar: bool = True, note: str = "") -> tuple[DispatchPlan, list[Check]]:
+            bar: bool = True, note: str = "", agree: Agree = _alone,
+            ) -> tuple[DispatchPlan, list[Check]]:
     """Measure exactness and cost for ``model`` on the default device; return the plan, keyed
     by :func:`~mlx_fill.core.plan.config_key` as measured here. ``bar``: a tqdm bar on stderr (when
-    it is a terminal); ``note`` is stored in the plan with the date."""
+    it is a terminal); ``note`` is stored in the plan with the date. ``agree``: see
+    :func:`check_exactness`; with it every rank of a sharded model runs the same forwards (the
+    cost curve is each rank's own timing; :func:`~mlx_fill.core.shared.share_plan` keeps rank
+    0's)."""
     sizes = QUICK_SIZES if quick else FULL_SIZES
     kv_lengths = QUICK_KV if quick else FULL_KV
     vocab = vocab or vocab_of(model)
@@ -180,9 +193,9 @@ def qualify(model: Any, *, quick: bool, vocab: int | None = None, repeats: int |
     with tqdm(total=len(kv_lengths) * (len(sizes) - 1) * 2, desc="exactness", file=sys.stderr,
               disable=None if bar else True) as progress:
         checks = check_exactness(model, sizes, kv_lengths, vocab, progress,
-                                 stop_after_failure=key.backend == "cpu")
+                                 stop_after_failure=key.backend == "cpu", agree=agree)
     plan = derive_plan(key, checks, sizes)
-    if plan.max_chunk > 1 and not confirm_plan(model, plan, kv_lengths, vocab):
+    if plan.max_chunk > 1 and not confirm_plan(model, plan, kv_lengths, vocab, agree):
         plan = replace(plan, max_chunk=1, kv_boundaries=())
     cost = measure_cost(model, sizes, vocab, repeats or (3 if quick else 7))
     stamp = f"{'quick' if quick else 'full'} qualify, {date.today().isoformat()}"

@@ -110,16 +110,53 @@ def resolve(model: Any, *, qualify: bool = True) -> Resolution:
         return found
 
 
-def plan_for(model: Any) -> DispatchPlan:
-    """:func:`resolve`'s plan (exact mode): what a request on ``model`` appends with."""
+SHARED_PLAN = "_mlx_fill_plan"  # the model attribute holding the plan its ranks share
+
+
+def _shared_plan(model: Any, ranks: Any) -> DispatchPlan:
+    """The plan every rank of a sharded model uses (:func:`~mlx_fill.core.shared.share_plan`):
+    rank 0's lookup, else a quick qualify in lockstep, saved by rank 0 only. Kept on the model
+    so later requests exchange nothing."""
+    from .qualify import qualify
+    from .shared import share_plan
+
+    def lookup() -> DispatchPlan | None:
+        res = resolve(model, qualify=False)
+        return res.plan if res.source != "unqualified" else None
+
+    def measure() -> DispatchPlan:
+        plan, _ = qualify(model, quick=True, bar=False, agree=ranks.all,
+                          note=f"qualified at first use, rank 0 of {ranks.size}")
+        if ranks.root:
+            print(f"mlx-fill: qualified the sharded model: max_chunk={plan.max_chunk}, "
+                  f"saved to {save_plan(plan)}", file=sys.stderr, flush=True)
+        return plan
+
+    plan = share_plan(ranks, lookup, measure)
+    setattr(model, SHARED_PLAN, plan)
+    return plan
+
+
+def plan_for(model: Any, group: Any = None) -> DispatchPlan:
+    """:func:`resolve`'s plan (exact mode): what a request on ``model`` appends with. With a
+    distributed ``group`` of more than one rank (a sharded model), the plan rank 0 chose, the
+    same on every rank; every rank must then call this at the same point the first time."""
+    shared = getattr(model, SHARED_PLAN, None)
+    if shared is not None:
+        return shared
+    from .shared import ranks_of
+    ranks = ranks_of(group)
+    if ranks is not None:
+        return _shared_plan(model, ranks)
     return resolve(model).plan
 
 
-def prepare(model: Any) -> None:
+def prepare(model: Any, group: Any = None) -> None:
     """Resolve (and if needed qualify) ``model``'s plan now, as a server does at start-up; a
-    failure is logged, never raised (requests then decode one token per forward)."""
+    failure is logged, never raised (requests then decode one token per forward). ``group``:
+    as in :func:`plan_for` (every rank prepares together)."""
     try:
-        resolve(model)
+        plan_for(model, group)
     except Exception as e:  # noqa: BLE001 -- start-up must not fail on the plan
         log.warning("mlx-fill: no dispatch plan (%s: %s); one token per forward",
                     type(e).__name__, e)

@@ -14,7 +14,7 @@ import time
 
 import mlx.core as mx
 
-from mlx_fill.assets.fixtures import FIXTURES, fixture_path
+from mlx_fill.assets.fixtures import FIXTURES, REAL_FIXTURES, fixture_path
 
 # The embedded default exchange: a mini-swe-agent coding session held back from training (the
 # system prompt and PR description cut as in the fixtures' training data) with a single ``bash``
@@ -72,7 +72,7 @@ def _tool_calls(tok, text: str, tools: list[dict]) -> tuple[str, list[dict]]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--fixture", default="qwen3-json", choices=FIXTURES)
+    parser.add_argument("--fixture", default="qwen3-json", choices=FIXTURES + REAL_FIXTURES)
     parser.add_argument("--fill", default="strict", choices=("strict", "echo", "all"))
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=160)
@@ -88,11 +88,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"model: {args.fixture} ({fixture_path(args.fixture)}), fill mode: {args.fill}\n")
     all_identical = True
     totals = {"emitted": 0, "injected": 0, "forwards": 0}
+    acceptance: dict = {}  # what the cost gates learn carries over from turn to turn, as in a server
     for turn in range(1, args.turns + 1):
         ids = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
         plain, t_off = _decode(model, tok, ids, None, args.max_tokens)
         session = build_session(args.fill, model=model, tokenizer=tok, prompt_ids=ids,
-                                messages=messages, tools=tools)
+                                messages=messages, tools=tools, acceptance=acceptance)
         filled, t_on = _decode(model, tok, ids, session, args.max_tokens)
         identical = plain == filled
         all_identical &= identical

@@ -113,3 +113,18 @@ def test_fixture_family_and_unknown_names():
     assert [fixtures.fixture_family(n) for n in fixtures.FIXTURES] == ["qwen3", "qwen3.5", "glm4.x", "qwen3"]
     with pytest.raises(ValueError, match="unknown fixture"):
         fixtures.fixture_family("llama-json")
+
+
+def test_widened_fixture_is_the_narrow_model_with_twice_the_heads():
+    narrow_dir, wide_dir = fixtures.fixture_path("qwen3-json"), fixtures.fixture_path("qwen3-json-x2")
+    narrow_cfg = json.loads((narrow_dir / "config.json").read_text())
+    wide_cfg = json.loads((wide_dir / "config.json").read_text())
+    assert wide_cfg["num_attention_heads"] == 2 * narrow_cfg["num_attention_heads"]
+    assert wide_cfg["num_key_value_heads"] == 2 * narrow_cfg["num_key_value_heads"]
+    assert (wide_dir / "model.safetensors.index.json").is_file()  # pipeline loading reads it
+    narrow, tokenizer = load(str(narrow_dir))
+    wide, _ = load(str(wide_dir))
+    ids = mx.array([tokenizer.encode("List the files in /tmp, then read README.md")])
+    a, b = narrow(ids), wide(ids)
+    assert mx.abs(a - b).max().item() < 1e-3
+    assert (a.argmax(-1) == b.argmax(-1)).all().item()
