@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Hashable, Sequence
 
-from mlx_fill.core.plan import DispatchPlan
+from mlx_fill.core.plan import FAST_MAX_CHUNK, DispatchPlan
 
 
 class AcceptanceByPosition:
@@ -108,9 +108,17 @@ def expected_emitted(survival: Sequence[float], m: int) -> float:
 
 
 def round_costs(plan: DispatchPlan, max_len: int, extra_rows: int = 1) -> list[float]:
-    """``costs[m]`` = cost of a round proposing ``m`` ids, in one-row-forward units."""
+    """``costs[m]`` = cost of a round proposing ``m`` ids, in one-row-forward units: its
+    ``m + extra_rows`` rows run in chunks of at most the plan's chunk size (an exact plan with
+    ``max_chunk = 1`` prices a round at one forward per row, whatever c(M) says)."""
     base = plan.cost_of(1)
-    return [1.0] + [plan.cost_of(m + extra_rows) / base for m in range(1, max_len + 1)]
+    limit = max(1, plan.max_chunk) if plan.mode == "exact" else max(plan.max_chunk, FAST_MAX_CHUNK)
+
+    def rows(n: int) -> float:
+        full, rest = divmod(n, limit)
+        return full * plan.cost_of(limit) + (plan.cost_of(rest) if rest else 0.0)
+
+    return [1.0] + [rows(m + extra_rows) / base for m in range(1, max_len + 1)]
 
 
 def choose_length(plan: DispatchPlan, stats: AcceptanceByPosition, max_len: int,

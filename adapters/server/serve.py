@@ -75,7 +75,7 @@ class Engine:
     def __init__(self, model_path: str, *, fill: str = "strict", draft_model: str | None = None,
                  prompt_cache_size: int = 8, max_tokens: int = DEFAULT_MAX_TOKENS,
                  limits: Limits = DEFAULT_LIMITS, prefill_step_size: int = DEFAULT_PREFILL_STEP,
-                 prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES):
+                 prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES, dtype: str | None = None):
         import mlx_lm
         from mlx_lm.models.cache import LRUPromptCache
 
@@ -85,6 +85,9 @@ class Engine:
         check_env()
         from mlx_fill.core.resolve import prepare  # dispatch plans: qualified at start-up, not in a request
         self.model, self.tokenizer = mlx_lm.load(model_path)
+        if dtype is not None:  # the floating-point weights cast, as model.set_dtype does
+            import mlx.core as mx
+            self.model.set_dtype(getattr(mx, dtype))
         if self.fill != "off":
             prepare(self.model)
         self.draft = None
@@ -551,6 +554,8 @@ def _usage(out: Outcome) -> dict:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, type=model_ref, help="mlx-lm model directory (or hub id)")
     parser.add_argument("--fill", default="strict", choices=("strict", "echo", "all", "off"))
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                        help="cast the model's floating-point weights after loading (default: as stored)")
     parser.add_argument("--draft-model", default=None, type=model_ref,
                         help="a smaller model with the same tokenizer, used as a verify source")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
@@ -585,7 +590,7 @@ def run(args: argparse.Namespace) -> int:
         engine = Engine(args.model, fill=args.fill, draft_model=args.draft_model,
                         prompt_cache_size=args.prompt_cache_size, max_tokens=args.max_tokens,
                         limits=limits, prefill_step_size=args.prefill_step_size,
-                        prompt_cache_bytes=args.prompt_cache_bytes)
+                        prompt_cache_bytes=args.prompt_cache_bytes, dtype=args.dtype)
     except (OSError, ValueError) as err:
         remote = [m for m in (args.model, args.draft_model) if m and not Path(m).exists()]
         if not remote:

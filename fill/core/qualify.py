@@ -229,12 +229,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None,
                         help="plan file (default: the user cache's plans/ dir)")
     parser.add_argument("--repeats", type=int, default=None, help="timing repeats per size")
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                        help="cast the floating-point weights after loading, as a server or "
+                             "script that runs the model in that dtype does (default: as stored)")
 
 
 def run(args: argparse.Namespace) -> int:
     from mlx_lm.utils import load_model
 
     model, config = load_model(args.model)
+    if args.dtype is not None:
+        model.set_dtype(getattr(mx, args.dtype))
     try:
         check_supported(make_prompt_cache(model))
     except Unsupported as e:
@@ -242,7 +247,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     vocab = int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size"))
     plan, checks = qualify(model, quick=args.quick, vocab=vocab, repeats=args.repeats,
-                           note=f"mlx-fill qualify on {Path(args.model).name}")
+                           note=f"mlx-fill qualify on {Path(args.model).name}"
+                                + (f" cast to {args.dtype}" if args.dtype else ""))
     print(format_table(plan, checks))
     print(f"wrote {save_plan(plan, args.out)}")
     return 0

@@ -131,8 +131,19 @@ def e2e_session(arm: str, *, model, tok, ids, row, draft=None, mtp_head=None,
                          messages=row["messages"], tools=row["tools"], acceptance=acceptance)
 
 
+def load_fixture(name: str, dtype: str | None):
+    """(model, tokenizer) of fixture ``name``, its floating-point weights cast to ``dtype``."""
+    from mlx_lm import load
+
+    from mlx_fill.assets.fixtures import fixture_path
+    model, tok = load(str(fixture_path(name)))
+    if dtype is not None:
+        model.set_dtype(getattr(mx, dtype))
+    return model, tok
+
+
 def run_e2e(quick: bool, repeats: int, fixtures: list[str] | None = None,
-            max_tokens: int = 128) -> dict:
+            max_tokens: int = 128, dtype: str | None = None) -> dict:
     """Every arm on the held-out prompts of every fixture: one table per fixture, overall and
     per transcript source (``by_source``)."""
     from mlx_lm import load
@@ -146,8 +157,8 @@ def run_e2e(quick: bool, repeats: int, fixtures: list[str] | None = None,
     result = {}
     for name in fixtures:
         path = fixture_path(name)
-        model, tok = load(str(path))
-        draft = load(str(fixture_path("qwen3-draft"))) if name == "qwen3-json" else None
+        model, tok = load_fixture(name, dtype)
+        draft = load_fixture("qwen3-draft", dtype) if name == "qwen3-json" else None
         eos = frozenset(tok.eos_token_ids)
         arms = ["plain", *[a for a in E2E_ARMS if a != "draft" or draft is not None]]
         models = dict.fromkeys(arms, model)
@@ -155,7 +166,7 @@ def run_e2e(quick: bool, repeats: int, fixtures: list[str] | None = None,
         if has_mtp(path):
             # the MTP arm decodes with its own copy: the hidden-state tap it installs stays off
             # the model the other arms time
-            models["mtp"], _ = load(str(path))
+            models["mtp"], _ = load_fixture(name, dtype)
             mtp_head = load_mtp_head(path, models["mtp"])
             arms.append("mtp")
         acc = {a: Arm(a) for a in arms}
@@ -188,17 +199,13 @@ PROSE_PROMPTS = (
 
 
 def run_prose(quick: bool, repeats: int, fixtures: list[str] | None = None,
-              max_tokens: int = 128) -> dict:
+              max_tokens: int = 128, dtype: str | None = None) -> dict:
     """Chat requests with no tools and nothing to copy, ``plain`` vs ``off`` (a session with
     no source) vs ``strict`` and ``all``: what having the flag on costs where nothing fills."""
-    from mlx_lm import load
-
-    from mlx_fill.assets.fixtures import fixture_path
-
     prompts = PROSE_PROMPTS[:2] if quick else PROSE_PROMPTS
     result = {}
     for name in fixtures or ["qwen3-json"]:
-        model, tok = load(str(fixture_path(name)))
+        model, tok = load_fixture(name, dtype)
         eos = frozenset(tok.eos_token_ids)
         arms = ["plain", "off", "strict", "all"]
         acc = {a: Arm(a) for a in arms}
@@ -363,6 +370,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer prompts, fixtures and repeats")
     ap.add_argument("--parts", default="e2e,prose,mechanism")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens per e2e / prose request")
+    ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                    help="cast the e2e / prose models' floating-point weights (default: as stored)")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--fixtures", default=None,
@@ -372,14 +381,17 @@ def main() -> int:
     repeats = args.repeats or (1 if args.quick else 3)
     parts = args.parts.split(",")
     fixtures = args.fixtures.split(",") if args.fixtures else None
+    from mlx_fill.core import kernels
     report = {"machine": f"{platform.machine()} {platform.system()}, mlx {mx.__version__}",
+              "blas": " ".join(filter(None, vars(kernels.blas()).values())),
+              "dtype": args.dtype,
               "date": time.strftime("%Y-%m-%d"), "quick": args.quick, "repeats": repeats}
     if "e2e" in parts:
-        report["e2e"] = run_e2e(args.quick, repeats, fixtures, args.max_tokens)
+        report["e2e"] = run_e2e(args.quick, repeats, fixtures, args.max_tokens, args.dtype)
         for name, table in report["e2e"].items():
             print_table(f"e2e {name}", table)
     if "prose" in parts:
-        report["prose"] = run_prose(args.quick, repeats, fixtures, args.max_tokens)
+        report["prose"] = run_prose(args.quick, repeats, fixtures, args.max_tokens, args.dtype)
         for name, table in report["prose"].items():
             print_table(f"prose {name}", table)
     if "mechanism" in parts:

@@ -124,3 +124,14 @@ def test_linear_cost_curve_closes_every_key():
     for _ in range(100):
         gate.observe(16, 16, key="perfect")
     assert gate.length("perfect") == 0
+
+
+def test_a_round_is_priced_in_the_plans_chunks():
+    """Rows that a plan must append one at a time cost one forward each, however flat the
+    measured curve (OpenBLAS: flat c(M), but no multi-row chunk is exact)."""
+    flat_serial = DispatchPlan(key=None, max_chunk=1, cost={64: 1.0}, qualified=True)
+    gate = CostGate(flat_serial, 16, acceptance=DraftAcceptance(16, decay=1.0))
+    for _ in range(100):
+        gate.observe(16, 16)
+    assert gate.length() == 0
+    assert CostGate(FLAT, 16, acceptance=gate.acceptance).length() == 16

@@ -1,0 +1,60 @@
+"""Write the agent sessions the fixtures and ``smollm2-tools`` never trained on, as a transcripts
+file that ``mlx-fill replay`` / ``mlx-fill ab`` read.
+
+The split is the training scripts' own (``scripts.training.fixture_data.split_sessions``, seed
+0): about 12% of the sessions of every source held back whole; pi's single session contributes
+its last turns (its system message and the messages from the training cut on), so those turns
+are replayed with only the held-back part of the conversation as history.
+
+    python -m scripts.bench.heldout_sessions OUT.jsonl.gz [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+from pathlib import Path
+
+from scripts.training import fixture_data
+
+TAIL = "#tail"
+
+
+def heldout_rows(seed: int) -> list[dict]:
+    """The raw transcript rows of the held-back sessions (a ``#tail`` session cut as in the split)."""
+    with gzip.open(fixture_data.transcripts_path() / "dev.jsonl.gz", "rt", encoding="utf-8") as fh:
+        rows = [json.loads(line) for line in fh]
+    raw = {(r["source"], r["session_id"]): r for r in rows if r["source"] in fixture_data.SOURCES}
+    _, held = fixture_data.split_sessions(fixture_data.load_recordings(), seed)
+    out = []
+    for session in held:
+        base = session.session_id.removesuffix(TAIL)
+        row = dict(raw[(session.source, base)])
+        if session.session_id.endswith(TAIL):
+            # the held-back tail: the same messages as the normalized session, one for one
+            # (a leading system message, when the session has one, then the tail)
+            system = [m for m in row["messages"][:1] if m["role"] == "system"]
+            cut = len(row["messages"]) - (len(session.messages) - len(system))
+            row["messages"] = system + row["messages"][cut:]
+            row["session_id"] = session.session_id
+        out.append(row)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    rows = heldout_rows(args.seed)
+    with gzip.open(args.out, "wt", encoding="utf-8") as fh:
+        for row in rows:
+            fh.write(json.dumps(row) + "\n")
+    print(f"{len(rows)} held-back sessions -> {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
