@@ -11,15 +11,18 @@ from adapter_models import AGENT_MESSAGES, AGENT_TOOLS, serving_model_dir
 from mlx_lm import load
 
 from mlx_fill.adapters.server import batch_fill
+from mlx_fill.assets.fixtures import fixture_path
 from mlx_fill.core.proposal import DecodeView, FillSession, Proposal
 
 G = importlib.import_module("mlx_lm.generate")
 N = 40
 
 
-@pytest.fixture(scope="module")
-def setup():
-    path, _ = serving_model_dir()
+@pytest.fixture(scope="module", params=["dense", "hybrid"])
+def setup(request):
+    """The serving model (``BatchKVCache`` layers) and the ``qwen35-xml`` fixture (GatedDeltaNet
+    hybrid: ``ArraysCache`` and ``BatchKVCache`` layers)."""
+    path = serving_model_dir()[0] if request.param == "dense" else fixture_path("qwen35-xml")
     model, tok = load(str(path))
     msgs = [AGENT_MESSAGES,
             [{"role": "user", "content": "List the files in the repo and show README.md"}],
@@ -74,6 +77,10 @@ def same_cache(a, b) -> bool:
     if ta != tb:
         return False
     for x, y in zip(ca, cb):
+        if not hasattr(x, "offset"):  # recurrent layer: conv and state arrays
+            if not all(mx.array_equal(u, v).item() for u, v in zip(x.cache, y.cache)):
+                return False
+            continue
         if x.offset != y.offset:
             return False
         n = x.offset
