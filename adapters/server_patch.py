@@ -1,15 +1,25 @@
 """Fill inside an unmodified ``mlx_lm.server`` (mlx-lm 0.32.x), applied by the autoload hook.
 
 Routing: a chat or text completion whose body carries ``tools``, ``tool_choice`` or
-``prediction`` is marked on the HTTP thread (``APIHandler.handle_completion``), the mark is
-copied onto its ``GenerationArguments`` (``ResponseGenerator.generate``), and
-``ResponseGenerator._is_batchable`` answers False for it, so it takes the serial lane
-(``_serve_single``). Every other request keeps the batched lane untouched.
+``prediction`` is marked on the HTTP thread (``APIHandler.handle_completion``) and the mark is
+copied onto its ``GenerationArguments`` (``ResponseGenerator.generate``). Such a request keeps
+the batched lane (``ResponseGenerator._is_batchable`` answers as stock) when the loaded model's
+caches batch-fill (:func:`mlx_fill.adapters.server.batch_fill.supported`) and it is not
+sharded; otherwise it takes the serial lane (``_serve_single``), as does everything stock
+serves serially (a ``seed``, ``--kv-bits``, a draft model, images). Requests without a mark
+are untouched.
 
-Decoding: ``_tokenize`` records the full prompt ids on the mark; ``_serve_single`` publishes the
-mark in a context variable on the generation thread; ``mlx_lm.server.stream_generate`` (the
-name server.py bound at import) is wrapped to build the request's :class:`FillSession` and pass
-``fill=`` to the fill-aware ``generate_step`` (installed in ``mlx_lm.generate`` by the same hook).
+Batched decoding: ``_tokenize`` records the full prompt ids and leaves the mark *pending*; the
+next ``BatchGenerator.insert_segments`` on the generation thread (the server calls it right
+after ``_tokenize`` in its batched lane) takes it, builds the request's :class:`FillSession`
+and registers it under the returned uid (:mod:`~mlx_fill.adapters.server.batch_fill`, which
+runs the side steps). ``usage.fill.lane`` is ``batch`` and ``usage.fill.batch_peak`` the
+largest generation batch the request decoded in.
+
+Serial decoding: ``_serve_single`` publishes the mark in a context variable on the generation
+thread; ``mlx_lm.server.stream_generate`` (the name server.py bound at import) is wrapped to
+build the request's :class:`FillSession` and pass ``fill=`` to the fill-aware ``generate_step``
+(installed in ``mlx_lm.generate`` by the same hook); ``usage.fill.lane`` is ``serial``.
 
 Bounded work: a request whose tools are over the compile budget, or whose
 ``chat_template_kwargs`` go beyond the variables of the model's template, is served without fill
@@ -42,6 +52,7 @@ import hashlib
 import inspect
 import json
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +70,8 @@ from mlx_fill.session import (
     server_ledger,
     usage_extra,
 )
+from mlx_fill.adapters.server import batch_fill
+from mlx_fill.adapters.server.batch_fill import SeqFill
 from mlx_fill.adapters.server.template_vars import template_variables
 
 ROUTED_KEYS = ("tools", "tool_choice", "prediction")
@@ -74,6 +87,7 @@ TARGETS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("ResponseGenerator", "_serve_single", ("self", "request", "stream")),
     ("ResponseGenerator", "_tokenize", ("self", "tokenizer", "request", "args")),
     ("ModelProvider", "_load", ("self", "model_path")),
+    ("BatchGenerator", "insert_segments", ("self", "segments")),
 )
 
 
@@ -87,11 +101,18 @@ class FillRequest:
     session: FillSession | None = None
     predicted: int = 0
     error: str | None = None
+    batched: SeqFill | None = None  # set when the request decodes in the batched lane
 
     def usage(self) -> dict[str, Any]:
-        """``usage`` additions: ``fill`` and, with a prediction, ``completion_tokens_details``."""
+        """``usage`` additions: ``fill`` (with ``lane``; in the batched lane ``batch_peak``)
+        and, with a prediction, ``completion_tokens_details``."""
         predicted = self.predicted if self.body.get("prediction") is not None else None
-        return usage_extra(self.session, predicted=predicted, error=self.error)
+        extra = usage_extra(self.session, predicted=predicted, error=self.error)
+        if "fill" in extra and self.session is not None:
+            extra["fill"]["lane"] = "batch" if self.batched is not None else "serial"
+            if self.batched is not None:
+                extra["fill"]["batch_peak"] = self.batched.batch_peak
+        return extra
 
 
 _current: contextvars.ContextVar[tuple[FillRequest, Any, str] | None] = contextvars.ContextVar(
@@ -226,6 +247,7 @@ def apply(server: Any, mode: str) -> bool:
     is_batchable, serve_single, tokenize = RG._is_batchable, RG._serve_single, RG._tokenize
     stream_generate = server.stream_generate
     load = server.ModelProvider._load
+    insert_segments = server.BatchGenerator.insert_segments
 
     def handle_completion_w(self, request, stop_words, *a, **kw):
         body = getattr(self, "body", None)
@@ -247,18 +269,29 @@ def apply(server: Any, mode: str) -> bool:
         return generate(self, request, generation_args, *a, **kw)
 
     def is_batchable_w(self, args, *a, **kw):
-        if getattr(args, "mlx_fill", None) is not None:
+        if getattr(args, "mlx_fill", None) is not None and not _batch_fills(self.model_provider):
             return False
         return is_batchable(self, args, *a, **kw)
 
     def tokenize_w(self, tokenizer, request, args, *a, **kw):
+        _pending.clear()
         out = tokenize(self, tokenizer, request, args, *a, **kw)
         fill_request = getattr(request, "mlx_fill", None)
         if fill_request is not None:
             fill_request.prompt_ids = list(out[0])
+            model_key = str((getattr(self.model_provider, "model_key", None) or ("",))[0])
+            _pending.append((fill_request, tokenizer, args, model_key))
         return out
 
+    def insert_segments_w(self, segments, *a, **kw):
+        pending = _pending.pop() if _pending else None
+        uids = insert_segments(self, segments, *a, **kw)
+        if pending is not None and len(uids) == 1:
+            _register(self, uids[0], *pending)
+        return uids
+
     def serve_single_w(self, request, stream, *a, **kw):
+        _pending.clear()
         args = request[2]
         fill_request = getattr(args, "mlx_fill", None)
         model_key = str((getattr(getattr(self, "model_provider", None), "model_key", None) or ("",))[0])
@@ -304,6 +337,8 @@ def apply(server: Any, mode: str) -> bool:
         return out
 
     install_generate_step()
+    batch_fill.install(sys.modules["mlx_lm.generate"])
+    server.BatchGenerator.insert_segments = _wrap(insert_segments, insert_segments_w)
     server.ModelProvider._load = _wrap(load, load_w)
     API.handle_completion = _wrap(handle_completion, handle_completion_w)
     API.generate_response = _wrap(generate_response, generate_response_w)
@@ -317,6 +352,44 @@ def apply(server: Any, mode: str) -> bool:
 
 
 _groups: dict[int, Any] = {}  # id(model) -> the distributed group it was sharded over
+
+# (fill request, tokenizer, args, model key) of the last ``_tokenize`` on the generation
+# thread, taken by the ``insert_segments`` that follows it in the batched lane
+_pending: list[tuple[FillRequest, Any, Any, str]] = []
+_batchable_models: dict[int, bool] = {}
+
+
+def _batch_fills(model_provider: Any) -> bool:
+    """Whether fill requests for the provider's loaded model keep the batched lane: its caches
+    batch-fill and it is not sharded over a distributed group (ranks agree on proposals only in
+    the serial lane). False before a model is loaded."""
+    model = getattr(model_provider, "model", None)
+    if model is None or _group(model) is not None:
+        return False
+    if id(model) not in _batchable_models:
+        _batchable_models[id(model)] = batch_fill.supported(model)
+    return _batchable_models[id(model)]
+
+
+def _register(batch_generator: Any, uid: int, fill_request: FillRequest, tokenizer: Any,
+              args: Any, model_key: str) -> None:
+    """Build the batched request's session and register it under ``uid``; a build failure
+    serves the request without fill (logged, ``usage.fill.error``)."""
+    ledger = None
+    try:
+        ledger = _ledger_for(model_key, tokenizer)
+        session = _open_session(fill_request, args,
+                                {"tokenizer": tokenizer, "model": batch_generator.model},
+                                ledger, model_key)
+    except Exception as e:  # noqa: BLE001 -- a fill bug must not fail the request
+        log.warning("mlx-fill: request served without fill (%s: %s)", type(e).__name__, e)
+        fill_request.error = f"{type(e).__name__}: {e}"
+        return
+    fill_request.session = session
+    seq = SeqFill(session, list(fill_request.prompt_ids or []),
+                  on_end=lambda: end_session(session, ledger))
+    fill_request.batched = seq
+    batch_fill.registry(batch_generator)[uid] = seq
 
 
 def _group(model: Any) -> Any:

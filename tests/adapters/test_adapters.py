@@ -56,7 +56,7 @@ def test_prediction_session_is_lossless_and_attaches_telemetry(lm, monkeypatch):
     """With rows priced as free (one-row chunks: exact on any machine) the prediction is
     verified; the output is plain decoding's either way."""
     model, tok, prompt = lm
-    monkeypatch.setattr("mlx_fill.session.plan_for", lambda _model: FREE_ROWS)
+    monkeypatch.setattr("mlx_fill.session.plan_for", lambda _model, _group=None: FREE_ROWS)
     ref = list(stream_generate(model, tok, prompt, max_tokens=30))
     head = "".join(r.text for r in ref[:15])
     session = build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt,

@@ -4,6 +4,7 @@ official ``openai`` client, against the same server without ``MLX_FILL``."""
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -73,15 +74,45 @@ def test_trained_fixture_tool_call_identical_and_filled(servers):
     assert a.usage.model_extra["fill"]["injected"] > 0
 
 
-def test_lanes_tools_serial_prose_batched(servers):
+def test_lanes_tool_requests_stay_batched(servers):
     log = servers["fill_log"]
     before = serial_requests(log)
-    ask(servers["fill"], "Tell me a story.")
-    assert serial_requests(log) == before, "a plain prose request left the batched lane"
     r = ask(servers["fill"], "Tell me a story.")
     assert "fill" not in (r.usage.model_extra or {})
-    ask(servers["fill"], "Weather in Oslo?", tools=TOOLS)
-    assert serial_requests(log) > before, "a tool request did not take the serial fill lane"
+    t = ask(servers["fill"], "Weather in Oslo?", tools=TOOLS)
+    assert t.usage.model_extra["fill"]["lane"] == "batch"
+    assert serial_requests(log) == before, "a tool request left the batched lane"
+    s = ask(servers["fill"], "Weather in Oslo?", tools=TOOLS, seed=3)  # stock serves seeds serially
+    assert s.usage.model_extra["fill"]["lane"] == "serial"
+    assert serial_requests(log) > before
+
+
+def test_four_concurrent_clients_batched_identical_and_filled(servers):
+    """4 official clients at once: every answer is the stock server's, the requests shared a
+    generation batch (``batch_peak``), and strict fill injected tokens inside it."""
+    prompts = [AGENT_MESSAGES,
+               [{"role": "user", "content": "List the files and show README.md"}],
+               [{"role": "user", "content": "Run the tests please."}],
+               [{"role": "user", "content": "What is in setup.py?"}]]
+
+    def call(client, messages):
+        return client.chat.completions.create(model="default_model", messages=messages,
+                                              tools=AGENT_TOOLS, temperature=0, max_tokens=96)
+
+    def answer(r):
+        m = r.choices[0].message
+        return (m.content, [(c.function.name, c.function.arguments) for c in m.tool_calls or []],
+                r.choices[0].finish_reason, r.usage.completion_tokens)
+
+    with ThreadPoolExecutor(4) as pool:
+        stock = list(pool.map(lambda m: call(servers["stock"], m), prompts))
+        fill = list(pool.map(lambda m: call(servers["fill"], m), prompts))
+    assert [answer(r) for r in fill] == [answer(r) for r in stock]
+    usage = [r.usage.model_extra["fill"] for r in fill]
+    assert all(u["lane"] == "batch" for u in usage)
+    assert max(u["batch_peak"] for u in usage) > 1, usage
+    if servers["trained"]:
+        assert sum(u["injected"] for u in usage) > 0, usage
 
 
 def test_prediction_is_lossless_and_accepted(servers):

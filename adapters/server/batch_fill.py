@@ -1,0 +1,318 @@
+"""Fill inside mlx-lm's continuous batching (``BatchGenerator``, mlx-lm 0.32.x): the side step.
+
+Mechanism, per :meth:`GenerationBatch.next` call (one decode step of the whole batch):
+
+1. The stock step runs untouched: one batched one-token forward for every sequence, exactly
+   the rows stock batching computes; each sequence's token is emitted and the next samples are
+   in flight.
+2. For each sequence that has a fill session (:class:`SeqFill`) and whose session proposes a
+   span, a *side step* on its own slice of the batch cache: the sequence's caches are extracted
+   (``BatchKVCache.extract`` / ``ArraysCache.extract``, copies of that row), the span is
+   appended by the serial append-and-rewind primitive (:mod:`mlx_fill.core.primitive`) under
+   the dispatch plan, verified or asserted exactly as the serial loop does
+   (:mod:`mlx_fill.core.acceptance`), the rejected tail is rewound on that sequence only, and
+   the result is written back into that row of the batch cache (:func:`_write_back`). Its
+   emitted ids join the step's responses, in order, after its stock token; the sample after the
+   kept span becomes its next input.
+
+Exactness. Every other sequence's cache rows and samples are the stock step's, untouched. The
+filled sequence's rows hold the serial primitive's keys and values, which equal serial
+single-sequence decoding under the plan (the primitive's contract). They equal that sequence's
+plain *batched* decoding only where batched one-token rows equal single-sequence rows, which
+is a property of the backend: measured bit-identical (logprobs and tokens) on this CPU for the
+``qwen3-json`` fixture (float32 and bfloat16) and SmolLM2-135M float32 in batches of 1 and 4
+(CHANGELOG). Where it does not hold, stock batching is itself not reproducible across batch
+compositions, and fill's promise is the serial one.
+
+Write-back keeps ``BatchKVCache``'s layout (left padding, one shared ``_idx``): the row is
+shifted left into its own padding; when a sequence's padding is too short, every row gets the
+missing padding first (one copy of the batch cache, as mlx-lm's own ``extend`` does).
+``BatchRotatingKVCache`` and ``CacheList`` batches are not handled: :func:`supported` says so
+and the server keeps those models' fill requests in the serial lane.
+
+One round per sequence per step (no chained round: the sample after a span is fed by the next
+batched step, as stock would feed it).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models import cache as C
+
+from mlx_fill.core.acceptance import process_row, verify_rows
+from mlx_fill.core.plan import DispatchPlan
+from mlx_fill.core.primitive import Unsupported, append, cache_offset, checkpoint, rewind
+from mlx_fill.core.proposal import DecodeView, FillSession, Proposal
+from mlx_fill.core.resolve import plan_for
+
+log = logging.getLogger("mlx_fill")
+
+
+@dataclass
+class SeqFill:
+    """One batched sequence's fill: its session, the full prompt ids, the ids emitted so far,
+    the largest generation batch it decoded in (``batch_peak``: proof the batch was used),
+    ``rounds`` applied, and ``on_end`` (called once when the sequence leaves the batch)."""
+
+    session: FillSession
+    prompt_ids: list[int]
+    emitted: list[int] = field(default_factory=list)
+    batch_peak: int = 0
+    rounds: int = 0
+    on_end: Callable[[], None] | None = None
+
+    def end(self) -> None:
+        if self.on_end is not None:
+            on_end, self.on_end = self.on_end, None
+            on_end()
+
+
+# the registry of the BatchGenerator whose ``_next`` is running (uid -> SeqFill)
+_active: contextvars.ContextVar[dict[int, SeqFill] | None] = contextvars.ContextVar(
+    "mlx_fill_batch", default=None)
+
+
+def registry(batch_generator: Any) -> dict[int, SeqFill]:
+    """The uid -> :class:`SeqFill` map of ``batch_generator`` (created on first use)."""
+    reg = batch_generator.__dict__.get("_mlx_fill")
+    if reg is None:
+        reg = batch_generator.__dict__["_mlx_fill"] = {}
+    return reg
+
+
+def supported(model: Any) -> bool:
+    """Whether batched fill handles ``model``'s caches: every layer a ``KVCache`` (batched as
+    ``BatchKVCache``) or an ``ArraysCache`` (recurrent layers of hybrid models)."""
+    caches = model.make_cache() if hasattr(model, "make_cache") else [C.KVCache() for _ in model.layers]
+    return all(type(c) in (C.KVCache, C.ArraysCache) for c in caches)
+
+
+def _forced(token: int, vocab: int) -> mx.array:
+    return mx.where(mx.arange(vocab) == token, 0.0, -mx.inf)
+
+
+def _write_back(batch_cache: list[Any], i: int, single: list[Any], added: int) -> None:
+    """Put sequence ``i``'s extracted caches (``added`` ids longer than its batch row) back
+    into the batch caches, keeping the left-padded layout."""
+    for bc, sc in zip(batch_cache, single):
+        if isinstance(bc, C.ArraysCache):
+            bc.cache = [None if a is None else mx.concatenate([a[:i], s, a[i + 1:]])
+                        for a, s in zip(bc.cache, sc.cache)]
+            continue
+        if added == 0:
+            continue
+        pad = int(bc.left_padding[i].item())
+        if added > pad:  # grow every row's left padding by the shortfall
+            grow = added - pad
+            widths = [(0, 0), (0, 0), (grow, 0), (0, 0)]
+            bc.keys = mx.pad(bc.keys[..., :bc._idx, :], widths)
+            bc.values = mx.pad(bc.values[..., :bc._idx, :], widths)
+            bc.left_padding = bc.left_padding + grow
+            bc._idx += grow
+            pad += grow
+        start = pad - added
+        bc.keys[i:i + 1, :, start:bc._idx, :] = sc.keys[..., :sc.offset, :]
+        bc.values[i:i + 1, :, start:bc._idx, :] = sc.values[..., :sc.offset, :]
+        onehot = (mx.arange(bc.left_padding.size) == i).astype(bc.left_padding.dtype) * added
+        bc.left_padding = bc.left_padding - onehot
+        bc.offset = bc.offset + onehot.astype(bc.offset.dtype)
+
+
+@dataclass
+class _Outcome:
+    """What a side step emitted for one sequence: ids, their logprobs, the finish reason of the
+    last one (None: still decoding) and the next input sample (None when finished)."""
+
+    ids: list[int]
+    logprobs: list[mx.array]
+    finish: str | None
+    next_token: mx.array | None = None
+    next_logprobs: mx.array | None = None
+    forwards: int = 0
+
+
+def _cut(gb: Any, i: int, ids: list[int]) -> tuple[int, str | None]:
+    """How many of ``ids`` sequence ``i`` emits before a stop sequence or ``max_tokens`` ends
+    it (advancing its stop matcher over exactly those), and the finish reason."""
+    room = gb.max_tokens[i] - gb._num_tokens[i]
+    for n, t in enumerate(ids[:room], start=1):
+        if gb._matchers[i].advance(t):
+            return n, "stop"
+        if n == room:
+            return n, "length"
+    return len(ids), None
+
+
+def _history(gb: Any, i: int) -> mx.array | None:
+    """Sequence ``i``'s logits-processor history (ending with its last fed id), or None."""
+    if not gb.logits_processors or not gb.logits_processors[i]:
+        return None
+    buf = gb._token_context[i]
+    return buf._buffer[:buf._size]
+
+
+def _side_step(gb: Any, i: int, proposal: Proposal, plan: DispatchPlan) -> _Outcome | None:
+    """Apply ``proposal`` to sequence ``i`` of generation batch ``gb`` on its own extracted
+    caches, written back before returning. None when a verify span's first id disagrees with
+    the in-flight sample (nothing changed)."""
+    sampler = (gb.samplers[i] if gb.samplers and gb.samplers[i] is not None
+               else gb.fallback_sampler)
+    processors = gb.logits_processors[i] if gb.logits_processors else None
+    history = _history(gb, i)
+    ids = list(proposal.ids)
+    if proposal.policy == "verify" and int(gb._next_tokens[i].item()) != ids[0]:
+        return None
+    single = [c.extract(i) for c in gb.prompt_cache]
+    cp = checkpoint(gb.model, single, plan)
+    forwards = len(plan.chunks(cache_offset(single), len(ids)))
+    if proposal.policy == "assert":
+        row = append(gb.model, single, ids, plan=plan, logits="last", record=cp)
+        n, finish = _cut(gb, i, ids)
+        vocab = gb._next_logprobs[i].shape[-1]
+        out = _Outcome(ids[:n], [_forced(t, vocab) for t in ids[:n]], finish)
+        if finish is None:
+            hist = history
+            if processors:
+                hist = mx.concatenate([history, mx.array(ids, dtype=history.dtype)])
+            out.next_token, out.next_logprobs = process_row(row, hist, sampler, processors)
+    else:
+        rows = append(gb.model, single, ids, plan=plan, logits="all", record=cp)
+        verdict = verify_rows(rows, ids, history, sampler, processors)
+        kept = ids[:verdict.accepted]
+        n, finish = _cut(gb, i, kept)
+        lps = [gb._next_logprobs[i], *verdict.row_logprobs[:n - 1]]
+        out = _Outcome(kept[:n], lps, finish)
+        if finish is None:
+            out.next_token = mx.array([verdict.next_token], dtype=gb._next_tokens.dtype)
+            out.next_logprobs = verdict.next_logprobs
+    rewind(cp, n)
+    _write_back(gb.prompt_cache, i, single, n)
+    out.forwards = forwards
+    return out
+
+
+def _apply(gb: Any, i: int, out: _Outcome) -> None:
+    """Record sequence ``i``'s side-step ids as fed and emitted, and set its next input."""
+    gb.tokens[i].extend(out.ids)
+    gb._num_tokens[i] += len(out.ids)
+    if gb.logits_processors and gb.logits_processors[i]:
+        gb._token_context[i].update_and_fetch(mx.array(out.ids, dtype=mx.int32))
+    if out.next_token is not None:
+        nt = gb._next_tokens
+        gb._next_tokens = mx.concatenate([nt[:i], out.next_token.astype(nt.dtype), nt[i + 1:]])
+        gb._next_logprobs[i] = out.next_logprobs
+
+
+def _fill_rounds(gb: Any, reg: dict[int, SeqFill], responses: list) -> list:
+    """After the stock step: one side step for every registered sequence with a proposal;
+    returns the responses with the side steps' ids after their sequence's stock token."""
+    extra: dict[int, list] = {}
+    finished: set[int] = set()
+    for i, uid in enumerate(gb.uids):
+        sf = reg.get(uid)
+        if sf is None or sf.session.refused is not None:
+            continue
+        sf.batch_peak = max(sf.batch_peak, len(gb.uids))
+        proposal = sf.session.propose(DecodeView(sf.prompt_ids, sf.emitted, sf.session.eos_ids))
+        if proposal is None:
+            continue
+        position = len(sf.emitted)
+        plan = sf.session.plan if sf.session.plan is not None else plan_for(gb.model)
+        try:
+            out = _side_step(gb, i, proposal, plan)
+        except Unsupported as e:
+            sf.session.refuse(e.reason)
+            continue
+        if out is None:
+            sf.session.feedback(proposal, 0, position)
+            continue
+        sf.rounds += 1
+        sf.session.stats.forwards += out.forwards
+        if proposal.policy == "assert":
+            sf.session.stats.wasted_samples += 1
+        sf.session.feedback(proposal, len(out.ids), position)
+        _apply(gb, i, out)
+        sf.emitted.extend(out.ids)
+        sf.session.stats.emitted = len(sf.emitted)
+        rows = [gb.Response(uid, t, lp, None, None, None)
+                for t, lp in zip(out.ids, out.logprobs)]
+        if out.finish is not None:
+            rows[-1] = gb.Response(uid, out.ids[-1], out.logprobs[-1], out.finish,
+                                   gb.extract_cache(i), list(gb.tokens[i]))
+        extra[uid] = rows
+        if out.finish is not None:
+            finished.add(i)
+    if finished:
+        gb.filter([i for i in range(len(gb.uids)) if i not in finished])
+    if not extra:
+        return responses
+    merged = []
+    for r in responses:
+        merged.append(r)
+        merged.extend(extra.get(r.uid, ()))
+    return merged
+
+
+def _end_finished(reg: dict[int, SeqFill], responses: list) -> None:
+    for r in responses:
+        sf = reg.get(r.uid)
+        if sf is None:
+            continue
+        if r.finish_reason is not None:
+            reg.pop(r.uid).end()
+
+
+def install(generate_module: Any) -> bool:
+    """Patch ``generate_module`` (``mlx_lm.generate``) so generation batches run side steps for
+    registered sequences. Idempotent; returns True when this call patched. Sequences without a
+    :class:`SeqFill` (and batches with none) take the stock code path unchanged."""
+    BG, GB = generate_module.BatchGenerator, generate_module.GenerationBatch
+    if getattr(GB.next, "__mlx_fill__", False):
+        return False
+    stock_next, stock_bg_next, stock_remove = GB.next, BG._next, BG.remove
+
+    def gb_next(self):
+        reg = _active.get()
+        if not reg or not any(u in reg for u in self.uids):
+            return stock_next(self)
+        uids = list(self.uids)
+        responses = stock_next(self)
+        for r in responses:
+            sf = reg.get(r.uid)
+            if sf is not None:
+                sf.emitted.append(r.token)
+                sf.session.stats.emitted = len(sf.emitted)
+                sf.session.stats.forwards += 1
+                sf.batch_peak = max(sf.batch_peak, len(uids))
+        responses = _fill_rounds(self, reg, responses)
+        _end_finished(reg, responses)
+        return responses
+
+    def bg_next(self):
+        token = _active.set(registry(self))
+        try:
+            return stock_bg_next(self)
+        finally:
+            _active.reset(token)
+
+    def remove(self, uids, *a, **kw):
+        reg = registry(self)
+        for uid in uids:
+            if uid in reg:
+                reg.pop(uid).end()
+        return stock_remove(self, uids, *a, **kw)
+
+    for cls, name, orig, new in ((GB, "next", stock_next, gb_next), (BG, "_next", stock_bg_next, bg_next),
+                                 (BG, "remove", stock_remove, remove)):
+        new.__wrapped__ = orig
+        new.__mlx_fill__ = True
+        new.__name__ = orig.__name__
+        new.__doc__ = orig.__doc__
+        setattr(cls, name, new)
+    return True

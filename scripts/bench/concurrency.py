@@ -1,0 +1,172 @@
+"""Concurrency benchmark (not a test): ``mlx_lm.server`` with ``MLX_FILL`` unset vs ``strict``
+vs ``all`` under C concurrent clients replaying held-out agent openings.
+
+For each mode one server is started (loopback, ``--model``), warmed with one request, then for
+each C the same request list (every held-out opening of ``--source``, ``--repeat`` times) is
+sent through C client threads, temperature 0, ``--max-tokens`` each. Reported per (mode, C):
+total completion tokens/s over the wall time, per-request latency median and p90, the share of
+answers identical to the unset server's at the same C (content, tool calls, finish reason,
+completion tokens), and for fill modes the injected tokens and the largest generation batch a
+request decoded in (``usage.fill.batch_peak``).
+
+    python -m scripts.bench.concurrency [--model qwen3-json] [--dtype float32|bfloat16]
+        [--clients 1,4,8] [--modes unset,strict,all] [--source mini_swe_agent] [--json out.json]
+
+``--model`` is a fixture name (``mlx-fill fixture NAME``) or a model directory; ``--dtype
+bfloat16`` serves a bfloat16 copy converted once into a temporary directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+HELDOUT = ROOT / "fixtures" / "prompts" / "heldout.jsonl"
+BIN = Path(sys.executable).parent
+
+
+def requests_for(source: str, repeat: int) -> list[dict]:
+    """The held-out openings whose ``source`` starts with ``source`` (messages and tools)."""
+    rows = [json.loads(line) for line in HELDOUT.read_text().splitlines() if line.strip()]
+    picked = [{"messages": r["messages"], "tools": r["tools"]} for r in rows
+              if r["source"].startswith(source)]
+    if not picked:
+        raise SystemExit(f"no held-out prompt from source {source!r}")
+    return picked * repeat
+
+
+def model_dir(name: str, dtype: str) -> str:
+    path = name if Path(name).is_dir() else subprocess.run(
+        [str(BIN / "mlx-fill"), "fixture", name], check=True, capture_output=True,
+        text=True).stdout.strip()
+    if dtype == "float32":
+        return path
+    out = Path(tempfile.gettempdir()) / f"mlx-fill-bench-{Path(path).name}-{dtype}"
+    if not (out / "config.json").is_file():
+        subprocess.run([sys.executable, "-m", "mlx_lm", "convert", "--hf-path", path,
+                        "--mlx-path", str(out), "--dtype", dtype], check=True)
+    return str(out)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One ``mlx_lm.server`` subprocess with ``MLX_FILL`` set to ``mode`` (unset: no fill)."""
+
+    def __init__(self, model: str, mode: str, log: Path):
+        self.port = free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_FILL")}
+        if mode != "unset":
+            env["MLX_FILL"] = mode
+        self.log = open(log, "wb")  # noqa: SIM115 -- closed in stop()
+        self.proc = subprocess.Popen(
+            [str(BIN / "mlx_lm.server"), "--model", model, "--port", str(self.port)],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"server did not start (log: {log})")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def one(url: str, req: dict, max_tokens: int) -> dict:
+    body = {"model": "default_model", "temperature": 0, "max_tokens": max_tokens, **req}
+    t0 = time.perf_counter()
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=1800).json()
+    latency = time.perf_counter() - t0
+    msg, usage = r["choices"][0]["message"], r["usage"]
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls") or []]
+    return {"latency": latency, "tokens": usage["completion_tokens"], "fill": usage.get("fill"),
+            "answer": (msg.get("content"), calls, r["choices"][0]["finish_reason"],
+                       usage["completion_tokens"])}
+
+
+def run_level(server: Server, reqs: list[dict], clients: int, max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(lambda q: one(server.url, q, max_tokens), reqs))
+    wall = time.perf_counter() - t0
+    lat = sorted(r["latency"] for r in results)
+    fills = [r["fill"] for r in results if r["fill"]]
+    return {"clients": clients, "wall_s": wall, "tokens": sum(r["tokens"] for r in results),
+            "tok_s": sum(r["tokens"] for r in results) / wall,
+            "lat_median": statistics.median(lat), "lat_p90": lat[min(len(lat) - 1, int(0.9 * len(lat)))],
+            "injected": sum(f.get("injected", 0) for f in fills),
+            "batch_peak": max((f.get("batch_peak", 0) for f in fills), default=0),
+            "lanes": sorted({f.get("lane", "?") for f in fills}),
+            "answers": [r["answer"] for r in results]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen3-json")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--clients", default="1,4,8")
+    ap.add_argument("--modes", default="unset,strict,all")
+    ap.add_argument("--source", default="mini_swe_agent")
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    model = model_dir(a.model, a.dtype)
+    reqs = requests_for(a.source, a.repeat)
+    levels = [int(c) for c in a.clients.split(",")]
+    rows: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory() as logs:
+        for mode in a.modes.split(","):
+            server = Server(model, mode, Path(logs) / f"{mode}.log")
+            try:
+                one(server.url, reqs[0], 8)  # warm-up: load, plan, first compile
+                rows[mode] = [run_level(server, reqs, c, a.max_tokens) for c in levels]
+            finally:
+                server.stop()
+    base = {r["clients"]: r for r in rows.get("unset", [])}
+    print(f"\n{a.model} {a.dtype}, {len(reqs)} requests ({a.source}), {a.max_tokens} tokens max, "
+          f"temperature 0\n")
+    print("| MLX_FILL | C | tok/s | vs unset | latency median s | p90 s | identical | injected | lane | batch peak |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for mode, levels_rows in rows.items():
+        for r in levels_rows:
+            b = base.get(r["clients"])
+            ratio = f"{r['tok_s'] / b['tok_s']:.3f}x" if b else "-"
+            same = (f"{sum(x == y for x, y in zip(r['answers'], b['answers']))}/{len(r['answers'])}"
+                    if b else "-")
+            print(f"| {mode} | {r['clients']} | {r['tok_s']:.1f} | {ratio} | {r['lat_median']:.2f} | "
+                  f"{r['lat_p90']:.2f} | {same} | {r['injected']} | {','.join(r['lanes']) or '-'} | "
+                  f"{r['batch_peak'] or '-'} |")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"model": a.model, "dtype": a.dtype, "rows": rows},
+                                           indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
