@@ -142,17 +142,43 @@ def load_fixture(name: str, dtype: str | None):
     return model, tok
 
 
+def heldout_rows(quick: bool, per_source: int | None) -> list[dict]:
+    """The frozen held-out requests: the first ``per_source`` of each source, else every 4th
+    with ``quick``, else all."""
+    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()]
+    if per_source is not None:
+        return [r for i, r in enumerate(rows)
+                if sum(q["source"] == r["source"] for q in rows[:i]) < per_source]
+    return rows[:: 4] if quick else rows
+
+
+def prefilled(model, prompt: list[int]):
+    """A prompt cache holding ``prompt[:-1]`` (each arm then decodes from the last id; the
+    caller trims the cache back after every arm)."""
+    from mlx_lm.models.cache import make_prompt_cache
+    cache = make_prompt_cache(model)
+    for start in range(0, len(prompt) - 1, 512):
+        model(mx.array(prompt[start:min(start + 512, len(prompt) - 1)])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    return cache
+
+
 def run_e2e(quick: bool, repeats: int, fixtures: list[str] | None = None,
-            max_tokens: int = 128, dtype: str | None = None) -> dict:
+            max_tokens: int = 128, dtype: str | None = None, per_source: int | None = None,
+            shared_prefill: bool = False) -> dict:
     """Every arm on the held-out prompts of every fixture: one table per fixture, overall and
-    per transcript source (``by_source``)."""
+    per transcript source (``by_source``). ``shared_prefill``: the prompt is prefilled once
+    and every arm decodes from that cache, so the times are of decoding alone (a model whose
+    prefill costs most of a request, SmolLM2 in bfloat16 on two CPU cores, would otherwise
+    show every arm at the prefill's ratio)."""
+    from mlx_lm.models.cache import trim_prompt_cache
+
     from mlx_lm import load
 
     from mlx_fill.assets.fixtures import fixture_path
     from mlx_fill.spec.mtp import has_mtp, load_mtp_head
 
-    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()]
-    rows = rows[:: 4] if quick else rows
+    rows = heldout_rows(quick, per_source)
     fixtures = fixtures or (["qwen3-json"] if quick else ["qwen3-json", "qwen35-xml", "glm-xml"])
     result = {}
     for name in fixtures:
@@ -176,10 +202,16 @@ def run_e2e(quick: bool, repeats: int, fixtures: list[str] | None = None,
             ids = tok.apply_chat_template(row["messages"], tools=row["tools"],
                                           add_generation_prompt=True)
 
-            def run_arm(a: str):
+            cache = prefilled(model, ids) if shared_prefill else None
+
+            def run_arm(a: str, ids=ids, row=row, cache=cache):
                 s = e2e_session(a, model=models[a], tok=tok, ids=ids, row=row, draft=draft,
                                 mtp_head=mtp_head, acceptance=learned[a])
-                return s, *timed_decode(ids, models[a], s, max_tokens=max_tokens, eos=eos)
+                if cache is None or models[a] is not model:
+                    return s, *timed_decode(ids, models[a], s, max_tokens=max_tokens, eos=eos)
+                out = timed_decode(ids[-1:], model, s, max_tokens=max_tokens, eos=eos, cache=cache)
+                trim_prompt_cache(cache, cache[0].offset - (len(ids) - 1))
+                return s, *out
 
             mine = by_source.setdefault(row["source"], {a: Arm(a) for a in arms})
             interleave(acc, arms, repeats, run_arm, reference=None, also=mine)
@@ -370,6 +402,11 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer prompts, fixtures and repeats")
     ap.add_argument("--parts", default="e2e,prose,mechanism")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens per e2e / prose request")
+    ap.add_argument("--per-source", type=int, default=None,
+                    help="e2e: the first N held-out requests of each source (default: every 4th "
+                         "with --quick, else all)")
+    ap.add_argument("--shared-prefill", action="store_true",
+                    help="e2e: prefill each prompt once and time decoding alone")
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                     help="cast the e2e / prose models' floating-point weights (default: as stored)")
     ap.add_argument("--repeats", type=int, default=None)
@@ -387,7 +424,8 @@ def main() -> int:
               "dtype": args.dtype,
               "date": time.strftime("%Y-%m-%d"), "quick": args.quick, "repeats": repeats}
     if "e2e" in parts:
-        report["e2e"] = run_e2e(args.quick, repeats, fixtures, args.max_tokens, args.dtype)
+        report["e2e"] = run_e2e(args.quick, repeats, fixtures, args.max_tokens, args.dtype,
+                                args.per_source, args.shared_prefill)
         for name, table in report["e2e"].items():
             print_table(f"e2e {name}", table)
     if "prose" in parts:

@@ -4,9 +4,11 @@
 #
 #   bash scripts/bench/ab_fixture.sh [OUT_DIR]
 #
-# Environment (defaults in brackets): FIXTURE [qwen3-json], B_FILL [all], SOURCE
-# [mini_swe_agent_gemini3pro], SESSIONS [fixtures/transcripts/dev.jsonl.gz], MAX_SESSIONS [5],
-# TURNS [4], REPS [1], MAX_TOKENS [96], PORT_A [8401], PORT_B [8402].
+# Environment (defaults in brackets): FIXTURE [qwen3-json], B_FILL [all], SOURCE (one or more,
+# comma-separated) [mini_swe_agent_gemini3pro], SESSIONS [fixtures/transcripts/dev.jsonl.gz;
+# `python -m scripts.bench.heldout_sessions FILE` writes the sessions no fixture trained on],
+# MAX_SESSIONS [5], TURNS [4], REPS [1], MAX_TOKENS [96], DTYPE [as stored; e.g. bfloat16],
+# PORT_A [8401], PORT_B [8402].
 # Both servers run at once but requests alternate A, B, A, B, so only one decodes at a time.
 set -euo pipefail
 
@@ -21,21 +23,26 @@ port_b="${PORT_B:-8402}"
 
 model="$(mlx-fill fixture "$fixture")"
 mkdir -p "$out"
-mlx-fill serve --model "$model" --fill off --port "$port_a" >"$out/server-a.log" 2>&1 &
+dtype_args=()
+[ -n "${DTYPE:-}" ] && dtype_args=(--dtype "$DTYPE")
+mlx-fill serve --model "$model" "${dtype_args[@]}" --fill off --port "$port_a" >"$out/server-a.log" 2>&1 &
 pid_a=$!
-mlx-fill serve --model "$model" --fill "$b_fill" --port "$port_b" >"$out/server-b.log" 2>&1 &
+mlx-fill serve --model "$model" "${dtype_args[@]}" --fill "$b_fill" --port "$port_b" >"$out/server-b.log" 2>&1 &
 pid_b=$!
 trap 'kill "$pid_a" "$pid_b" 2>/dev/null || true' EXIT
 
 for port in "$port_a" "$port_b"; do
-  for _ in $(seq 120); do
+  for _ in $(seq "${START_WAIT:-120}"); do
     curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null && break
     sleep 1
   done
   curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null || { echo "server on $port did not start" >&2; exit 1; }
 done
+source_args=()
+IFS=, read -ra names <<<"$source_name"
+for name in "${names[@]}"; do source_args+=(--source "$name"); done
 
-mlx-fill ab --sessions "$sessions" --source "$source_name" \
+mlx-fill ab --sessions "$sessions" "${source_args[@]}" \
   --url-a "http://127.0.0.1:$port_a" --url-b "http://127.0.0.1:$port_b" \
   --max-sessions "${MAX_SESSIONS:-5}" --turns "${TURNS:-4}" --reps "${REPS:-1}" \
   --max-tokens "${MAX_TOKENS:-96}" --temperature 0 --out "$out"

@@ -6,7 +6,7 @@ The split is the training scripts' own (``scripts.training.fixture_data.split_se
 its last turns (its system message and the messages from the training cut on), so those turns
 are replayed with only the held-back part of the conversation as history.
 
-    python -m scripts.bench.heldout_sessions OUT.jsonl.gz [--seed 0]
+    python -m scripts.bench.heldout_sessions OUT.jsonl.gz [--seed 0] [--per-source N]
 """
 
 from __future__ import annotations
@@ -22,14 +22,17 @@ from scripts.training import fixture_data
 TAIL = "#tail"
 
 
-def heldout_rows(seed: int) -> list[dict]:
-    """The raw transcript rows of the held-back sessions (a ``#tail`` session cut as in the split)."""
+def heldout_rows(seed: int, per_source: int | None = None) -> list[dict]:
+    """The raw transcript rows of the held-back sessions (a ``#tail`` session cut as in the
+    split), at most ``per_source`` of each source, in split order."""
     with gzip.open(fixture_data.transcripts_path() / "dev.jsonl.gz", "rt", encoding="utf-8") as fh:
         rows = [json.loads(line) for line in fh]
     raw = {(r["source"], r["session_id"]): r for r in rows if r["source"] in fixture_data.SOURCES}
     _, held = fixture_data.split_sessions(fixture_data.load_recordings(), seed)
-    out = []
+    out: list[dict] = []
     for session in held:
+        if per_source is not None and sum(r["source"] == session.source for r in out) >= per_source:
+            continue
         base = session.session_id.removesuffix(TAIL)
         row = dict(raw[(session.source, base)])
         if session.session_id.endswith(TAIL):
@@ -47,8 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--per-source", type=int, default=None, help="at most N sessions of each source")
     args = ap.parse_args(argv)
-    rows = heldout_rows(args.seed)
+    rows = heldout_rows(args.seed, args.per_source)
     with gzip.open(args.out, "wt", encoding="utf-8") as fh:
         for row in rows:
             fh.write(json.dumps(row) + "\n")
