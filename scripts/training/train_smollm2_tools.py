@@ -14,10 +14,8 @@ is added to the vocabulary). Training sequences are session windows of at most `
 several turns fit), the loss on every assistant turn in a window; the three sources take turns.
 
 Training: LoRA (rank 8, scale 20) on the attention and MLP projections of the last 16 of 30
-layers, Adam, batch 1, float32 weights, 60 steps, through ``mlx_lm.tuner.train`` with a loss
-masked to the target spans (the first ids of every turn, where call vs prose is decided,
-weighted up) and a seeded batch order that gives tau-bench, the source with prose turns, half
-the steps. Deterministic for a seed and a BLAS; the run restarts
+layers, Adam, batch 1, float32 weights, through ``mlx_lm.tuner.train`` with a loss masked to the
+target spans and a seeded batch order. Deterministic for a seed and a BLAS; the run restarts
 itself with OpenBLAS preloaded where installed (``openblas.py``) and records which BLAS it had.
 
 The adapter (``adapters.safetensors``, ``adapter_config.json`` in mlx-lm's format plus the
@@ -55,12 +53,6 @@ PAD_TO = 32
 LEARNING_RATE = 1e-4
 LORA_LAYERS = 16
 LORA = {"rank": 8, "scale": 20.0, "dropout": 0.0}
-# the first ids of an assistant turn decide call vs prose; they weigh DECISION_WEIGHT times a
-# later id (the first run, unweighted: 89% parseable calls but 0/12 prose turns stayed prose)
-DECISION_TOKENS, DECISION_WEIGHT = 3, 8.0
-# turns per cycle of the batch order: tau-bench twice (most of the prose turns are there;
-# mini-swe-agent has none)
-SCHEDULE = ("tau_bench_gpt4o_airline", "pi_mono", "tau_bench_gpt4o_airline", "mini_swe_agent_gemini3pro")
 EVAL_CALLS_PER_SOURCE = 12
 EVAL_PROSE = 12
 CALL_TARGET, PROSE_TARGET = 0.85, 0.90
@@ -85,12 +77,10 @@ def training_sequences(tokenizer, window: int, seed: int) -> list[fixture_data.S
 
 
 def span_mask(sequence: fixture_data.Sequence) -> np.ndarray:
-    """The loss weight of ``ids[t]``: DECISION_WEIGHT for the first DECISION_TOKENS ids of an
-    assistant turn, 1 for its other ids, 0 outside assistant turns."""
+    """1 where ``ids[t]`` is a target (inside an assistant turn), else 0."""
     mask = np.zeros(len(sequence.ids), np.float32)
     for start, end in sequence.spans:
         mask[start:end] = 1.0
-        mask[start:min(end, start + DECISION_TOKENS)] = DECISION_WEIGHT
     return mask
 
 
@@ -108,34 +98,26 @@ def padded(sequence: fixture_data.Sequence, max_seq_length: int) -> tuple[mx.arr
 
 def span_batches(sequences: list[fixture_data.Sequence], seed: int):
     """``mlx_lm.tuner.train``'s ``iterate_batches``: one window per batch (:func:`padded`); the
-    sources take turns in the order of SCHEDULE (each source's windows in seeded order,
-    cycled), so a source's share of the steps is its share of SCHEDULE however many windows it
-    has."""
+    sources take turns (each source's windows in seeded order, cycled),
+    so every source gets the same number of steps however many windows it has."""
 
     def iterate(dataset, batch_size, max_seq_length, loop=False, comm_group=None, **_):
         if batch_size != 1:
             raise ValueError("windows are trained one at a time")
         rng = np.random.Generator(np.random.PCG64(seed))
-        orders = {}
-        for source in fixture_data.SOURCES:
-            group = [q for q in sequences if q.source == source]
-            if group:
-                orders[source] = [group[i] for i in rng.permutation(len(group))]
-        taken = dict.fromkeys(orders, 0)
+        groups = [[q for q in sequences if q.source == source] for source in fixture_data.SOURCES]
+        orders = [[g[i] for i in rng.permutation(len(g))] for g in groups if g]
         for n in itertools.count():
-            if n >= max(len(o) for o in orders.values()) and not loop:
+            if n >= max(len(o) for o in orders) and not loop:
                 return
-            for source in SCHEDULE:
-                if source in orders:
-                    order = orders[source]
-                    yield padded(order[taken[source] % len(order)], max_seq_length)
-                    taken[source] += 1
+            for order in orders:
+                yield padded(order[n % len(order)], max_seq_length)
 
     return iterate
 
 
 def span_loss(model, ids, mask):
-    """Cross-entropy over the target tokens, weighted by ``mask`` of the predicted position."""
+    """Mean cross-entropy over the target tokens (``mask`` of the predicted position)."""
     logits = model(ids[:, :-1])
     weights = mask[:, 1:]
     ce = nn.losses.cross_entropy(logits.astype(mx.float32), ids[:, 1:]) * weights
@@ -147,9 +129,7 @@ def adapter_config(window: int, steps: int, seed: int) -> dict:
     """mlx-lm's adapter config (what ``load_adapters`` reads) plus the recipe."""
     return {"fine_tune_type": "lora", "num_layers": LORA_LAYERS, "lora_parameters": dict(LORA),
             "seed": seed, "max_seq_length": window, "iters": steps, "batch_size": 1,
-            "learning_rate": LEARNING_RATE, "optimizer": "adam",
-            "decision_tokens": DECISION_TOKENS, "decision_weight": DECISION_WEIGHT,
-            "schedule": list(SCHEDULE)}
+            "learning_rate": LEARNING_RATE, "optimizer": "adam"}
 
 
 def train(out: Path, window: int, steps: int, seed: int) -> dict:
