@@ -76,6 +76,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fill", default="strict", choices=("strict", "echo", "all"))
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                        help="cast the model's floating-point weights after loading (default: as "
+                             "stored; smollm2-tools fills only in bfloat16 on a CPU, where its "
+                             "float32 multi-row forwards cost what serial steps cost)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,8 +88,11 @@ def run(args: argparse.Namespace) -> int:
     from mlx_fill.session import build_session
 
     model, tok = load(str(fixture_path(args.fixture)))
+    if args.dtype is not None:
+        model.set_dtype(getattr(mx, args.dtype))
     messages, tools = [dict(m) for m in DEFAULT_MESSAGES], DEFAULT_TOOLS
-    print(f"model: {args.fixture} ({fixture_path(args.fixture)}), fill mode: {args.fill}\n")
+    print(f"model: {args.fixture} ({fixture_path(args.fixture)}{', ' + args.dtype if args.dtype else ''}), "
+          f"fill mode: {args.fill}\n")
     all_identical = True
     totals = {"emitted": 0, "injected": 0, "forwards": 0}
     acceptance: dict = {}  # what the cost gates learn carries over from turn to turn, as in a server
