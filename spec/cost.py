@@ -192,6 +192,7 @@ class CostGate:
         self._shadow: list[int] = []
         self._shadow_tables: tuple[AcceptanceByPosition, ...] = ()
         self._shadow_ok = 0
+        self._proposed: Hashable = ()  # key of the last draft :meth:`offer` let through
 
     @property
     def stats(self) -> AcceptanceByPosition:
@@ -209,6 +210,21 @@ class CostGate:
 
     def observe(self, drafted: int, accepted: int, key: Hashable = ()) -> None:
         self.acceptance.observe(key, drafted, accepted)
+
+    def offer(self, ids: Sequence[int], key: Hashable = ()) -> int:
+        """How many of a ``key`` draft's ``ids`` to propose (:meth:`length`); at 0 the draft is
+        kept as a shadow. The key of a draft let through is what :meth:`observe_proposed`
+        records its outcome under."""
+        n = self.length(key, len(ids))
+        if n <= 0:
+            self.shadow(ids, key)
+        else:
+            self._proposed = key
+        return n
+
+    def observe_proposed(self, drafted: int, accepted: int) -> None:
+        """The outcome of the last draft :meth:`offer` let through."""
+        self.observe(drafted, accepted, self._proposed)
 
     def shadow(self, ids: Sequence[int], key: Hashable = ()) -> None:
         """Keep a draft that was not proposed; the next fed ids score it (ignored while an

@@ -35,7 +35,6 @@ class GatedDraft:
         self.source = source
         self.gate = gate
         self.name = source.name
-        self._key: Hashable = ()
 
     def prefill(self, prompt: Sequence[int]) -> None:
         self.source.prefill(prompt)
@@ -45,16 +44,10 @@ class GatedDraft:
         ids = self.source.draft(feed, self.gate.max_len)
         if not ids:
             return []
-        key = draft_key(self.source)
-        m = self.gate.length(key, min(n, len(ids)))
-        if m <= 0:
-            self.gate.shadow(ids, key)
-            return []
-        self._key = key
-        return ids[:m]
+        return ids[:min(n, self.gate.offer(ids, draft_key(self.source)))]
 
     def commit(self, drafted: Sequence[int], accepted: int) -> None:
-        self.gate.observe(len(drafted), accepted, self._key)
+        self.gate.observe_proposed(len(drafted), accepted)
         self.source.commit(drafted, accepted)
 
 

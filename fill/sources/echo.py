@@ -127,7 +127,6 @@ class EchoSource:
         self._record = record
         self._prompt_len = -1
         self._seen = 0
-        self._key: tuple = ()
 
     def propose(self, view: DecodeView) -> Proposal | None:
         if self._prompt_len < 0:
@@ -143,12 +142,9 @@ class EchoSource:
             return None
         n = len(ids)
         if self.gate is not None:
-            key = self.draft.confidence()
-            n = self.gate.length(key, len(ids))
+            n = self.gate.offer(ids, self.draft.confidence())
             if n <= 0:
-                self.gate.shadow(ids, key)
                 return None
-            self._key = key
         corroborated = (n == len(span.ids) and span.corroboration >= 2 and not span.branch_stop
                         and span.at_delimiter)
         if corroborated and self._assert_allowed():
@@ -160,6 +156,6 @@ class EchoSource:
         if proposal.policy != "verify":
             return
         if self.gate is not None:
-            self.gate.observe(len(proposal.ids), accepted, self._key)
+            self.gate.observe_proposed(len(proposal.ids), accepted)
         if self._record is not None and proposal.origin.endswith(":corroborated"):
             self._record(proposal.origin, accepted == len(proposal.ids))

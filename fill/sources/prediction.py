@@ -57,7 +57,6 @@ class PredictionSource:
         self._cursor: int | None = 0
         self._seen = 0
         self._state: tuple = ("sync",)
-        self._key: tuple = ()
         self._grams: dict[int, dict[tuple[int, ...], list[int]]] = {k: {} for k in ANCHORS}
         for k in ANCHORS:
             for end in range(k, len(self.ids) + 1):
@@ -91,17 +90,15 @@ class PredictionSource:
         ids = tuple(self.ids[c:c + self.max_span])
         key, self._state = self._state, ("sync",)
         if self.gate is not None:
-            n = self.gate.length(key, len(ids))
+            n = self.gate.offer(ids, key)
             if n <= 0:
-                self.gate.shadow(ids, key)
                 return None
             ids = ids[:n]
-            self._key = key
         return Proposal(ids, "verify", self.name)
 
     def feedback(self, proposal: Proposal, accepted: int) -> None:
         if self.gate is not None:
-            self.gate.observe(len(proposal.ids), accepted, self._key)
+            self.gate.observe_proposed(len(proposal.ids), accepted)
 
 
 def prediction_usage(session: FillSession | None, predicted: int) -> dict[str, int]:

@@ -92,7 +92,6 @@ class StrictSource:
         self.table = table
         self.ledger = ledger
         self.gate = gate
-        self._key: str = ""
         self.guard = TurnGuard(SYNTAXES[table.syntax], table.markers, initial)
         self.text = IncrementalText(token_bytes(tokenizer))
         self.stats = StrictStats()
@@ -162,11 +161,10 @@ class StrictSource:
             return None
         policy, span = self._policy(row), row.span
         if policy == "verify" and self.gate is not None:
-            n = self.gate.length(row.origin, len(span))
+            n = self.gate.offer(span, row.origin)
             if n <= 0:
-                self.gate.shadow(span, row.origin)
                 return None
-            span, self._key = span[:n], row.origin
+            span = span[:n]
         self.stats.fires += 1
         self._fired_in_call = True
         return Proposal(span, policy, row.origin, row.certainty)
@@ -183,7 +181,7 @@ class StrictSource:
         if proposal.policy != "verify":
             return
         if self.gate is not None:
-            self.gate.observe(len(proposal.ids), accepted, self._key)
+            self.gate.observe_proposed(len(proposal.ids), accepted)
         if self.ledger is not None:
             self.ledger.record(proposal.origin, accepted == len(proposal.ids))
 
