@@ -88,6 +88,9 @@ class Engine:
         if dtype is not None:  # the floating-point weights cast, as model.set_dtype does
             import mlx.core as mx
             self.model.set_dtype(getattr(mx, dtype))
+            # evaluated here: a lazy cast recorded on this thread's stream cannot be evaluated
+            # by the worker thread that generates ("There is no Stream(cpu, 0) in current thread")
+            mx.eval(self.model.parameters())
         if self.fill != "off":
             prepare(self.model)
         self.draft = None

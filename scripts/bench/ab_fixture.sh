@@ -8,7 +8,7 @@
 # comma-separated) [mini_swe_agent_gemini3pro], SESSIONS [fixtures/transcripts/dev.jsonl.gz;
 # `python -m scripts.bench.heldout_sessions FILE` writes the sessions no fixture trained on],
 # MAX_SESSIONS [5], TURNS [4], REPS [1], MAX_TOKENS [96], DTYPE [as stored; e.g. bfloat16],
-# PORT_A [8401], PORT_B [8402].
+# TIMEOUT [seconds per request, as `mlx-fill ab`], START_WAIT [120], PORT_A [8401], PORT_B [8402].
 # Both servers run at once but requests alternate A, B, A, B, so only one decodes at a time.
 set -euo pipefail
 
@@ -45,4 +45,5 @@ for name in "${names[@]}"; do source_args+=(--source "$name"); done
 mlx-fill ab --sessions "$sessions" "${source_args[@]}" \
   --url-a "http://127.0.0.1:$port_a" --url-b "http://127.0.0.1:$port_b" \
   --max-sessions "${MAX_SESSIONS:-5}" --turns "${TURNS:-4}" --reps "${REPS:-1}" \
-  --max-tokens "${MAX_TOKENS:-96}" --temperature 0 --out "$out"
+  --max-tokens "${MAX_TOKENS:-96}" --temperature 0 --out "$out" \
+  ${TIMEOUT:+--timeout "$TIMEOUT"}

@@ -230,3 +230,21 @@ def test_engine_keeps_a_persisted_evidence_ledger(tmp_path, monkeypatch):
     assert path.is_file() and path.parent == tmp_path / "ledger"
     assert json.loads(path.read_text())["model"] == str(model)
     assert Engine(str(model), fill="off").ledger is None
+
+
+def test_dtype_cast_engine_generates_on_its_worker_thread():
+    """``--dtype``: the cast weights are usable from the server's generation thread (a cast left
+    lazy on the loading thread fails there with "There is no Stream(cpu, 0) in current thread"),
+    and fill in the cast model changes no token."""
+    from mlx_fill.adapters.server.openai_request import parse_chat_request
+    from mlx_fill.adapters.server.serve import Engine
+
+    model, _ = serving_model_dir()
+    req = lambda: parse_chat_request({"messages": AGENT_MESSAGES, "tools": AGENT_TOOLS, "max_tokens": 16})
+    answers = {}
+    for fill in ("off", "strict"):
+        engine = Engine(str(model), fill=fill, dtype="bfloat16")
+        with ThreadPoolExecutor(max_workers=1) as worker:
+            answers[fill] = worker.submit(
+                lambda: engine.generate(engine.prepare(req()), threading.Event())).result()
+    assert answers["off"].tokens and answers["off"].tokens == answers["strict"].tokens
