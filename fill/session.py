@@ -44,7 +44,7 @@ from mlx_fill.spec.cost import CostGate
 from mlx_fill.strict.schema import tool_schemas
 from mlx_fill.strict.source import lazy_strict_source
 from mlx_fill.spec.roster import NAMES, make_sources, source_acceptance
-from mlx_fill.core.proposal import DEFAULT_MAX_SPAN, MEDIA_REFUSAL, FillSession, ProposalSource
+from mlx_fill.core.proposal import DEFAULT_MAX_SPAN, MEDIA_REFUSAL, FillSession, Pace, ProposalSource
 
 log = logging.getLogger("mlx_fill")
 DRAFT_TOKENS = 4  # ids a draft model proposes per round (``--draft-model``)
@@ -181,6 +181,7 @@ def build_session(
                                  media=media)
     eos_ids = sorted(getattr(tokenizer, "eos_token_ids", ()) or ())
     sources: list[ProposalSource] = []
+    pace = Pace()  # the session's and its gates' bar (the batched lane raises it per step)
     plan = unqualified()
     if refusal is None:
         tool_schemas(tools)  # ValueError naming the path of a malformed tool
@@ -189,12 +190,12 @@ def build_session(
         # after the request's own validation: a bad request measures nothing
         plan = plan_for(model, group)
         strict = _strict_source(tokenizer, messages, tools, template_kwargs, ledger,
-                                CostGate(plan, max_span, acceptance=source_acceptance(
+                                CostGate(plan, max_span, pace=pace, acceptance=source_acceptance(
                                     acceptance, "strict", max_span)))
         if strict is not None:
             sources.append(strict)
         if predicted:
-            gate = CostGate(plan, max_span,
+            gate = CostGate(plan, max_span, pace=pace,
                             acceptance=source_acceptance(acceptance, PREDICTION, max_span))
             sources.append(PredictionSource(predicted, max_span=max_span, gate=gate))
         names = list(_MODE_SOURCES[mode])
@@ -203,7 +204,8 @@ def build_session(
         if names:
             sources += make_sources(names, plan=plan, tokenizer=tokenizer,
                                     prompt_ids=prompt_ids, global_tree=global_tree,
-                                    ledger=ledger, max_span=max_span, acceptance=acceptance)
+                                    ledger=ledger, max_span=max_span, acceptance=acceptance,
+                                    pace=pace)
         if draft_model is not None:
             from mlx_fill.spec.base import DraftProposalSource
             from mlx_fill.spec.draft import DraftModelSource
@@ -213,7 +215,8 @@ def build_session(
     trace = (open(trace_path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 -- closed by finish_session
              if trace_path else None)
     session = FillSession(sources, prompt_ids=prompt_ids, eos_ids=eos_ids, plan=plan,
-                          max_span=max_span, allow_assert=temperature == 0, trace=trace)
+                          max_span=max_span, allow_assert=temperature == 0, trace=trace,
+                          pace=pace)
     if refusal is not None:
         session.refuse(refusal)
     return attach_shared(session, group)

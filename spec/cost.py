@@ -20,13 +20,20 @@ source's average draft and moves away from it as its own evidence arrives).
 estimates may live across requests: pass the same :class:`DraftAcceptance`). Model-free sources
 keep learning while proposing nothing: a declined draft is kept as a *shadow* and scored token by
 token against what was emitted, so a source that stopped paying can earn its way back.
+
+In continuous batching the bar is higher: a side step for one sequence of a batch of ``B``
+stalls all ``B``, whose batched step emits ``B`` tokens for ``c(B)``. A request's sources share
+one :class:`~mlx_fill.core.proposal.Pace`, whose ``min_gain`` the batch sets to
+:func:`batch_min_gain` before asking for a proposal; every gate, and the session's check of
+assert spans, then demand that rate.
 """
 
 from __future__ import annotations
 
 from typing import Hashable, Sequence
 
-from mlx_fill.core.plan import FAST_MAX_CHUNK, DispatchPlan
+from mlx_fill.core.plan import DispatchPlan
+from mlx_fill.core.proposal import Pace
 
 
 class AcceptanceByPosition:
@@ -102,6 +109,13 @@ class AcceptanceByPosition:
         return out
 
 
+def batch_min_gain(plan: DispatchPlan, batch: int) -> float:
+    """Tokens per one-row forward of a batched step of ``batch`` one-token rows,
+    ``batch / c(batch)`` on the plan's cost curve (1.0 alone): what a side step that stalls the
+    batch must beat to not lower its throughput."""
+    return batch / plan.cost_of(batch) if batch > 1 else 1.0
+
+
 def expected_emitted(survival: Sequence[float], m: int) -> float:
     """Expected tokens emitted by a round proposing ``m`` ids (the correction/bonus included)."""
     return 1.0 + sum(survival[:m])
@@ -109,16 +123,8 @@ def expected_emitted(survival: Sequence[float], m: int) -> float:
 
 def round_costs(plan: DispatchPlan, max_len: int, extra_rows: int = 1) -> list[float]:
     """``costs[m]`` = cost of a round proposing ``m`` ids, in one-row-forward units: its
-    ``m + extra_rows`` rows run in chunks of at most the plan's chunk size (an exact plan with
-    ``max_chunk = 1`` prices a round at one forward per row, whatever c(M) says)."""
-    base = plan.cost_of(1)
-    limit = max(1, plan.max_chunk) if plan.mode == "exact" else max(plan.max_chunk, FAST_MAX_CHUNK)
-
-    def rows(n: int) -> float:
-        full, rest = divmod(n, limit)
-        return full * plan.cost_of(limit) + (plan.cost_of(rest) if rest else 0.0)
-
-    return [1.0] + [rows(m + extra_rows) / base for m in range(1, max_len + 1)]
+    ``m + extra_rows`` rows in the plan's chunks (:meth:`DispatchPlan.rows_cost`)."""
+    return [1.0] + [plan.rows_cost(m + extra_rows) for m in range(1, max_len + 1)]
 
 
 def choose_length(plan: DispatchPlan, stats: AcceptanceByPosition, max_len: int,
@@ -176,15 +182,17 @@ class DraftAcceptance:
 
 
 class CostGate:
-    """Per-source, per-request length policy, priced per draft: ``length(key, available)``
+    """Per-source, per-request length policy, priced per draft against ``pace`` (shared by the
+    request's gates; default: plain decoding alone): ``length(key, available)``
     for a draft of ``available`` ids described by ``key``, ``observe(drafted, accepted, key)``
     after each verified round, ``shadow(ids, key)`` to keep a declined draft (model-free sources
     only: a shadow costs nothing but a lookup) and ``begin(feed)`` to score it against the
     newly committed ids, position by position as they arrive."""
 
     def __init__(self, plan: DispatchPlan, max_len: int = 32, *, extra_rows: int = 1,
-                 acceptance: DraftAcceptance | None = None):
+                 acceptance: DraftAcceptance | None = None, pace: Pace | None = None):
         self.plan = plan
+        self.pace = pace if pace is not None else Pace()
         self.max_len = max_len
         self.extra_rows = extra_rows
         self.acceptance = acceptance if acceptance is not None else DraftAcceptance(max_len)
@@ -205,8 +213,8 @@ class CostGate:
         limit = self.max_len if available is None else min(available, self.max_len)
         if limit <= 0:
             return 0
-        return choose_length(self.plan, self.acceptance.stats(key), limit,
-                             extra_rows=self.extra_rows, costs=self.costs)
+        return choose_length(self.plan, self.acceptance.stats(key), limit, extra_rows=self.extra_rows,
+                             min_gain=self.pace.min_gain, costs=self.costs)
 
     def observe(self, drafted: int, accepted: int, key: Hashable = ()) -> None:
         self.acceptance.observe(key, drafted, accepted)

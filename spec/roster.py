@@ -14,7 +14,7 @@ from mlx_fill.core.index import LOOKUP_MAX_SPAN, EchoIndex
 from mlx_fill.sources.echo import EchoDraft, EchoSource
 from mlx_fill.sources.ledger import Ledger
 from mlx_fill.core.plan import DispatchPlan
-from mlx_fill.core.proposal import ProposalSource
+from mlx_fill.core.proposal import Pace, ProposalSource
 from .base import DraftProposalSource, DraftSource
 from .combine import BestOf
 from .cost import CostGate, DraftAcceptance
@@ -86,6 +86,7 @@ def make_sources(
     ngram_k: int = 10,
     combine: bool = False,
     acceptance: dict | None = None,
+    pace: Pace | None = None,
 ) -> list[ProposalSource]:
     """Fill sources for ``names`` (a subset of :data:`NAMES`, in priority order).
 
@@ -98,6 +99,7 @@ def make_sources(
     ``max_span`` there, since the calibrated score decides how far a draft is worth). ``acceptance`` is a
     server-lifetime dict that keeps each source's acceptance statistics across requests (the
     cost gates and the combiner's calibration); without it every request starts from the prior.
+    ``pace``: the request's bar, shared by the gates built here (:class:`~mlx_fill.core.proposal.Pace`).
     """
     unknown = [n for n in names if n not in NAMES]
     if unknown:
@@ -124,7 +126,8 @@ def make_sources(
     def gate(max_len: int, name: str) -> CostGate | None:
         if plan is None:
             return None
-        return CostGate(plan, max_len, acceptance=source_acceptance(acceptance, name, max_len))
+        return CostGate(plan, max_len, pace=pace,
+                        acceptance=source_acceptance(acceptance, name, max_len))
 
     out: list[ProposalSource] = []
     for name in names:

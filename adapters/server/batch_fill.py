@@ -32,6 +32,11 @@ and the server keeps those models' fill requests in the serial lane.
 
 One round per sequence per step (no chained round: the sample after a span is fed by the next
 batched step, as stock would feed it).
+
+Pricing. A side step stalls the whole batch, whose step emits ``B`` tokens for ``c(B)``; before
+asking a sequence's session for a proposal the step sets its pace to ``B / c(B)``
+(:func:`~mlx_fill.spec.cost.batch_min_gain`), so its cost gates, and its assert spans, fire only
+where the side step emits more tokens per unit of cost than the batch would have meanwhile.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.primitive import Unsupported, append, cache_offset, checkpoint, rewind
 from mlx_fill.core.proposal import DecodeView, FillSession, Proposal
 from mlx_fill.core.resolve import plan_for
+from mlx_fill.spec.cost import batch_min_gain
 
 log = logging.getLogger("mlx_fill")
 
@@ -219,11 +225,13 @@ def _fill_rounds(gb: Any, reg: dict[int, SeqFill], responses: list) -> list:
         if sf is None or sf.session.refused is not None:
             continue
         sf.batch_peak = max(sf.batch_peak, len(gb.uids))
+        plan = sf.session.plan if sf.session.plan is not None else plan_for(gb.model)
+        # a side step stalls the whole batch: it must beat the batched step's own rate
+        sf.session.pace.min_gain = batch_min_gain(plan, len(gb.uids))
         proposal = sf.session.propose(DecodeView(sf.prompt_ids, sf.emitted, sf.session.eos_ids))
         if proposal is None:
             continue
         position = len(sf.emitted)
-        plan = sf.session.plan if sf.session.plan is not None else plan_for(gb.model)
         try:
             out = _side_step(gb, i, proposal, plan)
         except Unsupported as e:

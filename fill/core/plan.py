@@ -84,7 +84,7 @@ class DispatchPlan:
         Every chunk is at most ``max_chunk`` long and, in ``exact`` mode, no chunk crosses a
         KV length listed in ``kv_boundaries`` (a chunk may end exactly at one).
         """
-        limit = self.max_chunk if self.mode == "exact" else max(self.max_chunk, FAST_MAX_CHUNK)
+        limit = self._chunk_limit()
         sizes: list[int] = []
         pos, end = start, start + n
         cuts = sorted(b for b in self.kv_boundaries if start < b < end) if self.mode == "exact" else []
@@ -97,6 +97,16 @@ class DispatchPlan:
             sizes.append(stop - pos)
             pos = stop
         return sizes
+
+    def _chunk_limit(self) -> int:
+        return max(1, self.max_chunk) if self.mode == "exact" else max(self.max_chunk, FAST_MAX_CHUNK)
+
+    def rows_cost(self, n: int) -> float:
+        """Cost of appending ``n`` rows in chunks of at most the plan's chunk size, in one-row
+        forwards (KV boundaries aside: an exact plan with ``max_chunk = 1`` costs ``n``, whatever
+        c(M) says)."""
+        full, rest = divmod(n, self._chunk_limit())
+        return full * self.cost_of(self._chunk_limit()) + (self.cost_of(rest) if rest else 0.0)
 
     def cost_of(self, m: int) -> float:
         """c(m) in one-row-forward units: measured where known, linear interpolation between

@@ -81,6 +81,16 @@ class ProposalSource(Protocol):
 
 
 @dataclass
+class Pace:
+    """The rate a round must beat, in expected emitted tokens per one-row forward of cost: 1.0
+    for a sequence decoding alone (plain decoding emits one token per forward). The batched
+    lane raises it to what the batch's own step delivers (a side step stalls the batch). One
+    per request, shared by the session and its sources' cost gates."""
+
+    min_gain: float = 1.0
+
+
+@dataclass
 class FillStats:
     """Per-request telemetry, reported as ``usage.fill``."""
 
@@ -134,6 +144,7 @@ class FillSession:
         max_span: int = DEFAULT_MAX_SPAN,
         allow_assert: bool = True,
         trace: IO[str] | None = None,
+        pace: Pace | None = None,
     ) -> None:
         """``prompt_ids``: the full rendered prompt (the decode loop may only see the suffix
         after a prompt-cache hit); ``plan``: the dispatch plan (``build_session`` resolves it once per
@@ -145,6 +156,7 @@ class FillSession:
         self.max_span = max_span
         self.allow_assert = allow_assert
         self.trace = trace
+        self.pace = pace if pace is not None else Pace()
         self.stats = FillStats()
         self.refused: str | None = None
         # a sharded model's agreement (:class:`~mlx_fill.core.shared.SharedRounds`), set by
@@ -188,8 +200,18 @@ class FillSession:
                     break
             if not ids:
                 continue
+            if p.policy == "assert" and not self._assert_pays(len(ids)):
+                continue
             return p if len(ids) == len(p.ids) else replace(p, ids=tuple(ids))
         return None
+
+    def _assert_pays(self, m: int) -> bool:
+        """Whether asserting ``m`` ids (``m`` rows in the plan's chunks, every one emitted)
+        beats ``pace``. Always at ``min_gain <= 1``: an assert round is never slower than
+        feeding the same ids one by one; never above it without a plan to price it."""
+        if self.pace.min_gain <= 1.0:
+            return True
+        return self.plan is not None and m / self.plan.rows_cost(m) > self.pace.min_gain
 
     def feedback(self, proposal: Proposal, accepted: int, position: int) -> None:
         """Record the outcome; forward it to the source that made the proposal."""

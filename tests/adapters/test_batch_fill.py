@@ -4,6 +4,7 @@ library level: tokens, logprobs and the caches each sequence leaves behind."""
 from __future__ import annotations
 
 import importlib
+from dataclasses import replace
 
 import mlx.core as mx
 import pytest
@@ -12,7 +13,9 @@ from mlx_lm import load
 
 from mlx_fill.adapters.server import batch_fill
 from mlx_fill.assets.fixtures import fixture_path
+from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.proposal import DecodeView, FillSession, Proposal
+from mlx_fill.core.resolve import plan_for
 
 G = importlib.import_module("mlx_lm.generate")
 N = 40
@@ -51,16 +54,25 @@ class Script:
         pass
 
 
-def run(model, tok, prompts, sources=None):
-    """Decode all prompts in one batch; ``sources[i]`` (or None) fills sequence ``i``. Returns
-    per sequence (tokens, logprobs of the non-asserted tokens, finish cache, sessions)."""
-    bg = G.BatchGenerator(model, max_tokens=N, stop_tokens=[[t] for t in tok.eos_token_ids])
+def priced(model, cost: dict[int, float]) -> DispatchPlan:
+    """The model's own plan (its chunking) with cost curve ``cost`` ({}: linear)."""
+    return replace(plan_for(model), cost=cost)
+
+
+def run(model, tok, prompts, sources=None, cost=None, stop_at_eos=True):
+    """Decode all prompts in one batch; ``sources[i]`` (or None) fills sequence ``i``, under the
+    model's plan priced with ``cost`` (default linear: a batch of B then delivers B / c(B) = 1
+    token per one-row forward, the pace of plain decoding, so every scripted span runs).
+    Returns per sequence (tokens, logprobs of the non-asserted tokens, finish cache, sessions)."""
+    stop = [[t] for t in tok.eos_token_ids] if stop_at_eos else []
+    bg = G.BatchGenerator(model, max_tokens=N, stop_tokens=stop)
     uids = bg.insert(prompts, max_tokens=[N] * len(prompts))
     reg = batch_fill.registry(bg)
     sessions = {}
+    plan = priced(model, cost or {})
     for uid, p, src in zip(uids, prompts, sources or [None] * len(prompts)):
         if src is not None:
-            sessions[uid] = FillSession([src], prompt_ids=p, eos_ids=tok.eos_token_ids)
+            sessions[uid] = FillSession([src], prompt_ids=p, eos_ids=tok.eos_token_ids, plan=plan)
             reg[uid] = batch_fill.SeqFill(sessions[uid], list(p))
     out = {u: [[], [], None] for u in uids}
     while bg._generation_batch.uids or bg._prompt_batch.uids or bg._unprocessed_sequences:
@@ -118,3 +130,22 @@ def test_spans_stop_at_max_tokens_and_eos(setup):
         assert f[0] == s[0] and same_cache(f[2], s[2])
         assert len(f[0]) <= N
     assert not batch_fill.registry(bg), "finished sequences stay registered"
+
+
+def test_a_side_step_must_beat_the_batch(setup):
+    """Under a flat cost curve a batched step of B sequences delivers B tokens per one-row
+    forward; an asserted span of 3 (at most 3 tokens for one forward) does not beat that in a
+    batch of 4 and is left to the batched steps, while alone (B = 1) it runs. Tokens equal
+    stock batching either way."""
+    model, tok, prompts = setup
+    stock, _, _ = run(model, tok, prompts, stop_at_eos=False)
+    assert all(len(s[0]) == N for s in stock)  # no sequence ends early: the batch stays at 4
+    flat = {m: 1.0 for m in range(2, 65)}
+    script = lambda: Script(stock[2][0], "assert", span=3)
+    filled, sessions, _ = run(model, tok, prompts, [None, None, script(), None], cost=flat,
+                              stop_at_eos=False)
+    assert [f[0] for f in filled] == [s[0] for s in stock]
+    assert sessions[2].stats.injected == 0 and sessions[2].pace.min_gain == 4.0
+    alone, alone_sessions, _ = run(model, tok, prompts[2:3], [script()], cost=flat, stop_at_eos=False)
+    assert alone[0][0] == stock[2][0]
+    assert alone_sessions[0].stats.injected > 0 and alone_sessions[0].pace.min_gain == 1.0

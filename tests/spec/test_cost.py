@@ -7,7 +7,8 @@ import random
 import pytest
 
 from mlx_fill.core.plan import DispatchPlan
-from mlx_fill.spec.cost import (AcceptanceByPosition, CostGate, DraftAcceptance,
+from mlx_fill.core.proposal import DecodeView, FillSession, Pace, Proposal
+from mlx_fill.spec.cost import (AcceptanceByPosition, CostGate, DraftAcceptance, batch_min_gain,
                                 choose_length, expected_emitted)
 
 FLAT = DispatchPlan(key=None, max_chunk=64, cost={64: 1.0}, qualified=True)   # free rows
@@ -135,3 +136,49 @@ def test_a_round_is_priced_in_the_plans_chunks():
         gate.observe(16, 16)
     assert gate.length() == 0
     assert CostGate(FLAT, 16, acceptance=gate.acceptance).length() == 16
+
+
+def test_the_pace_raises_the_bar_for_every_gate_that_shares_it():
+    """In a batch of 4 on the steep (bfloat16) curve a side step must beat 4 / c(4) = 2 tokens
+    per one-row forward: a draft accepted at 70% per position pays alone but not in the batch;
+    a perfect one pays in both. Every gate sharing the pace follows it."""
+    pace = Pace()
+    shared = DraftAcceptance(16, decay=1.0)
+    gates = [CostGate(STEEP, 16, acceptance=shared, pace=pace) for _ in range(2)]
+    rng = random.Random(7)
+    for _ in range(400):
+        acc = 0
+        while acc < 16 and rng.random() < 0.7:
+            acc += 1
+        shared.observe("fair", 16, acc)
+        shared.observe("perfect", 16, 16)
+    alone = [g.length("fair") for g in gates], [g.length("perfect") for g in gates]
+    assert batch_min_gain(STEEP, 4) == 2.0 and batch_min_gain(STEEP, 1) == 1.0
+    pace.min_gain = batch_min_gain(STEEP, 4)
+    batched = [g.length("fair") for g in gates], [g.length("perfect") for g in gates]
+    assert alone[0][0] > 0 and batched[0] == [0, 0]
+    assert batched[1][0] > 0 and batched[1] == [batched[1][0]] * 2
+
+
+def test_session_prices_assert_spans_against_its_pace():
+    """An asserted span runs whenever the pace is plain decoding's; above it, only a span whose
+    rows cost less per emitted token than the pace demands (and never without a plan)."""
+    span = Proposal((5, 6, 7), "assert", "strict")
+
+    class One:
+        name = "strict"
+
+        def propose(self, view):
+            return span
+
+        def feedback(self, proposal, accepted):
+            pass
+
+    view = DecodeView([1], [], frozenset())
+    session = FillSession([One()], plan=STEEP)
+    assert session.propose(view) == span
+    session.pace.min_gain = batch_min_gain(STEEP, 4)  # 2.0; 3 rows cost c(3) = 1.8 -> 1.67/fwd
+    assert session.propose(view) is None
+    session.pace.min_gain = 1.5
+    assert session.propose(view) == span
+    assert FillSession([One()], plan=None, pace=Pace(1.5)).propose(view) is None
