@@ -36,6 +36,19 @@ DEFAULT_MESSAGES = [
         "our contributing guidelines,\r\nhttps://github.com/astropy/astropy/blob/main/CONTRIBUTING.md "
         ".\r\nPlease be \u2026")},
 ]
+# ``smollm2-tools`` gets its own opening by the same rule: the first held-back mini-swe-agent
+# session, in split order, on which it makes three parseable calls in a row (bfloat16, greedy).
+# It repeats one command three times: the adapter learned the call format, not the task.
+SMOLLM2_MESSAGES = [
+    DEFAULT_MESSAGES[0],
+    {"role": "user", "content": (
+        "<pr_description>\nConsider the following PR description:\nConfusing (broken?) colormap "
+        "name handling\nConsider the following example in which one creates and registers a new "
+        "colormap and attempt to use it with the `pyplot` interface.\n\n``` python\nfrom "
+        "matplotlib import cm\nfrom matplotlib.colors import LinearSegmentedColormap\nimport "
+        "matplotlib.pyplot as plt\nimpor \u2026")},
+]
+OPENINGS = {"smollm2-tools": SMOLLM2_MESSAGES}
 TOOL_RESULT = "<returncode>0</returncode>\n<output>\nlib/matplotlib/cm.py\nlib/matplotlib/colors.py\n</output>"
 
 
@@ -90,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     model, tok = load(str(fixture_path(args.fixture)))
     if args.dtype is not None:
         model.set_dtype(getattr(mx, args.dtype))
-    messages, tools = [dict(m) for m in DEFAULT_MESSAGES], DEFAULT_TOOLS
+    messages, tools = [dict(m) for m in OPENINGS.get(args.fixture, DEFAULT_MESSAGES)], DEFAULT_TOOLS
     print(f"model: {args.fixture} ({fixture_path(args.fixture)}{', ' + args.dtype if args.dtype else ''}), "
           f"fill mode: {args.fill}\n")
     all_identical = True
