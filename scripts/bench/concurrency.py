@@ -1,16 +1,19 @@
 """Concurrency benchmark (not a test): ``mlx_lm.server`` with ``MLX_FILL`` unset vs ``strict``
 vs ``all`` under C concurrent clients replaying held-out agent openings.
 
-For each mode one server is started (loopback, ``--model``), warmed with one request, then for
-each C the same request list (every held-out opening of ``--source``, ``--repeat`` times) is
-sent through C client threads, temperature 0, ``--max-tokens`` each. Reported per (mode, C):
-total completion tokens/s over the wall time, per-request latency median and p90, the share of
+One server per mode is started (loopback, ``--model``), all at once, each warmed with one
+request; then for each C the same request list (every held-out opening of ``--source``,
+``--repeat`` times) is sent through C client threads, temperature 0, ``--max-tokens`` each, to
+one server at a time, the modes interleaved ``--reps`` times in rotated order. Reported per
+(mode, C): total completion tokens/s over the wall time (median of the repetitions),
+per-request latency median and p90 (pooled), the share of
 answers identical to the unset server's at the same C (content, tool calls, finish reason,
 completion tokens), and for fill modes the injected tokens and the largest generation batch a
 request decoded in (``usage.fill.batch_peak``).
 
     python -m scripts.bench.concurrency [--model qwen3-json] [--dtype float32|bfloat16]
-        [--clients 1,4,8] [--modes unset,strict,all] [--source mini_swe_agent] [--json out.json]
+        [--clients 1,4,8] [--modes unset,strict,all] [--source mini_swe_agent] [--reps 1]
+        [--limit N] [--prime] [--json out.json]
 
 ``--model`` is a fixture name (``mlx-fill fixture NAME``) or a model directory; ``--dtype
 bfloat16`` serves a bfloat16 copy converted once into a temporary directory.
@@ -19,6 +22,7 @@ bfloat16`` serves a bfloat16 copy converted once into a temporary directory.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -69,14 +73,15 @@ def free_port() -> int:
 class Server:
     """One ``mlx_lm.server`` subprocess with ``MLX_FILL`` set to ``mode`` (unset: no fill)."""
 
-    def __init__(self, model: str, mode: str, log: Path):
+    def __init__(self, model: str, mode: str, log: Path, prompt_cache_size: int = 10):
         self.port = free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_FILL")}
         if mode != "unset":
             env["MLX_FILL"] = mode
         self.log = open(log, "wb")  # noqa: SIM115 -- closed in stop()
         self.proc = subprocess.Popen(
-            [str(BIN / "mlx_lm.server"), "--model", model, "--port", str(self.port)],
+            [str(BIN / "mlx_lm.server"), "--model", model, "--port", str(self.port),
+             "--prompt-cache-size", str(prompt_cache_size)],
             stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 300
@@ -120,10 +125,20 @@ def run_level(server: Server, reqs: list[dict], clients: int, max_tokens: int) -
     return {"clients": clients, "wall_s": wall, "tokens": sum(r["tokens"] for r in results),
             "tok_s": sum(r["tokens"] for r in results) / wall,
             "lat_median": statistics.median(lat), "lat_p90": lat[min(len(lat) - 1, int(0.9 * len(lat)))],
-            "injected": sum(f.get("injected", 0) for f in fills),
+            "latencies": lat, "injected": sum(f.get("injected", 0) for f in fills),
             "batch_peak": max((f.get("batch_peak", 0) for f in fills), default=0),
             "lanes": sorted({f.get("lane", "?") for f in fills}),
             "answers": [r["answer"] for r in results]}
+
+
+def merge_reps(runs: list[dict]) -> dict:
+    """One level's repetitions: median throughput, latencies pooled, answers of the first
+    repetition (every repetition's answers must agree: ``stable``)."""
+    lat = sorted(x for r in runs for x in r["latencies"])
+    return {**runs[0], "tok_s": statistics.median(r["tok_s"] for r in runs),
+            "tok_s_reps": [round(r["tok_s"], 2) for r in runs],
+            "lat_median": statistics.median(lat), "lat_p90": lat[min(len(lat) - 1, int(0.9 * len(lat)))],
+            "stable": all(r["answers"] == runs[0]["answers"] for r in runs)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -135,23 +150,41 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--source", default="mini_swe_agent")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=1, help="repetitions of every (C, mode), interleaved")
+    ap.add_argument("--limit", type=int, default=None, help="only the first N requests")
+    ap.add_argument("--prime", action="store_true",
+                    help="send every request once to every server before measuring: the prompt "
+                         "caches then hold the prompts, so the levels time decoding, not prefill")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     model = model_dir(a.model, a.dtype)
-    reqs = requests_for(a.source, a.repeat)
+    reqs = requests_for(a.source, a.repeat)[:a.limit]
     levels = [int(c) for c in a.clients.split(",")]
-    rows: dict[str, list[dict]] = {}
-    with tempfile.TemporaryDirectory() as logs:
-        for mode in a.modes.split(","):
-            server = Server(model, mode, Path(logs) / f"{mode}.log")
-            try:
-                one(server.url, reqs[0], 8)  # warm-up: load, plan, first compile
-                rows[mode] = [run_level(server, reqs, c, a.max_tokens) for c in levels]
-            finally:
-                server.stop()
+    modes = a.modes.split(",")
+    rows: dict[str, list[dict]] = {m: [] for m in modes}
+    with tempfile.TemporaryDirectory() as logs, contextlib.ExitStack() as stack:
+        servers = {}
+        for mode in modes:  # all running at once; one level of one server at a time
+            servers[mode] = Server(model, mode, Path(logs) / f"{mode}.log",
+                                   prompt_cache_size=len(reqs) + 2)
+            stack.callback(servers[mode].stop)
+            one(servers[mode].url, reqs[0], 8)  # warm-up: load, plan, first compile
+            if a.prime:
+                run_level(servers[mode], reqs, 1, 1)
+        for c in levels:
+            # interleaved: each repetition runs every mode at this C, in rotated order, so
+            # drifting background load falls on every mode alike
+            reps = [[] for _ in modes]
+            for rep in range(a.reps):
+                order = modes[rep % len(modes):] + modes[:rep % len(modes)]
+                for mode in order:
+                    reps[modes.index(mode)].append(run_level(servers[mode], reqs, c, a.max_tokens))
+            for mode, runs in zip(modes, reps):
+                rows[mode].append(merge_reps(runs))
     base = {r["clients"]: r for r in rows.get("unset", [])}
     print(f"\n{a.model} {a.dtype}, {len(reqs)} requests ({a.source}), {a.max_tokens} tokens max, "
-          f"temperature 0\n")
+          f"temperature 0, {a.reps} interleaved repetition(s)"
+          f"{', prompts primed (decode timed)' if a.prime else ''}\n")
     print("| MLX_FILL | C | tok/s | vs unset | latency median s | p90 s | identical | injected | lane | batch peak |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for mode, levels_rows in rows.items():
@@ -163,6 +196,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {mode} | {r['clients']} | {r['tok_s']:.1f} | {ratio} | {r['lat_median']:.2f} | "
                   f"{r['lat_p90']:.2f} | {same} | {r['injected']} | {','.join(r['lanes']) or '-'} | "
                   f"{r['batch_peak'] or '-'} |")
+    unstable = [f"{m} C={r['clients']}" for m, lv in rows.items() for r in lv if not r["stable"]]
+    if unstable:
+        print(f"\nanswers differed between repetitions: {', '.join(unstable)}")
     if a.json:
         Path(a.json).write_text(json.dumps({"model": a.model, "dtype": a.dtype, "rows": rows},
                                            indent=1, default=str))
