@@ -24,7 +24,10 @@ is a property of the backend: measured bit-identical (logprobs and tokens) on th
 (CHANGELOG). Where it does not hold, stock batching is itself not reproducible across batch
 compositions, and fill's promise is the serial one.
 
-Write-back keeps ``BatchKVCache``'s layout (left padding, one shared ``_idx``): the row is
+A sequence alone in its batch (no padding) skips the copies: its single-sequence caches take
+over the batch's buffers for the side step and hand them back (:func:`_take_alone`), so a
+round costs its forward and nothing else. In a larger batch, write-back keeps
+``BatchKVCache``'s layout (left padding, one shared ``_idx``): the row is
 shifted left into its own padding; when a sequence's padding is too short, every row gets the
 missing padding first (one copy of the batch cache, as mlx-lm's own ``extend`` does).
 ``BatchRotatingKVCache`` and ``CacheList`` batches are not handled: :func:`supported` says so
@@ -97,6 +100,40 @@ def supported(model: Any) -> bool:
     ``BatchKVCache``) or an ``ArraysCache`` (recurrent layers of hybrid models)."""
     caches = model.make_cache() if hasattr(model, "make_cache") else [C.KVCache() for _ in model.layers]
     return all(type(c) in (C.KVCache, C.ArraysCache) for c in caches)
+
+
+def _take_alone(batch_cache: list[Any]) -> list[Any] | None:
+    """The caches of a batch of one unpadded sequence as single-sequence caches that *take
+    over* the batch's buffers (no copy; the batch holds None until :func:`_give_back`); None
+    when the batch has another row or padding, or a layer is not a ``BatchKVCache`` /
+    ``ArraysCache``."""
+    single = []
+    for bc in batch_cache:
+        if isinstance(bc, C.ArraysCache):
+            single.append(bc.extract(0))  # recurrent states: small, copied as extract does
+            continue
+        if type(bc) is not C.BatchKVCache or bc.keys is None or bc.keys.shape[0] != 1:
+            return None
+        if int(bc.left_padding[0].item()) != 0:
+            return None
+        sc = C.KVCache()
+        sc.offset = bc._idx
+        single.append(sc)
+    for bc, sc in zip(batch_cache, single):
+        if isinstance(sc, C.KVCache):  # moved, not shared: appends may then update in place
+            sc.keys, sc.values, bc.keys, bc.values = bc.keys, bc.values, None, None
+    return single
+
+
+def _give_back(batch_cache: list[Any], single: list[Any]) -> None:
+    """Return :func:`_take_alone`'s buffers to the batch, at the single caches' lengths."""
+    for bc, sc in zip(batch_cache, single):
+        if isinstance(bc, C.ArraysCache):
+            bc.cache = list(sc.cache)
+            continue
+        bc.keys, bc.values = sc.keys, sc.values
+        bc.offset = bc.offset + (sc.offset - bc._idx)
+        bc._idx = sc.offset
 
 
 def _forced(token: int, vocab: int) -> mx.array:
@@ -174,7 +211,22 @@ def _side_step(gb: Any, i: int, proposal: Proposal, plan: DispatchPlan) -> _Outc
     ids = list(proposal.ids)
     if proposal.policy == "verify" and int(gb._next_tokens[i].item()) != ids[0]:
         return None
-    single = [c.extract(i) for c in gb.prompt_cache]
+    alone = _take_alone(gb.prompt_cache) if len(gb.uids) == 1 else None
+    single = alone if alone is not None else [c.extract(i) for c in gb.prompt_cache]
+    try:
+        out = _apply_span(gb, i, single, ids, proposal, plan, sampler, processors, history)
+    finally:  # also when the primitive refuses: the batch must get its buffers back
+        if alone is not None:
+            _give_back(gb.prompt_cache, single)
+    if alone is None:
+        _write_back(gb.prompt_cache, i, single, len(out.ids))
+    return out
+
+
+def _apply_span(gb: Any, i: int, single: list[Any], ids: list[int], proposal: Proposal,
+                plan: DispatchPlan, sampler: Any, processors: Any, history: Any) -> _Outcome:
+    """The side step proper on sequence ``i``'s single-sequence caches ``single``: append,
+    verify or assert, rewind the rejected tail; ``single`` ends holding the kept ids."""
     cp = checkpoint(gb.model, single, plan)
     forwards = len(plan.chunks(cache_offset(single), len(ids)))
     if proposal.policy == "assert":
@@ -198,7 +250,6 @@ def _side_step(gb: Any, i: int, proposal: Proposal, plan: DispatchPlan) -> _Outc
             out.next_token = mx.array([verdict.next_token], dtype=gb._next_tokens.dtype)
             out.next_logprobs = verdict.next_logprobs
     rewind(cp, n)
-    _write_back(gb.prompt_cache, i, single, n)
     out.forwards = forwards
     return out
 

@@ -132,6 +132,27 @@ def test_spans_stop_at_max_tokens_and_eos(setup):
     assert not batch_fill.registry(bg), "finished sequences stay registered"
 
 
+@pytest.mark.parametrize("policy,wrong", [("verify", frozenset({3, 11, 12})), ("assert", frozenset())])
+def test_a_sequence_alone_fills_in_the_batch_buffers_bit_for_bit(setup, policy, wrong, monkeypatch):
+    """A batch of one (the single-client case) runs its side steps in the batch's own buffers
+    (no extract, no write-back); tokens, logprobs and the cache it leaves equal stock's."""
+    model, tok, prompts = setup
+    taken = []
+    take = batch_fill._take_alone
+    monkeypatch.setattr(batch_fill, "_take_alone", lambda caches: taken.append(take(caches)) or taken[-1])
+    for prompt in (prompts[0], prompts[3]):
+        (stock,), _, _ = run(model, tok, [prompt])
+        (filled,), (session,), _ = run(model, tok, [prompt], [Script(stock[0], policy, wrong=wrong)])
+        assert filled[0] == stock[0]
+        assert same_cache(filled[2], stock[2])
+        if policy == "verify":
+            assert all(mx.array_equal(a, b).item() for a, b in zip(filled[1], stock[1]))
+            assert session.stats.verify_accepted > 0 and session.stats.verify_rejected > 0
+        else:
+            assert session.stats.injected > 0
+    assert taken and all(t is not None for t in taken)  # every side step took the fast path
+
+
 def test_a_side_step_must_beat_the_batch(setup):
     """Under a flat cost curve a batched step of B sequences delivers B tokens per one-row
     forward; an asserted span of 3 (at most 3 tokens for one forward) does not beat that in a
