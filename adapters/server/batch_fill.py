@@ -29,7 +29,8 @@ over the batch's buffers for the side step and hand them back (:func:`_take_alon
 round costs its forward and nothing else. In a larger batch, write-back keeps
 ``BatchKVCache``'s layout (left padding, one shared ``_idx``): the row is
 shifted left into its own padding; when a sequence's padding is too short, every row gets the
-missing padding first (one copy of the batch cache, as mlx-lm's own ``extend`` does).
+missing padding first, rounded up to :data:`PAD_GROWTH`, with room left on the right for the
+next batched step (one copy of the batch cache, as mlx-lm's own ``extend`` does).
 ``BatchRotatingKVCache`` and ``CacheList`` batches are not handled: :func:`supported` says so
 and the server keeps those models' fill requests in the serial lane.
 
@@ -102,6 +103,11 @@ def supported(model: Any) -> bool:
     return all(type(c) in (C.KVCache, C.ArraysCache) for c in caches)
 
 
+# left padding added at once when a filled row outgrows its own (one copy of the batch cache
+# per PAD_GROWTH ids instead of per side step; padded columns are masked)
+PAD_GROWTH = 32
+
+
 def _take_alone(batch_cache: list[Any]) -> list[Any] | None:
     """The caches of a batch of one unpadded sequence as single-sequence caches that *take
     over* the batch's buffers (no copy; the batch holds None until :func:`_give_back`); None
@@ -151,9 +157,11 @@ def _write_back(batch_cache: list[Any], i: int, single: list[Any], added: int) -
         if added == 0:
             continue
         pad = int(bc.left_padding[i].item())
-        if added > pad:  # grow every row's left padding by the shortfall
-            grow = added - pad
-            widths = [(0, 0), (0, 0), (grow, 0), (0, 0)]
+        if added > pad:  # grow every row's left padding by the shortfall, rounded up
+            grow = -(-(added - pad) // PAD_GROWTH) * PAD_GROWTH
+            # and keep room on the right, so the next batched step does not copy again
+            spare = -(bc._idx + grow) % bc.step
+            widths = [(0, 0), (0, 0), (grow, spare), (0, 0)]
             bc.keys = mx.pad(bc.keys[..., :bc._idx, :], widths)
             bc.values = mx.pad(bc.values[..., :bc._idx, :], widths)
             bc.left_padding = bc.left_padding + grow
