@@ -5,15 +5,20 @@ Mechanism, per :meth:`GenerationBatch.next` call (one decode step of the whole b
 1. The stock step runs untouched: one batched one-token forward for every sequence, exactly
    the rows stock batching computes; each sequence's token is emitted and the next samples are
    in flight.
-2. For each sequence that has a fill session (:class:`SeqFill`) and whose session proposes a
-   span, a *side step* on its own slice of the batch cache: the sequence's caches are extracted
-   (``BatchKVCache.extract`` / ``ArraysCache.extract``, copies of that row), the span is
-   appended by the serial append-and-rewind primitive (:mod:`mlx_fill.core.primitive`) under
-   the dispatch plan, verified or asserted exactly as the serial loop does
-   (:mod:`mlx_fill.core.acceptance`), the rejected tail is rewound on that sequence only, and
-   the result is written back into that row of the batch cache (:func:`_write_back`). Its
-   emitted ids join the step's responses, in order, after its stock token; the sample after the
-   kept span becomes its next input.
+2. For each sequence that has a fill session (:class:`SeqFill`), its in-flight sample is read
+   (a sync). A token the session has not yet seen as the end of a view is shown first (its
+   proposal starts at the in-flight sample's slot, as a round of the serial loop does);
+   otherwise the in-flight sample *leads* the round, as the pending sample leads a chained
+   round of the serial loop: the session sees it as emitted and may propose the slots after
+   it (:func:`_proposal`). With a proposal,
+   a *side step* on the sequence's own slice of the batch cache: the sequence's caches are
+   extracted (``BatchKVCache.extract`` / ``ArraysCache.extract``, copies of that row), the
+   lead and the span are appended in one call of the serial append-and-rewind primitive
+   (:mod:`mlx_fill.core.primitive`) under the dispatch plan, the span verified or asserted
+   exactly as the serial loop does (:mod:`mlx_fill.core.acceptance`), the rejected tail is
+   rewound on that sequence only, and the result is written back into that row of the batch
+   cache (:func:`_write_back`). The lead and the kept ids join the step's responses, in order,
+   after its stock token; the sample after them becomes its next input.
 
 Exactness. Every other sequence's cache rows and samples are the stock step's, untouched. The
 filled sequence's rows hold the serial primitive's keys and values, which equal serial
@@ -34,8 +39,9 @@ next batched step (one copy of the batch cache, as mlx-lm's own ``extend`` does)
 ``BatchRotatingKVCache`` and ``CacheList`` batches are not handled: :func:`supported` says so
 and the server keeps those models' fill requests in the serial lane.
 
-One round per sequence per step (no chained round: the sample after a span is fed by the next
-batched step, as stock would feed it).
+One round per sequence per step: a led span of ``m`` ids costs ``m + 1`` rows, as the gates
+price it. Reading the lead gives up the stock step's overlap of the next forward with
+the server's per-token work, for the sequences that have a session only.
 
 Pricing. A side step stalls the whole batch, whose step emits ``B`` tokens for ``c(B)``; before
 asking a sequence's session for a proposal the step sets its pace to ``B / c(B)``
@@ -68,7 +74,8 @@ log = logging.getLogger("mlx_fill")
 class SeqFill:
     """One batched sequence's fill: its session, the full prompt ids, the ids emitted so far,
     the largest generation batch it decoded in (``batch_peak``: proof the batch was used),
-    ``rounds`` applied, and ``on_end`` (called once when the sequence leaves the batch)."""
+    ``rounds`` applied, ``on_end`` (called once when the sequence leaves the batch) and how much
+    of ``emitted`` the session has seen as a view's end (``viewed``)."""
 
     session: FillSession
     prompt_ids: list[int]
@@ -76,6 +83,7 @@ class SeqFill:
     batch_peak: int = 0
     rounds: int = 0
     on_end: Callable[[], None] | None = None
+    viewed: int = 0  # the longest ``emitted`` prefix the session was shown as a whole view
 
     def end(self) -> None:
         if self.on_end is not None:
@@ -177,8 +185,9 @@ def _write_back(batch_cache: list[Any], i: int, single: list[Any], added: int) -
 
 @dataclass
 class _Outcome:
-    """What a side step emitted for one sequence: ids, their logprobs, the finish reason of the
-    last one (None: still decoding) and the next input sample (None when finished)."""
+    """What a side step emitted for one sequence: ids (the lead first), their logprobs, the
+    finish reason of the last one (None: still decoding) and the next input sample (None when
+    finished)."""
 
     ids: list[int]
     logprobs: list[mx.array]
@@ -208,21 +217,21 @@ def _history(gb: Any, i: int) -> mx.array | None:
     return buf._buffer[:buf._size]
 
 
-def _side_step(gb: Any, i: int, proposal: Proposal, plan: DispatchPlan) -> _Outcome | None:
-    """Apply ``proposal`` to sequence ``i`` of generation batch ``gb`` on its own extracted
-    caches, written back before returning. None when a verify span's first id disagrees with
-    the in-flight sample (nothing changed)."""
+def _side_step(gb: Any, i: int, lead: list[int], proposal: Proposal, plan: DispatchPlan) -> _Outcome:
+    """Feed sequence ``i`` of generation batch ``gb`` ``lead`` (its in-flight sample, or
+    nothing) and ``proposal``'s ids in one append on its own caches (taken over from the batch
+    when it is alone, else extracted and written back before returning). A verify span starts
+    with the in-flight sample when nothing leads it; a lead is always kept."""
     sampler = (gb.samplers[i] if gb.samplers and gb.samplers[i] is not None
                else gb.fallback_sampler)
     processors = gb.logits_processors[i] if gb.logits_processors else None
     history = _history(gb, i)
-    ids = list(proposal.ids)
-    if proposal.policy == "verify" and int(gb._next_tokens[i].item()) != ids[0]:
-        return None
+    ids = [*lead, *proposal.ids]
     alone = _take_alone(gb.prompt_cache) if len(gb.uids) == 1 else None
     single = alone if alone is not None else [c.extract(i) for c in gb.prompt_cache]
     try:
-        out = _apply_span(gb, i, single, ids, proposal, plan, sampler, processors, history)
+        out = _apply_span(gb, i, single, ids, proposal.policy, bool(lead), plan, sampler,
+                          processors, history)
     finally:  # also when the primitive refuses: the batch must get its buffers back
         if alone is not None:
             _give_back(gb.prompt_cache, single)
@@ -231,17 +240,20 @@ def _side_step(gb: Any, i: int, proposal: Proposal, plan: DispatchPlan) -> _Outc
     return out
 
 
-def _apply_span(gb: Any, i: int, single: list[Any], ids: list[int], proposal: Proposal,
+def _apply_span(gb: Any, i: int, single: list[Any], ids: list[int], policy: str, led: bool,
                 plan: DispatchPlan, sampler: Any, processors: Any, history: Any) -> _Outcome:
-    """The side step proper on sequence ``i``'s single-sequence caches ``single``: append,
-    verify or assert, rewind the rejected tail; ``single`` ends holding the kept ids."""
+    """The side step proper on sequence ``i``'s single-sequence caches ``single``: append
+    ``ids`` (``led``: the first is the target's in-flight sample), verify or assert the rest,
+    rewind the rejected tail; ``single`` ends holding the kept ids."""
     cp = checkpoint(gb.model, single, plan)
     forwards = len(plan.chunks(cache_offset(single), len(ids)))
-    if proposal.policy == "assert":
+    if policy == "assert":
         row = append(gb.model, single, ids, plan=plan, logits="last", record=cp)
         n, finish = _cut(gb, i, ids)
         vocab = gb._next_logprobs[i].shape[-1]
-        out = _Outcome(ids[:n], [_forced(t, vocab) for t in ids[:n]], finish)
+        lps = [gb._next_logprobs[i] if led else _forced(ids[0], vocab),
+               *(_forced(t, vocab) for t in ids[1:n])]
+        out = _Outcome(ids[:n], lps[:n], finish)
         if finish is None:
             hist = history
             if processors:
@@ -274,6 +286,31 @@ def _apply(gb: Any, i: int, out: _Outcome) -> None:
         gb._next_logprobs[i] = out.next_logprobs
 
 
+def _proposal(sf: SeqFill, lead: int) -> tuple[Proposal, bool, int] | None:
+    """This step's proposal for a sequence whose in-flight sample is ``lead``: (proposal,
+    whether ``lead`` leads it, output index of its first id), or None.
+
+    Every emitted id ends a view once, as in the serial loop: an id the session has not seen
+    as the end of a view (the first token, the sample after a side step) is shown first, and
+    that proposal's first id is for ``lead``'s slot (a verify span must start with ``lead``;
+    an assert span replaces it). Otherwise, or when that yields nothing, ``lead`` leads: the
+    session sees it as emitted and drafts the slots after it (a chained round)."""
+    eos = sf.session.eos_ids
+    if sf.viewed < len(sf.emitted):
+        sf.viewed = len(sf.emitted)
+        position = len(sf.emitted)
+        proposal = sf.session.propose(DecodeView(sf.prompt_ids, sf.emitted, eos))
+        if proposal is not None:
+            if proposal.policy == "assert" or proposal.ids[0] == lead:
+                return proposal, False, position
+            sf.session.feedback(proposal, 0, position)
+    if lead in eos:
+        return None
+    sf.viewed = len(sf.emitted) + 1
+    proposal = sf.session.propose(DecodeView(sf.prompt_ids, [*sf.emitted, lead], eos))
+    return None if proposal is None else (proposal, True, len(sf.emitted) + 1)
+
+
 def _fill_rounds(gb: Any, reg: dict[int, SeqFill], responses: list) -> list:
     """After the stock step: one side step for every registered sequence with a proposal;
     returns the responses with the side steps' ids after their sequence's stock token."""
@@ -287,23 +324,23 @@ def _fill_rounds(gb: Any, reg: dict[int, SeqFill], responses: list) -> list:
         plan = sf.session.plan if sf.session.plan is not None else plan_for(gb.model)
         # a side step stalls the whole batch: it must beat the batched step's own rate
         sf.session.pace.min_gain = batch_min_gain(plan, len(gb.uids))
-        proposal = sf.session.propose(DecodeView(sf.prompt_ids, sf.emitted, sf.session.eos_ids))
-        if proposal is None:
+        if gb._num_tokens[i] + 1 >= gb.max_tokens[i]:
+            continue  # the in-flight sample is the sequence's last token: nothing to fill
+        lead = int(gb._next_tokens[i].item())  # the in-flight sample (a sync)
+        found = _proposal(sf, lead)
+        if found is None:
             continue
-        position = len(sf.emitted)
+        proposal, led, position = found
         try:
-            out = _side_step(gb, i, proposal, plan)
+            out = _side_step(gb, i, [lead] if led else [], proposal, plan)
         except Unsupported as e:
             sf.session.refuse(e.reason)
             continue
-        if out is None:
-            sf.session.feedback(proposal, 0, position)
-            continue
         sf.rounds += 1
         sf.session.stats.forwards += out.forwards
-        if proposal.policy == "assert":
+        if proposal.policy == "assert" and not led:
             sf.session.stats.wasted_samples += 1
-        sf.session.feedback(proposal, len(out.ids), position)
+        sf.session.feedback(proposal, len(out.ids) - int(led), position)
         _apply(gb, i, out)
         sf.emitted.extend(out.ids)
         sf.session.stats.emitted = len(sf.emitted)
