@@ -7,8 +7,9 @@ the cost gates read the plan's measured cost curve, which is the sharded configu
 the curve is pinned (rows priced as free, chunking as qualified) for the telemetry to compare.
 
 Checked against the same model unsharded: the answer is the fill-off answer, ``usage.fill`` is
-the unsharded fill run's (but for the wall-clock ``checkpoint_ms`` and ``source_ms`` and the
-lane: the unsharded server batches tool requests, a sharded one serves them serially), and a fault injected
+the unsharded fill run's in what was proposed, accepted and injected (not the wall-clock
+``checkpoint_ms`` and ``source_ms``, nor the lane and its forward count: the unsharded server
+batches tool requests, a sharded one serves them serially), and a fault injected
 on one rank (rank 0 in the pipeline run, rank 1 in the tensor run) disarms fill on every rank
 at the same step: still the fill-off answer, no hang, ``usage.fill.refusals == {"shard_fault":
 1}``. Every server and launch is bounded by a timeout."""
@@ -111,8 +112,10 @@ def answers(client: openai.OpenAI) -> dict[str, tuple]:
         m = r.choices[0].message
         calls = [(c.function.name, c.function.arguments) for c in m.tool_calls or []]
         fill = dict((r.usage.model_extra or {}).get("fill") or {})
-        for key in ("checkpoint_ms", "source_ms", "lane", "batch_peak"):
-            fill.pop(key, None)  # wall-clock times; the lane (a sharded model decodes serially)
+        for key in ("checkpoint_ms", "source_ms", "lane", "batch_peak", "forwards", "forwards_saved"):
+            # wall-clock times; the lane (a sharded model decodes serially) and the forwards it
+            # takes (a batched round is led by the in-flight sample, a serial one may not be)
+            fill.pop(key, None)
         out[name] = (m.content, calls, r.choices[0].finish_reason, fill)
     return out
 
