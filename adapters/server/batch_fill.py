@@ -318,9 +318,8 @@ def _fill_rounds(gb: Any, reg: dict[int, SeqFill], responses: list) -> list:
     finished: set[int] = set()
     for i, uid in enumerate(gb.uids):
         sf = reg.get(uid)
-        if sf is None or sf.session.refused is not None:
-            continue
-        sf.batch_peak = max(sf.batch_peak, len(gb.uids))
+        if sf is None or sf.session.refused is not None or not sf.session.sources:
+            continue  # nothing can propose: no sync of the in-flight sample for it
         plan = sf.session.plan if sf.session.plan is not None else plan_for(gb.model)
         # a side step stalls the whole batch: it must beat the batched step's own rate
         sf.session.pace.min_gain = batch_min_gain(plan, len(gb.uids))
