@@ -389,6 +389,33 @@ def _head_rows(bodies: list[_Body], table, eos: set[int], syntax: str,
     return rows
 
 
+def resumed_heads(rows: dict[str, Row], table: Sequence[bytes]) -> dict[str, Row]:
+    """Head rows entered mid-span: for a row whose first ``k`` span ids were emitted without
+    the row firing (a gate kept only a prefix, or a batched step emitted one id first), the row
+    keyed by the body after them (``key`` + their text), triggered by ``trigger`` + those ids,
+    proposing the rest of the span with the row's own class. The rest of a forced span is
+    forced by the same template text, so nothing about the row changes but where it starts.
+    Close rows need none: every position after a value's end is a close row of its own.
+    A key that a compiled row or another resumption already holds is dropped (ambiguous);
+    a prefix that splits a UTF-8 character has no key."""
+    out: dict[str, Row] = {}
+    taken: set[str] = set()
+    for row in rows.values():
+        for k in range(1, len(row.span)):
+            text = _decode(table, row.span[:k])
+            if text is None:
+                continue
+            key = row.key + text
+            if key in rows or key in taken:
+                out.pop(key, None)
+                taken.add(key)
+                continue
+            taken.add(key)
+            out[key] = replace(row, key=key, trigger=(*row.trigger, *row.span[:k]),
+                               span=row.span[k:])
+    return out
+
+
 def _close_rows(prober: _Prober, markers: Markers, schemas: list[ToolSchema], syntax,
                 eos: set[int]) -> dict[str, Row]:
     table = prober.table

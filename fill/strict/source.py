@@ -5,7 +5,9 @@ character), advances the :class:`~mlx_fill.strict.guards.TurnGuard`, and propose
 when the guard puts the stream in the row's structural state:
 
 * ``scaffold`` / ``name`` rows: the stream is inside a structurally opened call whose body so far
-  equals the row's key text exactly, and the emitted ids end with the row's trigger ids.
+  equals the row's key text exactly, and the emitted ids end with the row's trigger ids. A row
+  whose first ids were emitted without it firing (its gate let only a prefix through, or a
+  batched step emitted one id) is entered mid-span: it proposes the rest of its span.
 * ``close`` rows: the body parses (grammar, full consumption) as a known tool's call ending at a
   complete value delimiter, the text since that value equals the row's key, no key is
   duplicated, and the tool's schema allows no further argument.
@@ -69,7 +71,7 @@ from dataclasses import dataclass
 
 from .guards import SYNTAXES, Role, TurnGuard
 from mlx_fill.core.proposal import DecodeView, Proposal
-from .rows import Row, RowTable, initial_role, table_for
+from .rows import Row, RowTable, initial_role, resumed_heads, table_for
 from .schema import tool_schemas
 from .tokenbytes import IncrementalText, token_bytes
 
@@ -93,13 +95,18 @@ class StrictSource:
         self.ledger = ledger
         self.gate = gate
         self.guard = TurnGuard(SYNTAXES[table.syntax], table.markers, initial)
-        self.text = IncrementalText(token_bytes(tokenizer))
+        tokens = token_bytes(tokenizer)
+        self.text = IncrementalText(tokens)
         self.stats = StrictStats()
         self.armed = True
         self._seen = 0
         self._fired_in_call = False
         self._calls_ended = 0
-        self._max_head_key = max((len(k) for k in table.head), default=0)
+        # head rows by body text, for a turn's first call (0) and later calls (1), each with
+        # its mid-span entries (:func:`~mlx_fill.strict.rows.resumed_heads`)
+        self._heads = tuple({**resumed_heads(rows, tokens), **rows}
+                            for rows in (table.head_rows(0), table.head_rows(1)))
+        self._max_head_key = max((len(k) for h in self._heads for k in h), default=0)
         self._request_stats = None
 
     def _advance(self, emitted) -> None:
@@ -121,7 +128,7 @@ class StrictSource:
         g = self.guard
         if g.role is not Role.CALL or g.declined:
             return None
-        head = self.table.head_rows(g.calls_ended)
+        head = self._heads[min(g.calls_ended, 1)]
         if len(g.body) <= self._max_head_key and g.body in head:
             row = head[g.body]
             if _ends_with(emitted, row.trigger):

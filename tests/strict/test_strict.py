@@ -134,3 +134,28 @@ def test_a_gate_prices_verify_rows_and_learns_from_declined_ones():
     assert closed.stats.rounds > 0  # the declined rows were scored as shadows
     ungated = teacher_force(strict_source(tok, USER, tools()), ids)
     assert teacher_force(strict_source(tok, USER, tools(), gate=CostGate(free, 64)), ids) == ungated != []
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_head_row_passed_over_is_entered_mid_span(family):
+    """A scaffold or name row whose first ids were emitted without it firing (its gate let a
+    prefix through, or a batched step emitted one id) proposes the rest of its span at the
+    next position it is shown, under the same origin and class; a stream that reached the
+    same text through other ids does not enter it."""
+    reply = _reply(call("get_weather", {"city": "Paris"}), call("bash", {"command": "ls -la"}))
+    tok, ids, _, fires = _run(family, reply)
+    eos = frozenset(tok.eos_token_ids)
+    heads = [(p, s, o) for p, s, o in fires if o.startswith(("strict:scaffold", "strict:name"))]
+    assert heads and any(len(s) > 2 for _, s, _ in heads)
+    for pos, span, origin in heads:
+        for k in range(1, len(span)):
+            source = strict_source(tok, USER, tools())
+            p = source.propose(DecodeView([], ids[:pos + k], eos))
+            assert p is not None and (p.ids, p.origin) == (span[k:], origin), (family, origin, k)
+    pos, span, origin = next((p, s, o) for p, s, o in heads if len(s) > 2)
+    text = tok.decode(list(span[:2]))
+    other = [t for ch in text for t in tok.encode(ch, add_special_tokens=False)]
+    if other != list(span[:2]):  # the same text in other ids: not the row's stream
+        source = strict_source(tok, USER, tools())
+        p = source.propose(DecodeView([], [*ids[:pos], *other], eos))
+        assert p is None or p.origin != origin
