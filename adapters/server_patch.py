@@ -215,7 +215,7 @@ def _open_session(fill_request: FillRequest, args: Any, kwargs: dict,
         return session
     try:
         fill_request.predicted = predicted_count(tokenizer, body.get("prediction"))
-        return build_session(
+        session = build_session(
             fill_request.mode, model=kwargs["model"], tokenizer=tokenizer, prompt_ids=prompt_ids,
             messages=body.get("messages"), tools=body.get("tools") or None,
             template_kwargs=body.get("chat_template_kwargs") or None,
@@ -231,6 +231,11 @@ def _open_session(fill_request: FillRequest, args: Any, kwargs: dict,
         session.refuse("invalid_request")
         fill_request.error = str(e)
         return session
+    # mlx_lm.server reads every token's logprob before it builds the next step, so its plain
+    # steps are synchronous, like a round's: a round costs its rows and nothing more
+    if session is not None:
+        session.pace.round_overhead = 0.0
+    return session
 
 
 def apply(server: Any, mode: str) -> bool:

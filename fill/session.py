@@ -189,6 +189,7 @@ def build_session(
                      if prediction is not None else [])
         # after the request's own validation: a bad request measures nothing
         plan = plan_for(model, group)
+        pace.round_overhead = plan.round_overhead  # the serial loop's plain steps are pipelined
         strict = _strict_source(tokenizer, messages, tools, template_kwargs, ledger,
                                 CostGate(plan, max_span, pace=pace, acceptance=source_acceptance(
                                     acceptance, "strict", max_span)))

@@ -2,7 +2,8 @@
 
 A verify round over ``m`` proposed ids runs one forward of ``m + extra_rows`` rows, which costs
 ``plan.cost_of(m + extra_rows)`` one-row forwards (the loaded model's own ``qualify`` cost
-curve), and emits ``1 + sum_{j=1..m} prod_{i<j} q_i`` tokens in expectation, where ``q_i`` is the
+curve) plus the round's fixed overhead (``Pace.round_overhead``: a round's forward is
+synchronous, a plain step is pipelined), and emits ``1 + sum_{j=1..m} prod_{i<j} q_i`` tokens in expectation, where ``q_i`` is the
 probability that position ``i`` of THIS draft is accepted given every earlier one was. Plain
 decoding emits one token per one-row forward, so a round is worth running only when its
 expected tokens per unit cost exceed 1; :func:`choose_length` returns the ``m`` maximizing that
@@ -128,11 +129,12 @@ def round_costs(plan: DispatchPlan, max_len: int, extra_rows: int = 1) -> list[f
 
 
 def choose_length(plan: DispatchPlan, stats: AcceptanceByPosition, max_len: int,
-                  *, extra_rows: int = 1, min_gain: float = 1.0,
+                  *, extra_rows: int = 1, min_gain: float = 1.0, overhead: float = 0.0,
                   costs: Sequence[float] | None = None) -> int:
-    """The round length maximizing expected emitted tokens per unit cost; 0 when the best
-    ratio does not exceed ``min_gain`` (>= 1: never slower than plain decoding in expectation).
-    ``costs`` (from :func:`round_costs`) saves re-reading the plan.
+    """The round length maximizing expected emitted tokens per unit cost, a round costing its
+    rows plus ``overhead``; 0 when the best ratio does not exceed ``min_gain`` (>= 1: never
+    slower than plain decoding in expectation). ``costs`` (from :func:`round_costs`) saves
+    re-reading the plan.
     """
     max_len = min(max_len, stats.max_len)
     if costs is None:
@@ -141,7 +143,7 @@ def choose_length(plan: DispatchPlan, stats: AcceptanceByPosition, max_len: int,
     best_m, best_rate, total = 0, 1.0, 1.0
     for m in range(1, max_len + 1):
         total += s[m - 1]
-        rate = total / costs[m]
+        rate = total / (costs[m] + overhead)
         if rate > best_rate:
             best_m, best_rate = m, rate
     return best_m if best_rate > min_gain else 0
@@ -214,7 +216,8 @@ class CostGate:
         if limit <= 0:
             return 0
         return choose_length(self.plan, self.acceptance.stats(key), limit, extra_rows=self.extra_rows,
-                             min_gain=self.pace.min_gain, costs=self.costs)
+                             min_gain=self.pace.min_gain, overhead=self.pace.round_overhead,
+                             costs=self.costs)
 
     def observe(self, drafted: int, accepted: int, key: Hashable = ()) -> None:
         self.acceptance.observe(key, drafted, accepted)

@@ -323,6 +323,9 @@ def _fill_rounds(gb: Any, reg: dict[int, SeqFill], responses: list) -> list:
         plan = sf.session.plan if sf.session.plan is not None else plan_for(gb.model)
         # a side step stalls the whole batch: it must beat the batched step's own rate
         sf.session.pace.min_gain = batch_min_gain(plan, len(gb.uids))
+        # the server reads every step's logprob before the next step is built, so a batched
+        # step is synchronous too: a side step costs its rows and nothing more
+        sf.session.pace.round_overhead = 0.0
         if gb._num_tokens[i] + 1 >= gb.max_tokens[i]:
             continue  # the in-flight sample is the sequence's last token: nothing to fill
         lead = int(gb._next_tokens[i].item())  # the in-flight sample (a sync)

@@ -68,7 +68,12 @@ class PlanKey:
 
 @dataclass(frozen=True)
 class DispatchPlan:
-    """Chunking rule for appends. ``cost[m]`` = time(m-row forward) / time(1-row forward)."""
+    """Chunking rule for appends. ``cost[m]`` = time(m-row forward) / time(1-row forward).
+
+    ``round_overhead``: what a fill round costs beyond its rows, in one-row forwards. A round's
+    forward is synchronous (its samples are read before decoding goes on), while a plain
+    step overlaps building the next forward with the current one's compute; measured by
+    ``qualify`` as time(synchronous 1-row append) / time(pipelined step) - 1."""
 
     key: PlanKey | None
     mode: PlanMode = "exact"
@@ -76,6 +81,7 @@ class DispatchPlan:
     kv_boundaries: tuple[int, ...] = ()
     cost: dict[int, float] = field(default_factory=dict)
     qualified: bool = False
+    round_overhead: float = 0.0
     note: str = ""  # how and on what it was measured (free text, shown by ``mlx-fill plan``)
 
     def chunks(self, start: int, n: int) -> list[int]:
@@ -136,7 +142,8 @@ class DispatchPlan:
         return cls(key=key, mode=d.get("mode", "exact"), max_chunk=int(d["max_chunk"]),
                    kv_boundaries=tuple(int(b) for b in d.get("kv_boundaries", ())),
                    cost={int(k): float(v) for k, v in d.get("cost", {}).items()},
-                   qualified=bool(d.get("qualified", False)), note=str(d.get("note", "")))
+                   qualified=bool(d.get("qualified", False)),
+                   round_overhead=float(d.get("round_overhead", 0.0)), note=str(d.get("note", "")))
 
 
 def unqualified(key: PlanKey | None = None) -> DispatchPlan:

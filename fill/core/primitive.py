@@ -115,8 +115,9 @@ def checkpoint(model: Any, cache: list[Any], plan: DispatchPlan) -> Checkpoint:
     return Checkpoint(model, cache, plan, offsets, snaps)
 
 
-def _restore(cp: Checkpoint) -> None:
-    """Put every layer back at the checkpoint (KV trim, recurrent restore)."""
+def restore(cp: Checkpoint) -> None:
+    """Put every layer back at the checkpoint (KV trim, recurrent restore), whatever was
+    forwarded since, recorded or not."""
     for c, off, snap in zip(_leaves(cp.cache), cp.offsets, cp.snapshots):
         if snap is not None:
             c.cache, c.left_padding, c.lengths = list(snap[0]), snap[1], snap[2]
@@ -145,7 +146,7 @@ def rewind(cp: Checkpoint, keep: int) -> None:
         return
     kept = cp.appended[:keep]
     if cp.has_recurrent:
-        _restore(cp)
+        restore(cp)
         cp.appended = []
         if kept:
             append(cp.model, cp.cache, kept, plan=cp.plan, logits="none", record=cp)
@@ -241,6 +242,6 @@ def append(
             return None
         return rows[0] if len(rows) == 1 else mx.concatenate(rows, axis=0)
     except BaseException:
-        _restore(entry)
+        restore(entry)
         raise
 

@@ -85,9 +85,13 @@ class Pace:
     """The rate a round must beat, in expected emitted tokens per one-row forward of cost: 1.0
     for a sequence decoding alone (plain decoding emits one token per forward). The batched
     lane raises it to what the batch's own step delivers (a side step stalls the batch). One
-    per request, shared by the session and its sources' cost gates."""
+    per request, shared by the session and its sources' cost gates. ``round_overhead`` is what
+    a round costs beyond its rows (:attr:`~mlx_fill.core.plan.DispatchPlan.round_overhead`
+    in the serial loop, whose plain steps are pipelined; 0 in the batched lane, whose server
+    waits for every step)."""
 
     min_gain: float = 1.0
+    round_overhead: float = 0.0
 
 
 @dataclass
@@ -206,12 +210,15 @@ class FillSession:
         return None
 
     def _assert_pays(self, m: int) -> bool:
-        """Whether asserting ``m`` ids (``m`` rows in the plan's chunks, every one emitted)
-        beats ``pace``. Always at ``min_gain <= 1``: an assert round is never slower than
-        feeding the same ids one by one; never above it without a plan to price it."""
-        if self.pace.min_gain <= 1.0:
+        """Whether asserting ``m`` ids (``m`` rows in the plan's chunks plus the round's
+        overhead, every id emitted) beats ``pace``. Always at ``min_gain <= 1`` with no round
+        overhead (feeding ``m`` ids at once costs no more than one by one); never above that
+        without a plan to price it."""
+        if self.pace.min_gain <= 1.0 and self.pace.round_overhead <= 0.0:
             return True
-        return self.plan is not None and m / self.plan.rows_cost(m) > self.pace.min_gain
+        if self.plan is None:
+            return False
+        return m / (self.plan.rows_cost(m) + self.pace.round_overhead) > self.pace.min_gain
 
     def feedback(self, proposal: Proposal, accepted: int, position: int) -> None:
         """Record the outcome; forward it to the source that made the proposal."""

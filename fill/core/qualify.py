@@ -5,7 +5,8 @@ is compared bit for bit (cache content incl. recurrent state, and every logit ro
 one-token steps, both for a chunk that starts at L and for one that crosses L. The resulting
 :class:`DispatchPlan` keeps the largest M that is exact everywhere except across KV lengths that
 become ``kv_boundaries``; the plan is re-checked with those cuts before it is written. The cost
-curve c(M) = time(M-row forward) / time(1-row forward) is the median of interleaved repeats.
+curve c(M) = time(M-row forward) / time(1-row forward) is the median of interleaved repeats;
+the round overhead is what a synchronous one-row round costs over a pipelined plain step.
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 import mlx.core as mx
+from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from .errors import model_dir
 from .exactness import arrays_equal, cache_content
 from .plan import DispatchPlan, PlanKey, config_key, format_key, save_plan
-from .primitive import Unsupported, append, cache_offset, check_supported, checkpoint, rewind
+from .primitive import (Unsupported, append, cache_offset, check_supported, checkpoint,
+                        restore, rewind)
 
 FULL_SIZES = tuple(range(1, 17)) + (32,)
 QUICK_SIZES = (1, 2, 3, 4, 8, 16)
@@ -166,6 +169,55 @@ def measure_cost(model: Any, sizes: tuple[int, ...], vocab: int, repeats: int) -
     return {m: round(statistics.median(t) / one, 3) for m, t in times.items()}
 
 
+def measure_round_overhead(model: Any, vocab: int, repeats: int, steps: int = 8) -> float:
+    """What a fill round costs beyond its rows, in plain steps: the median over repeats of
+    time(synchronous 1-row append, its sample read, as a round does) / time(pipelined greedy
+    step, as mlx-lm's ``generate_step`` decodes: the next forward is built while the current
+    one computes) - 1, at least 0. Both on mlx-lm's generation stream, on one grown cache that
+    is restored after every run."""
+    cache = make_prompt_cache(model)
+    _grow(model, cache, COST_KV, vocab)
+    plan = DispatchPlan(key=None, max_chunk=1, qualified=True)
+
+    def step(y: mx.array) -> mx.array:
+        logits = model(y[None], cache=cache)[:, -1, :]
+        return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
+
+    def pipelined() -> float:
+        cp = checkpoint(model, cache, plan)
+        with mx.stream(generation_stream):
+            nxt = step(mx.array([1]))
+            mx.async_eval(nxt)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                cur, nxt = nxt, step(nxt)
+                mx.async_eval(nxt)
+                cur.item()
+            dt = time.perf_counter() - t0
+            mx.eval(nxt)
+        restore(cp)
+        return dt
+
+    def synchronous() -> float:
+        cp = checkpoint(model, cache, plan)
+        token = 1
+        with mx.stream(generation_stream):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                rows = append(model, cache, [token], plan=plan, logits="all", record=cp)
+                token = mx.argmax(rows[-1], axis=-1).item()
+            dt = time.perf_counter() - t0
+        rewind(cp, 0)
+        return dt
+
+    ratios = []
+    for r in range(repeats + 1):
+        p, s = pipelined(), synchronous()
+        if r:  # the first round warms up kernels and allocations
+            ratios.append(s / p)
+    return round(max(0.0, statistics.median(ratios) - 1.0), 3)
+
+
 def vocab_of(model: Any) -> int:
     """The model's vocabulary size: from its mlx-lm configuration, else one forward's logits."""
     args = getattr(model, "args", None)
@@ -198,8 +250,10 @@ def qualify(model: Any, *, quick: bool, vocab: int | None = None, repeats: int |
     if plan.max_chunk > 1 and not confirm_plan(model, plan, kv_lengths, vocab, agree):
         plan = replace(plan, max_chunk=1, kv_boundaries=())
     cost = measure_cost(model, sizes, vocab, repeats or (3 if quick else 7))
+    overhead = measure_round_overhead(model, vocab, repeats or (3 if quick else 7))
     stamp = f"{'quick' if quick else 'full'} qualify, {date.today().isoformat()}"
-    plan = replace(plan, cost=cost, note=f"{note}; {stamp}" if note else stamp)
+    plan = replace(plan, cost=cost, round_overhead=overhead,
+                   note=f"{note}; {stamp}" if note else stamp)
     return plan, checks
 
 
@@ -217,7 +271,8 @@ def format_table(plan: DispatchPlan, checks: list[Check]) -> str:
         lines.append(f"{kv:>6} " + " ".join(cells))
     lines.append("(blank: not checked, a smaller size had failed)")
     lines.append("cost c(M) = time(M-row forward) / time(1-row forward):")
-    lines.append("  " + "  ".join(f"c({m})={c:.2f}" for m, c in sorted(plan.cost.items())))
+    lines.append("  " + "  ".join(f"c({m})={c:.2f}" for m, c in sorted(plan.cost.items()))
+                 + f"  round overhead={plan.round_overhead:.2f}")
     lines.append(f"plan: mode=exact max_chunk={plan.max_chunk} "
                  f"kv_boundaries={list(plan.kv_boundaries)}")
     return "\n".join(lines)

@@ -167,7 +167,8 @@ def format_resolution(res: Resolution) -> str:
     plan = res.plan
     cost = "  ".join(f"c({m})={c:.2f}" for m, c in sorted(plan.cost.items())) or "none measured"
     lines = [f"plan: mode={plan.mode} max_chunk={plan.max_chunk} "
-             f"kv_boundaries={list(plan.kv_boundaries)}", f"cost: {cost}"]
+             f"kv_boundaries={list(plan.kv_boundaries)}",
+             f"cost: {cost}  round overhead={plan.round_overhead:.2f}"]
     if res.source == "qualified now":
         lines.append(f"source: qualified now ({res.seconds:.1f} s), saved to {res.path}")
     elif res.path is not None:

@@ -266,3 +266,28 @@ def test_prediction_is_priced_per_draft_by_the_cost_gate():
     for _ in range(30):  # rounds whose drafts are rejected at once close it again
         gate.observe(16, 0, key=("sync",))
     assert src.propose(view(right[:13])) is None
+
+
+def test_round_overhead_is_the_plans_in_the_loop_and_nothing_in_mlx_lm_server(lm, monkeypatch):
+    """The serial loop's plain steps are pipelined, so its rounds pay the plan's measured
+    round overhead; mlx_lm.server reads every token's logprob before the next step, so its
+    sessions price a round by its rows alone."""
+    from types import SimpleNamespace
+
+    import mlx_fill.session as session_module
+    from mlx_fill.adapters import server_patch
+    model, tok, prompt = lm
+    real = session_module.plan_for
+    monkeypatch.setattr(session_module, "plan_for",
+                        lambda m, group=None: replace(real(m, group), round_overhead=0.3))
+    msgs = [{"role": "user", "content": "weather in Paris?"}]
+    session = build_session("all", model=model, tokenizer=tok, prompt_ids=prompt, messages=msgs,
+                            tools=TOOLS)
+    assert session.pace.round_overhead == 0.3
+    gates = [s.gate for s in session.sources if getattr(s, "gate", None) is not None]
+    assert gates and all(g.pace is session.pace for g in gates)
+    args = SimpleNamespace(sampling=SimpleNamespace(temperature=0.0), seed=None, logprobs=False,
+                           top_logprobs=-1)
+    request = server_patch.FillRequest("all", {"messages": msgs, "tools": TOOLS}, prompt_ids=prompt)
+    served = server_patch._open_session(request, args, {"tokenizer": tok, "model": model})
+    assert served.stats.refusals == {} and served.pace.round_overhead == 0.0

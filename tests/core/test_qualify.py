@@ -36,8 +36,10 @@ def test_qualify_quick_cli_writes_a_plan(tiny_dir, tmp_path):
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "max_chunk=" in proc.stdout and "c(16)=" in proc.stdout
+    assert "round overhead=" in proc.stdout
     plan = json.loads(out.read_text())
     assert plan["qualified"] and plan["max_chunk"] >= 1
+    assert isinstance(plan["round_overhead"], float) and plan["round_overhead"] >= 0.0
     assert set(plan["cost"]) == {"1", "2", "3", "4", "8", "16"}
     assert plan["key"]["dtype"] == "bfloat16" and plan["key"]["quant"] == "none"
     # The plan is picked up through MLX_FILL_PLAN for a model of the same configuration.
@@ -49,6 +51,7 @@ def test_qualify_quick_cli_writes_a_plan(tiny_dir, tmp_path):
     finally:
         del os.environ["MLX_FILL_PLAN"]
     assert loaded.qualified and loaded.max_chunk == plan["max_chunk"]
+    assert loaded.round_overhead == plan["round_overhead"]
 
 
 def test_unqualified_configuration_falls_back_to_single_token_chunks(tmp_path, monkeypatch):

@@ -182,3 +182,50 @@ def test_session_prices_assert_spans_against_its_pace():
     session.pace.min_gain = 1.5
     assert session.propose(view) == span
     assert FillSession([One()], plan=None, pace=Pace(1.5)).propose(view) is None
+
+
+def test_a_round_overhead_declines_rounds_that_only_pay_for_their_rows():
+    """A round costs its rows plus a fixed overhead (its forward is synchronous, a plain step
+    is pipelined): one draft accepted at 70% pays for its rows on the steep curve
+    (1.7 tokens / c(2) = 1.6) but not once 0.25 of a step is added (1.7 / 1.85); a draft that
+    is always accepted still fires whole (16 tokens for 6.25). The gate reads the overhead
+    from the pace it shares."""
+    pace = Pace()
+    gate = CostGate(STEEP, 16, pace=pace)
+    always = _stats(1.0)
+    fair = _stats(0.7)
+    before = (choose_length(STEEP, fair, 1), choose_length(STEEP, always, 16))
+    after = (choose_length(STEEP, fair, 1, overhead=0.25),
+             choose_length(STEEP, always, 16, overhead=0.25))
+    assert before[0] == 1 and after[0] == 0
+    assert before[1] == after[1] == 15  # 16 rows: 16 tokens for c(16) + 0.25
+    gate.acceptance.source = fair
+    assert gate.length(available=1) == 1
+    pace.round_overhead = 0.25
+    assert gate.length(available=1) == 0
+
+
+def test_session_prices_assert_spans_with_the_round_overhead():
+    """At plain decoding's pace an asserted span runs unless its rows plus the round overhead
+    cost more than feeding its ids one by one: on a near-linear curve (float32 here, c(2) =
+    1.99) two ids do not pay once a round costs 0.2 more, sixteen still do."""
+    near_linear = DispatchPlan(key=None, max_chunk=16, cost={2: 1.986, 4: 3.888, 8: 7.288,
+                                                           16: 14.957}, qualified=True)
+
+    class Rows:
+        name = "strict"
+
+        def __init__(self, n):
+            self.span = Proposal(tuple(range(5, 5 + n)), "assert", "strict")
+
+        def propose(self, view):
+            return self.span
+
+        def feedback(self, proposal, accepted):
+            pass
+
+    view = DecodeView([1], [], frozenset())
+    for n, pays in ((2, False), (16, True)):
+        session = FillSession([Rows(n)], plan=near_linear, pace=Pace(round_overhead=0.2))
+        assert (session.propose(view) is not None) is pays, n
+        assert FillSession([Rows(n)], plan=near_linear).propose(view) is not None
