@@ -47,6 +47,8 @@ Pricing. A side step stalls the whole batch, whose step emits ``B`` tokens for `
 asking a sequence's session for a proposal the step sets its pace to ``B / c(B)``
 (:func:`~mlx_fill.spec.cost.batch_min_gain`), so its cost gates, and its assert spans, fire only
 where the side step emits more tokens per unit of cost than the batch would have meanwhile.
+A side step is priced by its rows alone: ``mlx_lm.server`` opens its sessions with no round
+overhead (:mod:`mlx_fill.adapters.server_patch`), because it waits for every batched step.
 """
 
 from __future__ import annotations
@@ -323,9 +325,6 @@ def _fill_rounds(gb: Any, reg: dict[int, SeqFill], responses: list) -> list:
         plan = sf.session.plan if sf.session.plan is not None else plan_for(gb.model)
         # a side step stalls the whole batch: it must beat the batched step's own rate
         sf.session.pace.min_gain = batch_min_gain(plan, len(gb.uids))
-        # the server reads every step's logprob before the next step is built, so a batched
-        # step is synchronous too: a side step costs its rows and nothing more
-        sf.session.pace.round_overhead = 0.0
         if gb._num_tokens[i] + 1 >= gb.max_tokens[i]:
             continue  # the in-flight sample is the sequence's last token: nothing to fill
         lead = int(gb._next_tokens[i].item())  # the in-flight sample (a sync)

@@ -87,8 +87,8 @@ class Pace:
     lane raises it to what the batch's own step delivers (a side step stalls the batch). One
     per request, shared by the session and its sources' cost gates. ``round_overhead`` is what
     a round costs beyond its rows (:attr:`~mlx_fill.core.plan.DispatchPlan.round_overhead`
-    in the serial loop, whose plain steps are pipelined; 0 in the batched lane, whose server
-    waits for every step)."""
+    in the serial loop, whose plain steps are pipelined; 0 in ``mlx_lm.server``, which waits
+    for every step in both of its lanes)."""
 
     min_gain: float = 1.0
     round_overhead: float = 0.0

@@ -149,10 +149,10 @@ def confirm_plan(model: Any, plan: DispatchPlan, kv_lengths: tuple[int, ...], vo
     return True
 
 
-def measure_cost(model: Any, sizes: tuple[int, ...], vocab: int, repeats: int) -> dict[int, float]:
-    """c(M): median over interleaved repeats of time(M-row verify forward) / time(1-row)."""
-    cache = make_prompt_cache(model)
-    _grow(model, cache, COST_KV, vocab)
+def measure_cost(model: Any, cache: list[Any], sizes: tuple[int, ...], vocab: int,
+                 repeats: int) -> dict[int, float]:
+    """c(M): median over interleaved repeats of time(M-row verify forward) / time(1-row), on
+    ``cache`` (left as it was)."""
     plan = DispatchPlan(key=None, max_chunk=max(sizes), qualified=True)
     times: dict[int, list[float]] = {m: [] for m in sizes}
     ids = _random_ids(max(sizes), vocab, 3)
@@ -169,14 +169,12 @@ def measure_cost(model: Any, sizes: tuple[int, ...], vocab: int, repeats: int) -
     return {m: round(statistics.median(t) / one, 3) for m, t in times.items()}
 
 
-def measure_round_overhead(model: Any, vocab: int, repeats: int, steps: int = 8) -> float:
+def measure_round_overhead(model: Any, cache: list[Any], repeats: int, steps: int = 8) -> float:
     """What a fill round costs beyond its rows, in plain steps: the median over repeats of
     time(synchronous 1-row append, its sample read, as a round does) / time(pipelined greedy
     step, as mlx-lm's ``generate_step`` decodes: the next forward is built while the current
-    one computes) - 1, at least 0. Both on mlx-lm's generation stream, on one grown cache that
-    is restored after every run."""
-    cache = make_prompt_cache(model)
-    _grow(model, cache, COST_KV, vocab)
+    one computes) - 1, at least 0. Both on mlx-lm's generation stream, on ``cache``, restored
+    after every run."""
     plan = DispatchPlan(key=None, max_chunk=1, qualified=True)
 
     def step(y: mx.array) -> mx.array:
@@ -249,8 +247,11 @@ def qualify(model: Any, *, quick: bool, vocab: int | None = None, repeats: int |
     plan = derive_plan(key, checks, sizes)
     if plan.max_chunk > 1 and not confirm_plan(model, plan, kv_lengths, vocab, agree):
         plan = replace(plan, max_chunk=1, kv_boundaries=())
-    cost = measure_cost(model, sizes, vocab, repeats or (3 if quick else 7))
-    overhead = measure_round_overhead(model, vocab, repeats or (3 if quick else 7))
+    repeats = repeats or (3 if quick else 7)
+    cache = make_prompt_cache(model)  # grown once: both measures run at KV length COST_KV
+    _grow(model, cache, COST_KV, vocab)
+    cost = measure_cost(model, cache, sizes, vocab, repeats)
+    overhead = measure_round_overhead(model, cache, repeats)
     stamp = f"{'quick' if quick else 'full'} qualify, {date.today().isoformat()}"
     plan = replace(plan, cost=cost, round_overhead=overhead,
                    note=f"{note}; {stamp}" if note else stamp)
