@@ -130,11 +130,18 @@ def round_costs(plan: DispatchPlan, max_len: int, extra_rows: int = 1) -> list[f
 
 def choose_length(plan: DispatchPlan, stats: AcceptanceByPosition, max_len: int,
                   *, extra_rows: int = 1, min_gain: float = 1.0, overhead: float = 0.0,
-                  costs: Sequence[float] | None = None) -> int:
+                  costs: Sequence[float] | None = None, first_in_flight: bool = False) -> int:
     """The round length maximizing expected emitted tokens per unit cost, a round costing its
     rows plus ``overhead``; 0 when the best ratio does not exceed ``min_gain`` (>= 1: never
     slower than plain decoding in expectation). ``costs`` (from :func:`round_costs`) saves
     re-reading the plan.
+
+    ``first_in_flight``: the draft's first id is for the slot whose sample is already being
+    computed (a view's end, not a chained round). That id only has to match the sample, so a
+    round of ``m`` ids runs ``m - 1 + extra_rows`` rows and gains ``1 + sum_{j=1..m-1} s_j``
+    tokens over the plain step it replaces; a first id that does not match costs that plain step
+    plus ``overhead`` (decoding waited for the sample). Expected cost:
+    ``1 + overhead + s_0 * (rows(m - 1 + extra_rows) - 1)``. A one-id draft never pays there.
     """
     max_len = min(max_len, stats.max_len)
     if costs is None:
@@ -142,8 +149,12 @@ def choose_length(plan: DispatchPlan, stats: AcceptanceByPosition, max_len: int,
     s = stats.survival(max_len)
     best_m, best_rate, total = 0, 1.0, 1.0
     for m in range(1, max_len + 1):
-        total += s[m - 1]
-        rate = total / (costs[m] + overhead)
+        if first_in_flight:
+            total += s[m - 1] if m > 1 else 0.0
+            rate = total / (1.0 + overhead + s[0] * (costs[m - 1] - 1.0))
+        else:
+            total += s[m - 1]
+            rate = total / (costs[m] + overhead)
         if rate > best_rate:
             best_m, best_rate = m, rate
     return best_m if best_rate > min_gain else 0
@@ -201,8 +212,10 @@ class CostGate:
         self.costs = round_costs(plan, max_len, extra_rows)
         self._shadow: list[int] = []
         self._shadow_tables: tuple[AcceptanceByPosition, ...] = ()
-        self._shadow_ok = 0
+        self._shadow_ok = 0  # next shadow position to score
+        self._shadow_from = 0  # first shadow position to record (a tail's: its round's length)
         self._proposed: Hashable = ()  # key of the last draft :meth:`offer` let through
+        self._offered: list[int] = []  # that draft's ids, up to ``max_len``
 
     @property
     def stats(self) -> AcceptanceByPosition:
@@ -217,7 +230,7 @@ class CostGate:
             return 0
         return choose_length(self.plan, self.acceptance.stats(key), limit, extra_rows=self.extra_rows,
                              min_gain=self.pace.min_gain, overhead=self.pace.round_overhead,
-                             costs=self.costs)
+                             costs=self.costs, first_in_flight=self.pace.first_in_flight)
 
     def observe(self, drafted: int, accepted: int, key: Hashable = ()) -> None:
         self.acceptance.observe(key, drafted, accepted)
@@ -225,17 +238,27 @@ class CostGate:
     def offer(self, ids: Sequence[int], key: Hashable = ()) -> int:
         """How many of a ``key`` draft's ``ids`` to propose (:meth:`length`); at 0 the draft is
         kept as a shadow. The key of a draft let through is what :meth:`observe_proposed`
-        records its outcome under."""
+        records its outcome under, and its ids beyond what is proposed are its *tail*."""
         n = self.length(key, len(ids))
         if n <= 0:
             self.shadow(ids, key)
         else:
             self._proposed = key
+            self._offered = list(ids[:self.max_len])
         return n
 
     def observe_proposed(self, drafted: int, accepted: int) -> None:
-        """The outcome of the last draft :meth:`offer` let through."""
+        """The outcome of the last draft :meth:`offer` let through. When every proposed id was
+        accepted, the draft's tail is scored as a shadow of the same round from position
+        ``drafted`` on, so a key's estimates beyond the lengths it was proposed at keep
+        learning (else a key proposed one id at a time would never be priced for two)."""
         self.observe(drafted, accepted, self._proposed)
+        offered, self._offered = self._offered, []
+        if accepted == drafted < len(offered) and not self._shadow:
+            self._shadow = offered
+            self._shadow_tables = self.acceptance.tables(self._proposed)
+            self._shadow_ok = 0
+            self._shadow_from = drafted
 
     def shadow(self, ids: Sequence[int], key: Hashable = ()) -> None:
         """Keep a draft that was not proposed; the next fed ids score it (ignored while an
@@ -245,18 +268,22 @@ class CostGate:
         self._shadow = list(ids[:self.max_len])
         self._shadow_tables = self.acceptance.tables(key)
         self._shadow_ok = 0
+        self._shadow_from = 0
         for st in self._shadow_tables:
             st.open_round()
 
     def begin(self, feed: Sequence[int]) -> None:
-        """Score the pending shadow draft against newly committed ids: each position is
-        recorded as soon as the id for its slot is known."""
+        """Score the pending shadow draft against newly committed ids: each position from
+        ``_shadow_from`` on is recorded as soon as the id for its slot is known (the positions
+        before it are a proposal's accepted ids, which its round recorded)."""
         for t in feed:
             if not self._shadow:
                 return
-            ok = t == self._shadow[self._shadow_ok]
-            for st in self._shadow_tables:
-                st.record(self._shadow_ok, ok)
+            i = self._shadow_ok
+            ok = t == self._shadow[i]
+            if i >= self._shadow_from:
+                for st in self._shadow_tables:
+                    st.record(i, ok)
             self._shadow_ok += 1
             if not ok or self._shadow_ok == len(self._shadow):
                 self._shadow = []

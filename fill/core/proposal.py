@@ -88,10 +88,14 @@ class Pace:
     per request, shared by the session and its sources' cost gates. ``round_overhead`` is what
     a round costs beyond its rows (:attr:`~mlx_fill.core.plan.DispatchPlan.round_overhead`
     in the serial loop, whose plain steps are pipelined; 0 in ``mlx_lm.server``, which waits
-    for every step in both of its lanes)."""
+    for every step in both of its lanes). ``first_in_flight``: whether the proposal asked for
+    now starts at the slot whose sample is in flight (a view's end, :attr:`DecodeView.pending`
+    False): its first id must match that sample and buys nothing by itself
+    (:func:`~mlx_fill.spec.cost.choose_length`); the session sets it for every view."""
 
     min_gain: float = 1.0
     round_overhead: float = 0.0
+    first_in_flight: bool = False
 
 
 @dataclass
@@ -179,6 +183,7 @@ class FillSession:
         """The first usable proposal of the armed sources, cut at EOS and ``max_span``."""
         if self.refused is not None:
             return None
+        self.pace.first_in_flight = not view.pending
         t0 = time.perf_counter()
         try:
             return self._propose(view)

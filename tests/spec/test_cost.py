@@ -229,3 +229,98 @@ def test_session_prices_assert_spans_with_the_round_overhead():
         session = FillSession([Rows(n)], plan=near_linear, pace=Pace(round_overhead=0.2))
         assert (session.propose(view) is not None) is pays, n
         assert FillSession([Rows(n)], plan=near_linear).propose(view) is not None
+
+
+BF16 = DispatchPlan(key=None, max_chunk=16, cost={2: 1.258, 3: 1.766, 4: 2.148, 8: 3.616,
+                                                  16: 6.538}, qualified=True)  # shipped SmolLM2
+
+
+def test_a_draft_at_the_view_end_is_priced_without_its_first_id():
+    """At a view's end the first id only has to match the sample in flight: ``m`` ids run ``m``
+    rows and gain ``1 + s_1 + ... + s_{m-1}`` over the plain step they replace. So a one-id draft
+    never pays there however sure it is (it is the plain step, made synchronous), while after a
+    known sample (a chained round) it does; a longer sure draft pays in both places."""
+    sure = _stats(1.0)
+    assert choose_length(BF16, sure, 1) == 1
+    assert choose_length(BF16, sure, 1, first_in_flight=True) == 0
+    assert choose_length(BF16, sure, 1, overhead=0.086, first_in_flight=True) == 0
+    assert choose_length(BF16, sure, 16, first_in_flight=True) == 16
+
+    fair = _stats(0.7)
+    overhead = 0.086
+    s = fair.survival(16)
+
+    def view_end_rate(m):  # the contract, position by position
+        tokens = 1 + sum(s[1:m])
+        return tokens / (1 + overhead + s[0] * (BF16.rows_cost(m) - 1))
+
+    best = max(range(1, 17), key=view_end_rate)
+    chosen = choose_length(BF16, fair, 16, overhead=overhead, first_in_flight=True)
+    assert chosen == (best if view_end_rate(best) > 1 else 0)
+    # the pace tells the gate where the draft starts; the session sets it for every view
+    pace = Pace(round_overhead=overhead)
+    gate = CostGate(BF16, 16, pace=pace)
+    gate.acceptance.source = sure
+    pace.first_in_flight = True
+    assert gate.length(available=1) == 0
+    pace.first_in_flight = False
+    assert gate.length(available=1) == 1
+
+
+def test_the_session_tells_its_gates_whether_a_view_ends_at_the_sample_in_flight():
+    seen = []
+
+    class Spy:
+        name = "spy"
+
+        def propose(self, view):
+            seen.append(session.pace.first_in_flight)
+
+        def feedback(self, proposal, accepted):
+            pass
+
+    session = FillSession([Spy()], plan=BF16)
+    session.propose(DecodeView([1], [2], frozenset()))
+    session.propose(DecodeView([1], [2, 3], frozenset(), pending=True))
+    session.propose(DecodeView([1], [2, 3, 4], frozenset()))
+    assert seen == [True, False, True]
+
+
+def test_the_tail_of_an_accepted_prefix_is_scored_in_the_same_round():
+    """A draft cut to its first id and accepted whole: the next fed ids (that id, then the
+    slots after it) score positions 1.. of the same round under the draft's key, up to the
+    first miss; a rejected prefix leaves its tail unscored."""
+    gate = CostGate(BF16, 8)
+    draft = [10, 11, 12, 13]
+    assert gate.offer(draft, "k") >= 1
+    gate.observe_proposed(1, 1)
+    gate.begin([10, 11, 12, 99])  # the accepted id, then positions 1, 2 hit and 3 misses
+    st = gate.acceptance.stats("k")
+    assert st.q(1) > 0.5 and st.q(2) > 0.5 and st.q(3) < 0.5 and st.q(4) == pytest.approx(0.5)
+    assert st.rounds == 1
+
+    other = CostGate(BF16, 8)
+    other.offer(draft, "k")
+    other.observe_proposed(2, 1)
+    other.begin([10, 50, 12, 13])
+    st = other.acceptance.stats("k")
+    assert st.q(2) == pytest.approx(0.5) and st.q(3) == pytest.approx(0.5)
+
+
+def test_a_key_always_accepted_learns_to_propose_longer_spans():
+    """The learning trap this guards against: on the steep bfloat16 curve at the prior only one
+    id pays, and a key proposed one id at a time was never priced for two. Scoring the tail
+    lets a key whose drafts are always right grow its span round by round."""
+    pace = Pace(round_overhead=0.086)
+    gate = CostGate(BF16, 16, pace=pace)
+    stream = list(range(100, 400))
+    pos, lengths = 0, []
+    for _ in range(30):
+        draft = stream[pos:pos + 16]
+        n = gate.offer(draft, "always")
+        lengths.append(n)
+        gate.observe_proposed(n, n)
+        pos += n + 1  # the accepted ids and the bonus sample
+        gate.begin(stream[pos - n - 1:pos])
+    assert lengths[0] == 1
+    assert lengths[-1] >= 8, lengths
