@@ -4,7 +4,9 @@ A verify round over ``m`` proposed ids runs one forward of ``m + extra_rows`` ro
 ``plan.cost_of(m + extra_rows)`` one-row forwards (the loaded model's own ``qualify`` cost
 curve) plus the round's fixed overhead (``Pace.round_overhead``: a round's forward is
 synchronous, a plain step is pipelined), and emits ``1 + sum_{j=1..m} prod_{i<j} q_i`` tokens in expectation, where ``q_i`` is the
-probability that position ``i`` of THIS draft is accepted given every earlier one was. Plain
+probability that position ``i`` of THIS draft is accepted given every earlier one was (a draft
+that starts at the slot whose sample is already in flight is priced without its first id:
+:func:`choose_length`). Plain
 decoding emits one token per one-row forward, so a round is worth running only when its
 expected tokens per unit cost exceed 1; :func:`choose_length` returns the ``m`` maximizing that
 ratio, or 0 when no ``m`` beats plain decoding (a request never gets slower in expectation
@@ -20,7 +22,9 @@ source's average draft and moves away from it as its own evidence arrives).
 :class:`CostGate` ties curve and estimates together for one source and one request (the
 estimates may live across requests: pass the same :class:`DraftAcceptance`). Model-free sources
 keep learning while proposing nothing: a declined draft is kept as a *shadow* and scored token by
-token against what was emitted, so a source that stopped paying can earn its way back.
+token against what was emitted, so a source that stopped paying can earn its way back. The ids
+of a draft beyond the prefix it proposed are scored the same way once that prefix is accepted,
+so a key proposed short learns what a longer span would have earned.
 
 In continuous batching the bar is higher: a side step for one sequence of a batch of ``B``
 stalls all ``B``, whose batched step emits ``B`` tokens for ``c(B)``. A request's sources share

@@ -120,6 +120,15 @@ def answers(client: openai.OpenAI) -> dict[str, tuple]:
     return out
 
 
+def same_decisions(serial: dict, batched: dict) -> bool:
+    """Telemetry of the serial lane equals the batched lane's, but for the drafted ids the lanes
+    differ in: a view's end that declines a draft (its first id only matches the sample in
+    flight) is followed, in a batched step, by a view ending at that sample."""
+    lane_bound = ("verify_proposed", "verify_rejected")
+    return ({k: v for k, v in serial.items() if k not in lane_bound}
+            == {k: v for k, v in batched.items() if k not in lane_bound})
+
+
 @pytest.fixture(scope="module")
 def unsharded(tmp_path_factory) -> dict[str, dict]:
     model = fixture_path("qwen35-xml-x2")
@@ -143,7 +152,7 @@ def test_two_ranks_answer_as_unsharded_and_survive_a_one_rank_fault(
     off, fill = unsharded["off"], unsharded["fill"]
     for name in REQUESTS:
         assert got[name][:3] == off[name][:3], name  # the fill-off answer
-    assert got["a"][3] == fill["a"][3]  # the unsharded fill run's telemetry
+    assert same_decisions(got["a"][3], fill["a"][3])  # the unsharded fill run's telemetry
     assert got["a"][3]["injected"] > 0 and got["a"][3]["refusals"] == {}
     assert got["a"][3]["verify_rejected"] > 0  # a rejected tail was rewound on both ranks
     assert got["b"][3]["refusals"] == {"shard_fault": 1}  # disarmed on every rank, answered
