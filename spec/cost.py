@@ -204,7 +204,9 @@ class CostGate:
     for a draft of ``available`` ids described by ``key``, ``observe(drafted, accepted, key)``
     after each verified round, ``shadow(ids, key)`` to keep a declined draft (model-free sources
     only: a shadow costs nothing but a lookup) and ``begin(feed)`` to score it against the
-    newly committed ids, position by position as they arrive."""
+    newly committed ids, position by position as they arrive. ``offer(ids, key)`` and
+    ``observe_proposed`` wrap these for a source: the tail of a draft whose proposed prefix was
+    accepted whole becomes the shadow, so its positions after the prefix are scored too."""
 
     def __init__(self, plan: DispatchPlan, max_len: int = 32, *, extra_rows: int = 1,
                  acceptance: DraftAcceptance | None = None, pace: Pace | None = None):
