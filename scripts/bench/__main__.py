@@ -1,7 +1,8 @@
 """Benchmarks (not tests): fill and speculation vs plain mlx-lm decoding, side by side, one run.
 
-Two parts, both interleaved (every repeat runs every arm on the same prompt back to back, so
-machine drift hits all arms) and reported as medians:
+Two parts, both interleaved (every repeat runs every arm on the same prompt back to back, the
+order reversed every other repeat after one untimed run of the first arm, so machine drift hits
+all arms) and reported as medians:
 
 1. ``e2e`` — fixture models (the trained ones, and ``smollm2-tools``, a real pre-trained model
    taught to call tools) on the frozen held-out prompts (``fixtures/prompts/heldout.jsonl``,
@@ -67,12 +68,15 @@ def interleave(acc: dict[str, Arm], arms, repeats: int, run_arm, reference,
     """Run every arm ``repeats`` times back to back on one prompt (``run_arm(arm) -> (session,
     ids, seconds)``), then record each arm's median time, tokens, forwards and whether its ids
     equal ``reference`` (plain decoding's ids when None), into ``acc`` and ``also`` (a
-    per-source table) alike."""
+    per-source table) alike. The first arm runs once untimed before the others (the first
+    decode after a prefill is slower), and every other repetition runs the arms in reverse
+    order, so no arm always runs first or always follows the same one."""
     times: dict[str, list[float]] = {a: [] for a in arms}
     outs: dict[str, list[int]] = {}
     tables = [acc] if also is None else [acc, also]
-    for _ in range(repeats):
-        for a in arms:
+    run_arm(arms[0])
+    for r in range(repeats):
+        for a in (arms if r % 2 == 0 else arms[::-1]):
             session, outs[a], dt = run_arm(a)
             times[a].append(dt)
             for table in tables:
