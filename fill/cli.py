@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("mlx_fill.adapters.server.serve", "OpenAI-compatible endpoint with fill"),
     "study": ("mlx_fill.evidence.study", "model-free corpus study of proposal sources"),
     "replay": ("mlx_fill.evidence.replay", "replay agent sessions against an OpenAI endpoint"),
-    "ab": ("mlx_fill.evidence.replay", "paired A/B replay against two endpoints"),
+    "ab": ("mlx_fill.evidence.replay", "paired A/B replay: a reference endpoint against one or more candidates"),
     "report": ("mlx_fill.evidence.report", "agreement and wall-clock verdicts for replay runs"),
 }
 # the optional dependencies, by the extra that installs them

@@ -2,7 +2,11 @@
 
 The transcript is the environment. For every selected assistant turn the request holds the
 RECORDED conversation up to that turn (never the model's own earlier replies), with tool results
-verbatim from the recording, so two arms see identical inputs and pair on (session, turn, rep).
+verbatim from the recording, so every arm sees identical inputs and pairs on (session, turn, rep).
+
+``mlx-fill ab`` arms: ``A`` is the reference (``--url-a``); every ``--url-b`` is a candidate that
+the report pairs with A (see :func:`candidate_arms` for their names and :func:`schedule` for the
+order of requests).
 
 Rendering contract for the recorded history:
 
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -343,26 +348,70 @@ def select_turns(sessions: list[dict], *, sources: list[str] | None, max_session
 
 
 def schedule(turns: list[Turn], arms: list[str], reps: int) -> Iterator[tuple[Turn, int, str]]:
-    """(turn, rep, arm), every (turn, rep) pair run back to back so drift hits both arms.
+    """(turn, rep, arm), every (turn, rep) group run back to back so drift hits every arm alike.
 
-    The arm that goes first alternates from pair to pair (A B, B A, A B, ...): the second
-    request of a pair can profit from whatever the first left warm (a server shared by both arms
-    answers it from its prompt cache), and alternation keeps that from favouring one arm.
+    Each group holds every arm once. Group ``g`` takes ``arms`` rotated left by ``2 * (g // 2)``
+    (mod n), reversed when ``g`` is odd; with two arms that is A B, B A, A B, ... Contracts:
+
+    * each pair of groups (0-1, 2-3, ...) puts every arm at positions summing to ``n - 1``, so
+      over any even number of groups every arm has the same mean position (linear drift is even);
+    * every ``n`` groups (n even) or ``2n`` groups (n odd), every arm takes every position equally
+      often. The first request of a group is the one that cannot profit from what another arm
+      left warm (a server shared by several arms answers the rest from its prompt cache); plain
+      forward/reverse alternation would never put a middle arm first when n > 2.
     """
-    pair = 0
+    group = 0
     for turn in turns:
         for rep in range(reps):
-            order = arms if pair % 2 == 0 else arms[::-1]
-            pair += 1
+            shift = 2 * (group // 2) % len(arms)
+            order = arms[shift:] + arms[:shift]
+            order = order if group % 2 == 0 else order[::-1]
+            group += 1
             for arm in order:
                 yield turn, rep, arm
+
+
+ARM_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def _split_candidate(value: str) -> tuple[str | None, str]:
+    """``NAME=URL`` as (NAME, URL); a bare ``URL`` as (None, URL). The value is split on its first
+    ``=`` only when the part before is a valid arm name and the part after starts with ``http``."""
+    name, sep, url = value.partition("=")
+    if sep and ARM_NAME.fullmatch(name) and url.startswith("http"):
+        return name, url
+    return None, value
+
+
+def candidate_arms(values: list[str]) -> dict[str, str]:
+    """Candidate arm name -> URL for the ``--url-b`` values, in the order given.
+
+    One unnamed value is arm ``B`` (the two-arm A/B of old); otherwise a ``NAME=URL`` value is
+    arm NAME and the unnamed value at (1-based) position k is arm ``Bk``. Raises ``UserError``
+    for a value that is neither ``URL`` nor ``NAME=URL`` with an ``http(s)://`` URL, for a
+    repeated name, and for the name ``A`` (the reference arm).
+    """
+    split = [_split_candidate(value) for value in values]
+    arms: dict[str, str] = {}
+    for k, (name, url) in enumerate(split, 1):
+        if not url.startswith(("http://", "https://")):
+            raise UserError(f"--url-b {url!r} is neither URL nor NAME=URL; pass e.g. "
+                            f"http://127.0.0.1:8402 or strict=http://127.0.0.1:8402 (NAME: {ARM_NAME.pattern})")
+        name = name or ("B" if len(split) == 1 else f"B{k}")
+        if name == "A" or name in arms:
+            why = "is the reference arm (--url-a)" if name == "A" else "is given twice"
+            raise UserError(f"--url-b arm name {name!r} {why}; give every candidate its own NAME=URL")
+        arms[name] = url
+    return arms
 
 
 def add_arguments_for(name: str, parser) -> None:
     parser.add_argument("--sessions", type=Path, required=True, help="transcripts JSONL(.gz)")
     if name == "ab":
         parser.add_argument("--url-a", required=True, help="reference endpoint base URL (e.g. fill off)")
-        parser.add_argument("--url-b", required=True, help="candidate endpoint base URL (e.g. fill on)")
+        parser.add_argument("--url-b", required=True, action="append",
+                            help="candidate endpoint base URL (e.g. fill on), or NAME=URL; repeat it to "
+                                 "compare several candidates with A in one run (arms NAME, or B1, B2, ...)")
         parser.add_argument("--reps", type=int, default=1, help="repetitions of every turn per arm")
     else:
         parser.add_argument("--url", required=True, help="endpoint base URL, e.g. http://127.0.0.1:8080/v1")
@@ -390,7 +439,7 @@ def run(args) -> int:
     from tqdm import tqdm
 
     command = getattr(args, "command", "ab" if hasattr(args, "url_a") else "replay")
-    arms = {"A": args.url_a, "B": args.url_b} if command == "ab" else {"replay": args.url}
+    arms = {"A": args.url_a, **candidate_arms(args.url_b)} if command == "ab" else {"replay": args.url}
     reps = getattr(args, "reps", 1)
     for flag, value in (("--turns", args.turns), ("--max-sessions", args.max_sessions), ("--reps", reps)):
         if value is not None and value < 1:

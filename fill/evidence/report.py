@@ -2,9 +2,11 @@
 
 A runs file (written by ``mlx-fill replay`` / ``mlx-fill ab``) holds one JSON object per line:
 ``{"kind": "run", ...}`` headers and ``{"kind": "turn", ...}`` records (one per request).
-Records of an A/B run pair on ``(session_id, turn, rep)`` between arms ``A`` and ``B``.
+Records of an A/B run pair on ``(session_id, turn, rep)`` between the reference arm ``A`` and
+each candidate arm: ``B`` in a two-arm run, or every other arm (e.g. ``strict``, ``echo``) when
+``mlx-fill ab`` got several ``--url-b``. Each candidate gets the verdict below against A on its own.
 
-Verdict contract (A = reference arm, e.g. fill off; B = candidate, e.g. fill on):
+Verdict contract (A = reference arm, e.g. fill off; B = a candidate, e.g. fill on):
 
 * Agreement of one reply = the call(s) it made (tool name + arguments compared as canonical JSON,
   key-order independent) when it made any, else its normalized prose; it agrees when that key
@@ -17,7 +19,15 @@ Verdict contract (A = reference arm, e.g. fill off; B = candidate, e.g. fill on)
 * Wall clock is the per-pair ratio B/A; its median carries distribution-free one-sided 95%
   order-statistic bounds. B is "slower" when the lower bound exceeds 1 and "faster" when the
   upper bound is below 1; otherwise "inconclusive".
-* The run passes unless agreement drops significantly or B is significantly slower.
+* A candidate passes unless agreement drops significantly or it is significantly slower; the run
+  passes when every candidate does.
+
+Result shape (``report.json``): ``headers``, ``corrupt_lines``, ``arms`` (per-arm summaries), and
+``verdict`` (None without an A/B pair). When the one candidate is ``B`` (one unnamed ``--url-b``),
+``paired``, ``by_tool`` (with ``--by-tool``) and ``verdict`` = ``{pass, agreement_drops, wall}``
+sit at the top level. Otherwise ``candidates`` maps each candidate name (in order of first
+appearance, i.e. the ``--url-b`` order) to those three keys, and the top-level ``verdict`` is
+``{pass, failed}`` (``failed``: the candidates that did not pass).
 """
 
 from __future__ import annotations
@@ -277,15 +287,16 @@ def load_runs(path: str | Path) -> Runs:
     return runs
 
 
-def pair_records(turns: Iterable[dict]) -> tuple[list[tuple[dict, dict]], int]:
-    """Pairs (A, B) on (session_id, turn, rep); returns the pairs and the count of unpaired or
-    failed records left out."""
+def pair_records(turns: Iterable[dict], candidate: str = "B") -> tuple[list[tuple[dict, dict]], int]:
+    """Pairs (A, candidate) on (session_id, turn, rep); returns the pairs and the count of A and
+    candidate records left out (unpaired or failed). Other arms' records are ignored."""
     by_key: dict[tuple, dict[str, dict]] = defaultdict(dict)
     for rec in turns:
-        by_key[(rec["session_id"], rec["turn"], rec.get("rep", 0))][rec["arm"]] = rec
+        if rec["arm"] in ("A", candidate):
+            by_key[(rec["session_id"], rec["turn"], rec.get("rep", 0))][rec["arm"]] = rec
     pairs, left_out = [], 0
     for arms in by_key.values():
-        a, b = arms.get("A"), arms.get("B")
+        a, b = arms.get("A"), arms.get(candidate)
         if a and b and not a.get("error") and not b.get("error"):
             pairs.append((a, b))
         else:
@@ -322,7 +333,8 @@ def arm_summary(records: Sequence[dict]) -> dict:
 
 
 def summarize(runs: Runs, by_tool: bool = False) -> dict:
-    """The JSON result: per-arm summaries, and for A/B runs the paired verdicts."""
+    """The JSON result (shape in the module docstring): per-arm summaries and, when there is an
+    arm ``A`` and at least one other, each candidate's paired verdict against A."""
     arms: dict[str, list[dict]] = defaultdict(list)
     for rec in runs.turns:
         arms[rec["arm"]].append(rec)
@@ -331,25 +343,47 @@ def summarize(runs: Runs, by_tool: bool = False) -> dict:
         "corrupt_lines": runs.corrupt_lines,
         "arms": {arm: arm_summary(recs) for arm, recs in sorted(arms.items())},
     }
-    if not {"A", "B"} <= arms.keys():
+    names = [arm for arm in arms if arm != "A"] if "A" in arms else []
+    if not names:
         result["verdict"] = None
-        return result
-    pairs, left_out = pair_records(runs.turns)
-    result["paired"] = _paired_summary(pairs)
-    result["paired"]["left_out_records"] = left_out
+    elif names == ["B"]:
+        result.update(_candidate_summary(runs.turns, "B", by_tool))
+    else:
+        result["candidates"] = {name: _candidate_summary(runs.turns, name, by_tool) for name in names}
+        failed = [name for name, c in result["candidates"].items() if not c["verdict"]["pass"]]
+        result["verdict"] = {"pass": not failed, "failed": failed}
+    return result
+
+
+def candidate_results(result: dict) -> dict[str, dict]:
+    """Candidate name -> its ``paired`` / ``by_tool`` / ``verdict`` for either result shape
+    (empty without an A/B pair)."""
+    if "candidates" in result:
+        return result["candidates"]
+    if not result.get("verdict"):
+        return {}
+    return {"B": {"paired": result["paired"], "by_tool": result.get("by_tool"), "verdict": result["verdict"]}}
+
+
+def _candidate_summary(turns: Sequence[dict], candidate: str, by_tool: bool) -> dict:
+    """``paired`` (with ``left_out_records``), ``by_tool`` when asked, and ``verdict`` for one
+    candidate against A."""
+    pairs, left_out = pair_records(turns, candidate)
+    paired = _paired_summary(pairs)
+    paired["left_out_records"] = left_out
+    out: dict = {"paired": paired}
     if by_tool:
         groups: dict[str, list] = defaultdict(list)
         for a, b in pairs:
             groups[tool_label(a)].append((a, b))
-        result["by_tool"] = {name: _paired_summary(group) for name, group in sorted(groups.items())}
-    verdict = result["paired"]
-    result["verdict"] = {
-        "pass": bool(pairs) and not verdict["agreement"]["significant_drop"]
-        and (verdict["wall"] is None or verdict["wall"]["verdict"] != "slower"),
-        "agreement_drops": verdict["agreement"]["significant_drop"],
-        "wall": verdict["wall"]["verdict"] if verdict["wall"] else None,
+        out["by_tool"] = {name: _paired_summary(group) for name, group in sorted(groups.items())}
+    out["verdict"] = {
+        "pass": bool(pairs) and not paired["agreement"]["significant_drop"]
+        and (paired["wall"] is None or paired["wall"]["verdict"] != "slower"),
+        "agreement_drops": paired["agreement"]["significant_drop"],
+        "wall": paired["wall"]["verdict"] if paired["wall"] else None,
     }
-    return result
+    return out
 
 
 def _paired_summary(pairs: Sequence[tuple[dict, dict]]) -> dict:
@@ -379,6 +413,42 @@ def _fmt(x, spec: str = ".3f") -> str:
     return "–" if x is None else format(x, spec)
 
 
+def _verdict_bullets(name: str, p: dict) -> list[str]:
+    """The verdict bullets of candidate ``name`` against A, from its ``paired`` summary."""
+    ag, wall = p["agreement"], p["wall"]
+    lines = [
+        f"- agreement with the recording: A {ag['a_rate']:.1%}, {name} {ag['b_rate']:.1%} over "
+        f"{p['pairs']} pairs; discordant A-only {ag['a_only']}, {name}-only {ag['b_only']}; "
+        f"McNemar one-sided p = {ag['p_drop']:.4f}; drop 95% bounds "
+        f"[{ag['drop_lower95']:+.3f}, {ag['drop_upper95']:+.3f}] -> "
+        f"{'significant drop' if ag['significant_drop'] else 'no significant drop'}",
+        f"- identical outputs A vs {name}: {p['identical_outputs']}/{p['pairs']}",
+    ]
+    if wall:
+        q = wall["quantiles"]
+        lines.append(
+            f"- wall clock {name}/A: median {wall['median']:.3f} (one-sided 95% bounds "
+            f"{_fmt(wall['lower95'])} .. {_fmt(wall['upper95'])}) -> {wall['verdict']}; "
+            f"p10 {q['p10']:.3f}, p25 {q['p25']:.3f}, p75 {q['p75']:.3f}, p90 {q['p90']:.3f}")
+    if p["first_tool_call"]:
+        ft = p["first_tool_call"]
+        lines.append(f"- time to first tool call {name}/A: median {ft['median']:.3f} over {ft['n']} pairs")
+    if p["left_out_records"]:
+        lines.append(f"- records left out of pairing (errors or missing arm): {p['left_out_records']}")
+    return lines
+
+
+def _by_tool_table(name: str, by_tool: dict) -> list[str]:
+    """Markdown table of candidate ``name``'s paired summaries per recorded tool."""
+    lines = [f"| tool | pairs | agree A | agree {name} | A-only | {name}-only | p(drop) | wall {name}/A p50 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for tool, g in by_tool.items():
+        ag = g["agreement"]
+        lines.append(f"| {tool} | {g['pairs']} | {ag['a_rate']:.1%} | {ag['b_rate']:.1%} | {ag['a_only']} | "
+                     f"{ag['b_only']} | {ag['p_drop']:.3f} | {_fmt(g['wall'] and g['wall']['median'])} |")
+    return lines
+
+
 def render_markdown(result: dict, plots: Sequence[str]) -> str:
     """One-page markdown report."""
     lines = ["# mlx-fill replay report", ""]
@@ -395,32 +465,15 @@ def render_markdown(result: dict, plots: Sequence[str]) -> str:
     if result["corrupt_lines"]:
         lines.append(f"- corrupt runs-file lines skipped: {len(result['corrupt_lines'])}")
     lines.append("")
-    verdict = result.get("verdict")
-    if verdict:
-        p = result["paired"]
-        ag, wall = p["agreement"], p["wall"]
-        lines += [
-            f"## Verdict: {'PASS' if verdict['pass'] else 'FAIL'}",
-            "",
-            f"- agreement with the recording: A {ag['a_rate']:.1%}, B {ag['b_rate']:.1%} over "
-            f"{p['pairs']} pairs; discordant A-only {ag['a_only']}, B-only {ag['b_only']}; "
-            f"McNemar one-sided p = {ag['p_drop']:.4f}; drop 95% bounds "
-            f"[{ag['drop_lower95']:+.3f}, {ag['drop_upper95']:+.3f}] -> "
-            f"{'significant drop' if ag['significant_drop'] else 'no significant drop'}",
-            f"- identical outputs A vs B: {p['identical_outputs']}/{p['pairs']}",
-        ]
-        if wall:
-            q = wall["quantiles"]
-            lines.append(
-                f"- wall clock B/A: median {wall['median']:.3f} (one-sided 95% bounds "
-                f"{_fmt(wall['lower95'])} .. {_fmt(wall['upper95'])}) -> {wall['verdict']}; "
-                f"p10 {q['p10']:.3f}, p25 {q['p25']:.3f}, p75 {q['p75']:.3f}, p90 {q['p90']:.3f}")
-        if p["first_tool_call"]:
-            ft = p["first_tool_call"]
-            lines.append(f"- time to first tool call B/A: median {ft['median']:.3f} over {ft['n']} pairs")
-        if p["left_out_records"]:
-            lines.append(f"- records left out of pairing (errors or missing arm): {p['left_out_records']}")
-        lines.append("")
+    candidates = candidate_results(result)
+    named = "candidates" in result
+    if named:
+        failed = result["verdict"]["failed"]
+        lines += [f"## Verdict: {'FAIL (' + ', '.join(failed) + ')' if failed else 'PASS'}", ""]
+    for name, c in candidates.items():
+        status = "PASS" if c["verdict"]["pass"] else "FAIL"
+        lines += [f"### {name} vs A: {status}" if named else f"## Verdict: {status}", "",
+                  *_verdict_bullets(name, c["paired"]), ""]
     lines += ["## Arms", "",
               "| arm | requests | errors | agreement | wall p50 s | TTFT p50 s | first tool call p50 s "
               "| tool-call turns | emitted | decoded | emitted/decoded | injected |",
@@ -433,21 +486,18 @@ def render_markdown(result: dict, plots: Sequence[str]) -> str:
             f"{_fmt(s['emitted_per_decoded'], '.3f')} | {s['tokens_injected']} |")
     lines.append("")
     lines.append("Decoded = target forwards reported in `usage.fill`, else one per emitted token.")
-    if result.get("by_tool"):
-        lines += ["", "## By recorded tool", "",
-                  "| tool | pairs | agree A | agree B | A-only | B-only | p(drop) | wall B/A p50 |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for name, g in result["by_tool"].items():
-            ag = g["agreement"]
-            lines.append(f"| {name} | {g['pairs']} | {ag['a_rate']:.1%} | {ag['b_rate']:.1%} | {ag['a_only']} | "
-                         f"{ag['b_only']} | {ag['p_drop']:.3f} | {_fmt(g['wall'] and g['wall']['median'])} |")
+    for name, c in candidates.items():
+        if c.get("by_tool"):
+            title = f"By recorded tool: {name} vs A" if named else "By recorded tool"
+            lines += ["", f"## {title}", "", *_by_tool_table(name, c["by_tool"])]
     if plots:
         lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
     return "\n".join(lines) + "\n"
 
 
 def write_plots(result: dict, runs: Runs, out_dir: Path) -> list[str]:
-    """PNG plots (matplotlib Agg): per-arm latency boxes and, for A/B, the wall-ratio histogram."""
+    """PNG plots (matplotlib Agg): per-arm latency boxes and, for A/B, the wall-ratio histogram
+    (``wall_ratio.png``; one overlaid histogram and median line per candidate)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -472,13 +522,19 @@ def write_plots(result: dict, runs: Runs, out_dir: Path) -> list[str]:
     paths.append(str(out_dir / "latency.png"))
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
-    ratios = (result.get("paired") or {}).get("wall_ratios")
-    if ratios:
+    paired = {name: c["paired"] for name, c in candidate_results(result).items() if c["paired"]["wall_ratios"]}
+    if paired:
+        single = len(paired) == 1
         fig, ax = plt.subplots(figsize=(6, 3.6))
-        ax.hist([math.log2(r) for r in ratios], bins=min(30, max(5, len(ratios) // 2)))
-        ax.axvline(math.log2(result["paired"]["wall"]["median"]), color="k", linestyle="--", label="median")
+        for i, (name, p) in enumerate(paired.items()):
+            ratios, color = p["wall_ratios"], f"C{i % 10}"
+            ax.hist([math.log2(r) for r in ratios], bins=min(30, max(5, len(ratios) // 2)), color=color,
+                    alpha=1.0 if single else 0.45, label=None if single else name)
+            ax.axvline(math.log2(p["wall"]["median"]), color="k" if single else color, linestyle="--",
+                       label="median" if single else f"{name} median")
         ax.axvline(0.0, color="grey", linewidth=0.8)
-        ax.set_xlabel("log2(wall B / wall A) per pair (< 0: B faster)")
+        label = next(iter(paired)) if single else "candidate"
+        ax.set_xlabel(f"log2(wall {label} / wall A) per pair (< 0: {label} faster)")
         ax.set_ylabel("pairs")
         ax.legend()
         fig.tight_layout()
@@ -499,17 +555,23 @@ def write_report(runs: Runs, out_dir: Path, by_tool: bool = False) -> dict:
 
 
 def verdict_line(result: dict) -> str:
-    """A one-line summary for the terminal."""
-    verdict = result.get("verdict")
-    if not verdict:
+    """A summary for the terminal: one line, or with candidates other than ``B`` one line per
+    candidate (``verdict NAME: ...``)."""
+    if not result.get("verdict"):
         parts = [f"{arm}: agreement {_fmt(s['agreement'], '.1%')}, wall p50 {_fmt(s['wall_s_median'])} s, "
                  f"{s['errors']} errors" for arm, s in result["arms"].items()]
         return "; ".join(parts) or "no records"
-    p = result["paired"]
+    named = "candidates" in result
+    return "\n".join(_candidate_line(f"verdict {name}" if named else "verdict", name, c)
+                     for name, c in candidate_results(result).items())
+
+
+def _candidate_line(prefix: str, name: str, c: dict) -> str:
+    p, verdict = c["paired"], c["verdict"]
     wall = p["wall"]
-    return (f"verdict: {'PASS' if verdict['pass'] else 'FAIL'} over {p['pairs']} pairs; agreement A "
-            f"{p['agreement']['a_rate']:.1%} B {p['agreement']['b_rate']:.1%} "
-            f"(McNemar p = {p['agreement']['p_drop']:.3f}); wall B/A median "
+    return (f"{prefix}: {'PASS' if verdict['pass'] else 'FAIL'} over {p['pairs']} pairs; agreement A "
+            f"{p['agreement']['a_rate']:.1%} {name} {p['agreement']['b_rate']:.1%} "
+            f"(McNemar p = {p['agreement']['p_drop']:.3f}); wall {name}/A median "
             f"{_fmt(wall and wall['median'])} ({verdict['wall']}); identical outputs "
             f"{p['identical_outputs']}/{p['pairs']}")
 

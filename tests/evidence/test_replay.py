@@ -15,6 +15,7 @@ from adapter_models import free_port, running_server
 
 from mlx_fill.evidence import replay
 from mlx_fill.cli import main
+from mlx_fill.core.errors import UserError
 from mlx_fill.core.paths import TRANSCRIPTS
 
 
@@ -179,6 +180,43 @@ def test_schedule_interleaves_and_alternates_the_first_arm():
                     (1, 0, "A"), (1, 0, "B"), (1, 1, "B"), (1, 1, "A")]
 
 
+@pytest.mark.parametrize("n", [3, 4])
+def test_schedule_balances_positions_over_several_arms(n):
+    arms = ["A", "strict", "echo", "all"][:n]
+    turns, _ = replay.recording_turns(_inline())
+    plan = list(replay.schedule(turns, arms, n))  # 2 turns x n reps = 2n groups
+    groups = [[arm for _, _, arm in plan[i:i + n]] for i in range(0, len(plan), n)]
+    assert len(groups) == 2 * n
+    assert all(sorted(g) == sorted(arms) for g in groups)
+    assert all(len({(t.turn, rep) for t, rep, _ in plan[i:i + n]}) == 1 for i in range(0, len(plan), n))
+    for end in range(2, len(groups) + 1, 2):  # every even number of groups: equal mean position
+        assert {arm: sum(g.index(arm) for g in groups[:end]) for arm in arms} == \
+            dict.fromkeys(arms, end * (n - 1) // 2)
+    # a full cycle puts every arm at every position (first included) equally often
+    assert all(sorted(g.index(arm) for g in groups) == sorted(list(range(n)) * 2) for arm in arms)
+
+
+def test_candidate_arms_names_and_urls():
+    assert replay.candidate_arms(["http://h:1"]) == {"B": "http://h:1"}
+    assert replay.candidate_arms(["strict=http://h:1"]) == {"strict": "http://h:1"}
+    assert replay.candidate_arms(["strict=http://h:1", "https://h:2/v1?key=x=y", "fill.all_2-x=http://h:3"]) == {
+        "strict": "http://h:1", "B2": "https://h:2/v1?key=x=y", "fill.all_2-x": "http://h:3"}
+    assert replay.candidate_arms(["http://h:1", "http://h:2"]) == {"B1": "http://h:1", "B2": "http://h:2"}
+    assert list(replay.candidate_arms(["z=http://h:1", "a=http://h:2"])) == ["z", "a"]
+
+
+@pytest.mark.parametrize(("values", "needle"), [
+    (["A=http://h:1"], "'A' is the reference arm"),
+    (["s=http://h:1", "s=http://h:2"], "'s' is given twice"),
+    (["B2=http://h:1", "http://h:2"], "'B2' is given twice"),
+    (["strict=127.0.0.1:8402"], "neither URL nor NAME=URL"),
+    (["bad name=http://h:1"], "neither URL nor NAME=URL"),
+])
+def test_candidate_arms_rejects_bad_values(values, needle):
+    with pytest.raises(UserError, match=needle):
+        replay.candidate_arms(values)
+
+
 # ----------------------------------------------------------------------------- command errors
 
 def test_bad_input_is_a_clear_error(tmp_path, capsys):
@@ -192,6 +230,9 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys):
     assert "line 1 skipped: invalid JSON" in err and "no replayable turns" in err
     good = _write_lines(tmp_path / "good.jsonl", [json.dumps(_inline())])
     assert main(["replay", "--sessions", str(good), "--url", "http://127.0.0.1:9", "--turns", "0"]) == 2
+    assert main(["ab", "--sessions", str(good), "--url-a", "http://127.0.0.1:9",
+                 "--url-b", "x=http://127.0.0.1:9", "--url-b", "x=http://127.0.0.1:8"]) == 2
+    assert "'x' is given twice" in capsys.readouterr().err
 
 
 def test_unreachable_endpoint_is_recorded_not_raised(tmp_path, capsys):
@@ -310,6 +351,25 @@ def test_ab_end_to_end(server, sessions_file, tmp_path, capsys):
     assert result["paired"]["agreement"]["a_only"] == result["paired"]["agreement"]["b_only"] == 0
     assert code == (0 if result["verdict"]["pass"] else 1)
     assert (out / "wall_ratio.png").is_file()
+
+
+def test_ab_end_to_end_with_several_candidates(server, sessions_file, tmp_path, capsys):
+    out = tmp_path / "abc"
+    code = main(["ab", "--sessions", str(sessions_file), "--url-a", server, "--url-b", f"strict={server}",
+                 "--url-b", server + "/v1", "--turns", "1", "--max-tokens", "4", "--out", str(out)])
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in printed[:2]] == ["verdict strict", "verdict B2"]
+    assert all("over 2 pairs" in line for line in printed[:2])
+    header, *turns = _records(out / "runs.jsonl")
+    assert header["urls"] == {"A": server, "strict": server, "B2": server + "/v1"}
+    assert [t["arm"] for t in turns] == ["A", "strict", "B2", "B2", "strict", "A"]
+    assert not any(t["error"] for t in turns)
+    result = json.loads((out / "report.json").read_text())
+    assert "paired" not in result and list(result["candidates"]) == ["strict", "B2"]
+    # One server behind every arm, greedy decoding: every candidate matches A.
+    assert all(c["paired"]["identical_outputs"] == 2 for c in result["candidates"].values())
+    assert code == (0 if result["verdict"]["pass"] else 1)
+    assert "### B2 vs A:" in (out / "report.md").read_text()
 
 
 @pytest.mark.slow

@@ -274,6 +274,70 @@ def test_report_command_writes_outputs_and_exit_code(tmp_path, capsys):
         assert (folder / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _abc(n=24):
+    """A and two named candidates: ``strict`` as good as A, ``echo`` agreeing on a third only."""
+    arms = {"A": lambda i: True, "strict": lambda i: True, "echo": lambda i: i % 3 == 0}
+    return _runs([_record(arm, f"s{i % 4}", i, agree=agree(i), wall=1.0 + 0.01 * ((i * 7) % n),
+                          tool="get" if i % 2 else None) for i in range(n) for arm, agree in arms.items()])
+
+
+def _as_b(runs, candidate):
+    """The two-arm run of A and ``candidate`` renamed ``B``."""
+    return _runs([dict(r, arm="B") if r["arm"] == candidate else r for r in runs.turns if r["arm"] in ("A", candidate)])
+
+
+def test_each_candidate_gets_the_two_arm_verdict_against_a():
+    runs = _abc()
+    result = report.summarize(runs, by_tool=True)
+    assert "paired" not in result and "by_tool" not in result
+    assert list(result["candidates"]) == ["strict", "echo"] and set(result["arms"]) == {"A", "strict", "echo"}
+    for name, c in result["candidates"].items():
+        alone = report.summarize(_as_b(runs, name), by_tool=True)
+        assert c == {"paired": alone["paired"], "by_tool": alone["by_tool"], "verdict": alone["verdict"]}
+    assert result["candidates"]["strict"]["verdict"]["pass"] is True
+    assert result["candidates"]["echo"]["verdict"]["agreement_drops"] is True
+    assert result["verdict"] == {"pass": False, "failed": ["echo"]}
+    lines = report.verdict_line(result).splitlines()
+    assert [line.split(" over ")[0] for line in lines] == ["verdict strict: PASS", "verdict echo: FAIL"]
+    assert "agreement A 100.0% echo 33.3%" in lines[1] and "wall echo/A median" in lines[1]
+
+
+def test_pairing_with_several_candidates_counts_only_its_arms():
+    runs = _abc(6)
+    runs.turns[1]["error"] = "APIConnectionError: refused"  # strict, turn 0
+    pairs, left_out = report.pair_records(runs.turns, "strict")
+    assert len(pairs) == 5 and left_out == 2
+    assert all(a["arm"] == "A" and b["arm"] == "strict" for a, b in pairs)
+    pairs, left_out = report.pair_records(runs.turns, "echo")
+    assert [b["arm"] for _, b in pairs] == ["echo"] * 6 and left_out == 0
+
+
+def test_one_named_candidate_uses_the_candidates_shape():
+    runs = _runs([r for r in _abc().turns if r["arm"] != "echo"])
+    result = report.summarize(runs)
+    assert list(result["candidates"]) == ["strict"] and result["verdict"] == {"pass": True, "failed": []}
+    assert report.verdict_line(result).startswith("verdict strict: PASS over 24 pairs")
+
+
+def test_report_command_with_several_candidates(tmp_path, capsys):
+    runs_path = tmp_path / "runs.jsonl"
+    runs = _abc()
+    runs_path.write_text("\n".join(json.dumps(r) for r in runs.headers + runs.turns) + "\n")
+    assert main(["report", str(runs_path), "--by-tool"]) == 1
+    assert capsys.readouterr().out.startswith("verdict strict: PASS over 24 pairs")
+    folder = tmp_path / "runs.report"
+    assert json.loads((folder / "report.json").read_text())["verdict"]["failed"] == ["echo"]
+    markdown = (folder / "report.md").read_text()
+    for needle in ("## Verdict: FAIL (echo)", "### strict vs A: PASS", "### echo vs A: FAIL",
+                   "identical outputs A vs echo: 8/24", "## By recorded tool: echo vs A", "| agree echo |"):
+        assert needle in markdown, needle
+    assert (folder / "wall_ratio.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    passing = [r for r in runs.turns if r["arm"] != "echo"] + [dict(r, arm="all") for r in runs.turns if r["arm"] == "A"]
+    runs_path.write_text("\n".join(json.dumps(r) for r in runs.headers + passing) + "\n")
+    assert main(["report", str(runs_path)]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 3  # one verdict line per candidate, the path
+
+
 def test_report_command_rejects_missing_or_empty_files(tmp_path, capsys):
     assert main(["report", str(tmp_path / "nope.jsonl")]) == 2
     empty = tmp_path / "empty.jsonl"
