@@ -18,19 +18,22 @@ from __future__ import annotations
 from typing import Any, Hashable, Sequence
 
 from mlx_fill.core.plan import DispatchPlan
-from mlx_fill.core.proposal import DecodeView, Proposal
-from .cost import AcceptanceByPosition, round_costs
+from mlx_fill.core.proposal import DecodeView, Pace, Proposal
+from .cost import AcceptanceByPosition, best_length, pays, round_costs
 
 
 class BestOf:
     """A :class:`~mlx_fill.core.proposal.ProposalSource` over model-free DraftSources that expose
     ``confidence() -> Hashable`` for their last draft. ``plan=None``: propose the full draft
     of the best member (the corpus study's oracle setting). ``stats`` carries the calibration
-    across requests (pass the same dict to every request's BestOf)."""
+    across requests (pass the same dict to every request's BestOf). Rounds are priced as the
+    cost gates price them (:func:`~mlx_fill.spec.cost.best_length`, against ``pace``: the
+    round overhead, a view-end draft's first id)."""
 
     def __init__(self, members: Sequence[Any], *, plan: DispatchPlan | None = None,
                  max_len: int = 32, name: str = "best", extra_rows: int = 1,
-                 stats: dict[tuple[str, Hashable], AcceptanceByPosition] | None = None):
+                 stats: dict[tuple[str, Hashable], AcceptanceByPosition] | None = None,
+                 pace: Pace | None = None):
         if not members:
             raise ValueError("BestOf needs at least one member")
         self.members = list(members)
@@ -38,6 +41,7 @@ class BestOf:
         self.max_len = max_len
         self.costs = round_costs(plan, max_len, extra_rows) if plan is not None else None
         self.stats = stats if stats is not None else {}
+        self.pace = pace if pace is not None else Pace()
         self._shadow: dict[int, tuple[Hashable, list[int], int]] = {}
         self._chosen: tuple[int, Hashable] | None = None
         self._prefilled = False
@@ -68,17 +72,14 @@ class BestOf:
                 self._shadow[i] = (key, ids, ok)
 
     def _value(self, i: int, key: Hashable, ids: list[int]) -> tuple[float, int]:
-        """(expected tokens per unit cost, length to propose) for member ``i``'s draft."""
-        s = self._stats(i, key).survival(len(ids))
+        """(expected tokens per unit cost, length to propose) for member ``i``'s draft; without
+        a cost curve, (expected tokens, the whole draft)."""
+        stats = self._stats(i, key)
         if self.costs is None:
-            return 1.0 + sum(s), len(ids)
-        best_rate, best_m, total = 1.0, 0, 1.0
-        for m in range(1, len(ids) + 1):
-            total += s[m - 1]
-            rate = total / self.costs[m]
-            if rate > best_rate:
-                best_rate, best_m = rate, m
-        return best_rate, best_m
+            return 1.0 + sum(stats.survival(len(ids))), len(ids)
+        m, rate = best_length(stats, len(ids), self.costs, overhead=self.pace.round_overhead,
+                              first_in_flight=self.pace.first_in_flight)
+        return rate, m
 
     def propose(self, view: DecodeView) -> Proposal | None:
         if not self._prefilled:
@@ -104,7 +105,7 @@ class BestOf:
         for i, key, ids in drafts:
             if (best is None or i != best[1]) and i not in self._shadow:
                 self._shadow[i] = (key, ids, 0)
-        if best is None or (self.costs is not None and best[0] <= 1.0):
+        if best is None or (self.costs is not None and not pays(best[0], self.pace.min_gain)):
             self._chosen = None
             return None
         _, i, key, ids = best

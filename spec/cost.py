@@ -8,9 +8,9 @@ probability that position ``i`` of THIS draft is accepted given every earlier on
 that starts at the slot whose sample is already in flight is priced without its first id:
 :func:`choose_length`). Plain
 decoding emits one token per one-row forward, so a round is worth running only when its
-expected tokens per unit cost exceed 1; :func:`choose_length` returns the ``m`` maximizing that
-ratio, or 0 when no ``m`` beats plain decoding (a request never gets slower in expectation
-because a source is on).
+expected tokens per unit cost exceed 1 (by :data:`PRICE_MARGIN`, for the estimates' error);
+:func:`choose_length` returns the ``m`` maximizing that ratio, or 0 when no ``m`` beats plain
+decoding (a request never gets slower in expectation because a source is on).
 
 Acceptance is estimated per draft, not per source: a source describes each draft by a hashable
 *key* (echo: anchor length, corroboration, delimiter end; n-gram: matched length; suffix: match
@@ -39,6 +39,20 @@ from typing import Hashable, Sequence
 
 from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.proposal import Pace
+
+
+# A drafted round must beat its bar by this factor. Its price rests on estimates (the draft's
+# acceptance, c(M), the round overhead: each measured with noise), and a round priced within
+# their error of plain decoding stands to gain next to nothing against a real risk of losing:
+# on chat prose the gates fired n-gram drafts priced at 1.00-1.05 about ten times per 64-token
+# reply, most of them rejected at their first id.
+PRICE_MARGIN = 1.05
+
+
+def pays(rate: float, min_gain: float) -> bool:
+    """Whether a drafted round of expected ``rate`` (tokens per one-row forward) is worth
+    running against the bar ``min_gain`` (:data:`PRICE_MARGIN` above it)."""
+    return rate > min_gain * PRICE_MARGIN
 
 
 class AcceptanceByPosition:
@@ -132,24 +146,20 @@ def round_costs(plan: DispatchPlan, max_len: int, extra_rows: int = 1) -> list[f
     return [1.0] + [plan.rows_cost(m + extra_rows) for m in range(1, max_len + 1)]
 
 
-def choose_length(plan: DispatchPlan, stats: AcceptanceByPosition, max_len: int,
-                  *, extra_rows: int = 1, min_gain: float = 1.0, overhead: float = 0.0,
-                  costs: Sequence[float] | None = None, first_in_flight: bool = False) -> int:
-    """The round length maximizing expected emitted tokens per unit cost, a round costing its
-    rows plus ``overhead``; 0 when the best ratio does not exceed ``min_gain`` (>= 1: never
-    slower than plain decoding in expectation). ``costs`` (from :func:`round_costs`) saves
-    re-reading the plan.
+def best_length(stats: AcceptanceByPosition, max_len: int, costs: Sequence[float],
+                *, overhead: float = 0.0, first_in_flight: bool = False) -> tuple[int, float]:
+    """``(m, rate)``: the round length ``1 <= m <= max_len`` with the most expected emitted
+    tokens per unit cost and that rate, a round costing ``costs[m]`` (:func:`round_costs`) plus
+    ``overhead``; ``(0, 1.0)`` when no length beats plain decoding's 1.0.
 
     ``first_in_flight``: the draft's first id is for the slot whose sample is already being
     computed (a view's end, not a chained round). That id only has to match the sample, so a
     round of ``m`` ids runs ``m - 1 + extra_rows`` rows and gains ``1 + sum_{j=1..m-1} s_j``
     tokens over the plain step it replaces; a first id that does not match costs that plain step
     plus ``overhead`` (decoding waited for the sample). Expected cost:
-    ``1 + overhead + s_0 * (rows(m - 1 + extra_rows) - 1)``. A one-id draft never pays there.
+    ``1 + overhead + s_0 * (costs[m - 1] - 1)``. A one-id draft never pays there.
     """
-    max_len = min(max_len, stats.max_len)
-    if costs is None:
-        costs = round_costs(plan, max_len, extra_rows)
+    max_len = min(max_len, stats.max_len, len(costs) - 1)
     s = stats.survival(max_len)
     best_m, best_rate, total = 0, 1.0, 1.0
     for m in range(1, max_len + 1):
@@ -161,7 +171,22 @@ def choose_length(plan: DispatchPlan, stats: AcceptanceByPosition, max_len: int,
             rate = total / (costs[m] + overhead)
         if rate > best_rate:
             best_m, best_rate = m, rate
-    return best_m if best_rate > min_gain else 0
+    return best_m, best_rate
+
+
+def choose_length(plan: DispatchPlan, stats: AcceptanceByPosition, max_len: int,
+                  *, extra_rows: int = 1, min_gain: float = 1.0, overhead: float = 0.0,
+                  costs: Sequence[float] | None = None, first_in_flight: bool = False) -> int:
+    """The round length maximizing expected emitted tokens per unit cost
+    (:func:`best_length`); 0 when that ratio does not pay against ``min_gain`` (:func:`pays`;
+    >= 1: never slower than plain decoding in expectation, with a margin for the estimates'
+    error).
+    ``costs`` (from :func:`round_costs`) saves re-reading the plan."""
+    max_len = min(max_len, stats.max_len)
+    if costs is None:
+        costs = round_costs(plan, max_len, extra_rows)
+    m, rate = best_length(stats, max_len, costs, overhead=overhead, first_in_flight=first_in_flight)
+    return m if pays(rate, min_gain) else 0
 
 
 class DraftAcceptance:

@@ -121,7 +121,7 @@ def make_sources(
             else:
                 members.append(SuffixDraft(index, global_tree=global_tree,
                                            params=SuffixParams(max_spec=max_span)))
-        return [BestOf(members, plan=plan, max_len=max_span, stats=acceptance)]
+        return [BestOf(members, plan=plan, max_len=max_span, stats=acceptance, pace=pace)]
 
     def gate(max_len: int, name: str) -> CostGate | None:
         if plan is None:
