@@ -24,9 +24,11 @@ Verdict contract (A = reference arm, e.g. fill off; B = a candidate, e.g. fill o
 
 Result shape (``report.json``): ``headers``, ``corrupt_lines``, ``arms`` (per-arm summaries), and
 ``verdict`` (None without an A/B pair). When the one candidate is ``B`` (one unnamed ``--url-b``),
-``paired``, ``by_tool`` (with ``--by-tool``) and ``verdict`` = ``{pass, agreement_drops, wall}``
-sit at the top level. Otherwise ``candidates`` maps each candidate name (in order of first
-appearance, i.e. the ``--url-b`` order) to those three keys, and the top-level ``verdict`` is
+``paired``, ``by_source`` (per transcript source: the wall ratio's median and bounds, the
+candidate's emitted / decoded / injected tokens), ``by_tool`` (with ``--by-tool``) and
+``verdict`` = ``{pass, agreement_drops, wall}`` sit at the top level. Otherwise ``candidates``
+maps each candidate name (in order of first appearance, i.e. the ``--url-b`` order) to those
+keys, and the top-level ``verdict`` is
 ``{pass, failed}`` (``failed``: the candidates that did not pass).
 """
 
@@ -362,16 +364,17 @@ def candidate_results(result: dict) -> dict[str, dict]:
         return result["candidates"]
     if not result.get("verdict"):
         return {}
-    return {"B": {"paired": result["paired"], "by_tool": result.get("by_tool"), "verdict": result["verdict"]}}
+    return {"B": {"paired": result["paired"], "by_source": result.get("by_source"),
+                  "by_tool": result.get("by_tool"), "verdict": result["verdict"]}}
 
 
 def _candidate_summary(turns: Sequence[dict], candidate: str, by_tool: bool) -> dict:
-    """``paired`` (with ``left_out_records``), ``by_tool`` when asked, and ``verdict`` for one
-    candidate against A."""
+    """``paired`` (with ``left_out_records``), ``by_source``, ``by_tool`` when asked, and
+    ``verdict`` for one candidate against A."""
     pairs, left_out = pair_records(turns, candidate)
     paired = _paired_summary(pairs)
     paired["left_out_records"] = left_out
-    out: dict = {"paired": paired}
+    out: dict = {"paired": paired, "by_source": _by_source(pairs)}
     if by_tool:
         groups: dict[str, list] = defaultdict(list)
         for a, b in pairs:
@@ -383,6 +386,23 @@ def _candidate_summary(turns: Sequence[dict], candidate: str, by_tool: bool) -> 
         "agreement_drops": paired["agreement"]["significant_drop"],
         "wall": paired["wall"]["verdict"] if paired["wall"] else None,
     }
+    return out
+
+
+def _by_source(pairs: Sequence[tuple[dict, dict]]) -> dict[str, dict]:
+    """Per transcript source: the pairs' wall ratio (candidate/A) and the candidate's token
+    accounting (:func:`arm_summary`: emitted, decoded, injected)."""
+    groups: dict[str, list] = defaultdict(list)
+    for a, b in pairs:
+        groups[a.get("source") or "?"].append((a, b))
+    out = {}
+    for source, group in sorted(groups.items()):
+        wall = paired_ratio([a["timing"]["wall_s"] for a, _ in group],
+                            [b["timing"]["wall_s"] for _, b in group])
+        tokens = arm_summary([b for _, b in group])
+        out[source] = {"pairs": len(group), "wall": wall.as_dict(),
+                       **{k: tokens[k] for k in ("tokens_emitted", "tokens_decoded",
+                                                  "emitted_per_decoded", "tokens_injected")}}
     return out
 
 
@@ -449,6 +469,19 @@ def _by_tool_table(name: str, by_tool: dict) -> list[str]:
     return lines
 
 
+def _by_source_table(name: str, by_source: dict) -> list[str]:
+    """Markdown table of candidate ``name``'s wall ratio and token accounting per source."""
+    lines = [f"| source | pairs | wall {name}/A p50 | one-sided 95% bounds | {name} injected / emitted "
+             f"| {name} decoded / emitted |", "|---|---|---|---|---|---|"]
+    for source, g in by_source.items():
+        w = g["wall"]
+        per = g["tokens_decoded"] / g["tokens_emitted"] if g["tokens_emitted"] else None
+        lines.append(f"| {source} | {g['pairs']} | {w['median']:.3f} | {_fmt(w['lower95'])} .. "
+                     f"{_fmt(w['upper95'])} | {g['tokens_injected']} / {g['tokens_emitted']} | "
+                     f"{_fmt(per, '.2f')} |")
+    return lines
+
+
 def render_markdown(result: dict, plots: Sequence[str]) -> str:
     """One-page markdown report."""
     lines = ["# mlx-fill replay report", ""]
@@ -474,6 +507,8 @@ def render_markdown(result: dict, plots: Sequence[str]) -> str:
         status = "PASS" if c["verdict"]["pass"] else "FAIL"
         lines += [f"### {name} vs A: {status}" if named else f"## Verdict: {status}", "",
                   *_verdict_bullets(name, c["paired"]), ""]
+        if c.get("by_source"):
+            lines += [*_by_source_table(name, c["by_source"]), ""]
     lines += ["## Arms", "",
               "| arm | requests | errors | agreement | wall p50 s | TTFT p50 s | first tool call p50 s "
               "| tool-call turns | emitted | decoded | emitted/decoded | injected |",

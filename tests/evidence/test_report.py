@@ -251,6 +251,28 @@ def test_by_tool_groups_on_the_recorded_tool():
     assert result["by_tool"]["get"]["pairs"] == 4
 
 
+def test_by_source_splits_the_wall_ratio_and_the_candidates_tokens():
+    """Each transcript source gets its own paired median (candidate/A) and the candidate's
+    tokens; records without a source fall under "?"."""
+    records = []
+    for i in range(10):
+        source = "pi" if i < 6 else "tau"
+        fill = {"forwards": 4, "injected": 4, "emitted": 8}
+        for arm, wall in (("A", 2.0), ("B", 1.0 if source == "pi" else 3.0)):
+            rec = _record(arm, f"{source}{i % 2}", i, agree=True, wall=wall,
+                          fill=fill if arm == "B" else None)
+            rec["source"] = source
+            records.append(rec)
+    by_source = report.summarize(_runs(records))["by_source"]
+    assert list(by_source) == ["pi", "tau"]
+    assert by_source["pi"]["pairs"] == 6 and by_source["pi"]["wall"]["median"] == pytest.approx(0.5)
+    assert by_source["tau"]["pairs"] == 4 and by_source["tau"]["wall"]["median"] == pytest.approx(1.5)
+    assert (by_source["pi"]["tokens_emitted"], by_source["pi"]["tokens_decoded"],
+            by_source["pi"]["tokens_injected"]) == (48, 24, 24)
+    md = report.render_markdown(report.summarize(_runs(records)), [])
+    assert "| pi | 6 | 0.500 |" in md and "| tau | 4 | 1.500 |" in md
+
+
 def test_single_arm_runs_have_no_verdict():
     runs = _runs([_record("replay", "s", i, agree=i % 2 == 0, wall=1.0) for i in range(4)])
     result = report.summarize(runs)
@@ -289,11 +311,11 @@ def _as_b(runs, candidate):
 def test_each_candidate_gets_the_two_arm_verdict_against_a():
     runs = _abc()
     result = report.summarize(runs, by_tool=True)
-    assert "paired" not in result and "by_tool" not in result
+    assert "paired" not in result and "by_source" not in result and "by_tool" not in result
     assert list(result["candidates"]) == ["strict", "echo"] and set(result["arms"]) == {"A", "strict", "echo"}
     for name, c in result["candidates"].items():
         alone = report.summarize(_as_b(runs, name), by_tool=True)
-        assert c == {"paired": alone["paired"], "by_tool": alone["by_tool"], "verdict": alone["verdict"]}
+        assert c == {key: alone[key] for key in ("paired", "by_source", "by_tool", "verdict")}
     assert result["candidates"]["strict"]["verdict"]["pass"] is True
     assert result["candidates"]["echo"]["verdict"]["agreement_drops"] is True
     assert result["verdict"] == {"pass": False, "failed": ["echo"]}
