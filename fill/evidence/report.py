@@ -358,8 +358,8 @@ def summarize(runs: Runs, by_tool: bool = False) -> dict:
 
 
 def candidate_results(result: dict) -> dict[str, dict]:
-    """Candidate name -> its ``paired`` / ``by_tool`` / ``verdict`` for either result shape
-    (empty without an A/B pair)."""
+    """Candidate name -> its ``paired`` / ``by_source`` / ``by_tool`` / ``verdict`` for either
+    result shape (empty without an A/B pair)."""
     if "candidates" in result:
         return result["candidates"]
     if not result.get("verdict"):
