@@ -24,7 +24,7 @@ Verdict contract (A = reference arm, e.g. fill off; B = a candidate, e.g. fill o
 
 Result shape (``report.json``): ``headers``, ``corrupt_lines``, ``arms`` (per-arm summaries), and
 ``verdict`` (None without an A/B pair). When the one candidate is ``B`` (one unnamed ``--url-b``),
-``paired``, ``by_source`` (per transcript source: the wall ratio's median and bounds, the
+``paired``, ``by_source`` (per transcript source: the same paired summary, and the
 candidate's emitted / decoded / injected tokens), ``by_tool`` (with ``--by-tool``) and
 ``verdict`` = ``{pass, agreement_drops, wall}`` sit at the top level. Otherwise ``candidates``
 maps each candidate name (in order of first appearance, i.e. the ``--url-b`` order) to those
@@ -41,7 +41,7 @@ import unicodedata
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from mlx_fill.core.errors import UserError
 
@@ -376,10 +376,8 @@ def _candidate_summary(turns: Sequence[dict], candidate: str, by_tool: bool) -> 
     paired["left_out_records"] = left_out
     out: dict = {"paired": paired, "by_source": _by_source(pairs)}
     if by_tool:
-        groups: dict[str, list] = defaultdict(list)
-        for a, b in pairs:
-            groups[tool_label(a)].append((a, b))
-        out["by_tool"] = {name: _paired_summary(group) for name, group in sorted(groups.items())}
+        out["by_tool"] = {name: _paired_summary(group)
+                          for name, group in _group_pairs(pairs, tool_label).items()}
     out["verdict"] = {
         "pass": bool(pairs) and not paired["agreement"]["significant_drop"]
         and (paired["wall"] is None or paired["wall"]["verdict"] != "slower"),
@@ -389,18 +387,23 @@ def _candidate_summary(turns: Sequence[dict], candidate: str, by_tool: bool) -> 
     return out
 
 
-def _by_source(pairs: Sequence[tuple[dict, dict]]) -> dict[str, dict]:
-    """Per transcript source: the pairs' wall ratio (candidate/A) and the candidate's token
-    accounting (:func:`arm_summary`: emitted, decoded, injected)."""
+def _group_pairs(pairs: Sequence[tuple[dict, dict]],
+                 label: Callable[[dict], str]) -> dict[str, list[tuple[dict, dict]]]:
+    """The pairs grouped by ``label`` of their A record, in sorted label order."""
     groups: dict[str, list] = defaultdict(list)
     for a, b in pairs:
-        groups[a.get("source") or "?"].append((a, b))
+        groups[label(a)].append((a, b))
+    return dict(sorted(groups.items()))
+
+
+def _by_source(pairs: Sequence[tuple[dict, dict]]) -> dict[str, dict]:
+    """Per transcript source: the pairs' :func:`_paired_summary` (wall ratio candidate/A,
+    agreement) and the candidate's token accounting (:func:`arm_summary`: emitted, decoded,
+    injected)."""
     out = {}
-    for source, group in sorted(groups.items()):
-        wall = paired_ratio([a["timing"]["wall_s"] for a, _ in group],
-                            [b["timing"]["wall_s"] for _, b in group])
+    for source, group in _group_pairs(pairs, lambda a: a.get("source") or "?").items():
         tokens = arm_summary([b for _, b in group])
-        out[source] = {"pairs": len(group), "wall": wall.as_dict(),
+        out[source] = {**_paired_summary(group),
                        **{k: tokens[k] for k in ("tokens_emitted", "tokens_decoded",
                                                   "emitted_per_decoded", "tokens_injected")}}
     return out
