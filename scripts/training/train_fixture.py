@@ -330,15 +330,17 @@ def save(name, spec, model, embed_key, ids, config, minutes, final_loss, n_windo
     print(f"wrote {out} ({sum(p.stat().st_size for p in out.iterdir()) / 1e6:.1f} MB)")
 
 
-def greedy(model, prompt_ids: list[int], stop: set[int], max_tokens: int) -> list[int]:
+def greedy(model, prompt_ids: list[int], stop: set[int], max_tokens: int) -> tuple[list[int], mx.array]:
+    """(ids up to and including the first stop id, the log-probabilities of the first id)."""
     from mlx_lm.generate import generate_step
 
-    out = []
-    for token, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens):
+    out, first = [], None
+    for token, logprobs in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens):
         out.append(int(token))
+        first = logprobs if first is None else first
         if out[-1] in stop:
             break
-    return out
+    return out, first
 
 
 def evaluate(name: str) -> dict:
@@ -351,7 +353,8 @@ def evaluate(name: str) -> dict:
     parseable = exact = no_call = 0
     by_source: dict[str, list[int]] = {}  # source -> [parseable, call turns]
     for example in calls + prose:
-        text = tokenizer.decode(greedy(model, example.prompt_ids, stop, fixture_data.MAX_TARGET_TOKENS + 32))
+        ids, _ = greedy(model, example.prompt_ids, stop, fixture_data.MAX_TARGET_TOKENS + 32)
+        text = tokenizer.decode(ids)
         parsed = fixtures.parse_tool_calls(tokenizer, text, example.tools)
         if example.expected_calls:
             counts = by_source.setdefault(example.source, [0, 0])

@@ -42,7 +42,7 @@ import mlx.optimizers as optim
 import numpy as np
 
 from mlx_fill.assets import fixtures, smollm2
-from scripts.training import fixture_data, openblas
+from scripts.training import decision_ceiling, fixture_data, openblas
 from scripts.training.train_fixture import greedy
 
 SEED = 0
@@ -58,14 +58,15 @@ EVAL_PROSE = 12
 CALL_TARGET, PROSE_TARGET = 0.85, 0.90
 
 
-def training_sequences(tokenizer, window: int, seed: int) -> list[fixture_data.Sequence]:
-    """Windows of the training sessions, loss on every assistant turn: of every source, the
-    sessions in seeded order are rendered until TRAIN_CAP windows are there."""
+def training_sequences(tokenizer, window: int, seed: int,
+                       sources: tuple[str, ...] = fixture_data.SOURCES) -> list[fixture_data.Sequence]:
+    """Windows of the training sessions, loss on every assistant turn: of every source in
+    ``sources``, the sessions in seeded order are rendered until TRAIN_CAP windows are there."""
     train_sessions, _ = fixture_data.split_sessions(fixture_data.load_recordings(), seed)
     renderer = fixture_data.Renderer(tokenizer._tokenizer, set(tokenizer.eos_token_ids), window)
     rng = np.random.Generator(np.random.PCG64(seed))
     chosen = []
-    for source in fixture_data.SOURCES:
+    for source in sources:
         group = [s for s in train_sessions if s.source == source]
         sequences: list[fixture_data.Sequence] = []
         for index in rng.permutation(len(group)):
@@ -132,7 +133,10 @@ def adapter_config(window: int, steps: int, seed: int) -> dict:
             "learning_rate": LEARNING_RATE, "optimizer": "adam"}
 
 
-def train(out: Path, window: int, steps: int, seed: int) -> dict:
+def train(out: Path, window: int, steps: int, seed: int, sources: tuple[str, ...] = fixture_data.SOURCES,
+          resume: Path | None = None) -> dict:
+    """Train the adapter into ``out``; ``resume``: start from the adapter in that folder (its LoRA
+    weights) instead of from zero; ``sources``: train on these sources' windows only."""
     from mlx_lm import load
     from mlx_lm.tuner import TrainingArgs, linear_to_lora_layers
     from mlx_lm.tuner import train as tuner_train
@@ -141,11 +145,16 @@ def train(out: Path, window: int, steps: int, seed: int) -> dict:
     model, tokenizer = load(str(fixtures.fixture_path("smollm2-135m")))
     model.freeze()
     linear_to_lora_layers(model, LORA_LAYERS, LORA)
-    sequences = training_sequences(tokenizer, window, seed)
+    if resume is not None:
+        model.load_weights(str(resume / "adapters.safetensors"), strict=False)
+    sequences = training_sequences(tokenizer, window, seed, sources)
     by_source = {s: sum(q.source == s for q in sequences) for s in fixture_data.SOURCES}
     print(f"{len(sequences)} windows {by_source}, {sum(len(q.ids) for q in sequences):,} tokens; "
           f"blas {openblas.describe()}", file=sys.stderr, flush=True)
     config = adapter_config(window, steps, seed)
+    if resume is not None or sources != fixture_data.SOURCES:
+        config["resumed_from"] = json.loads((resume / "adapter_config.json").read_text()) if resume else None
+        config["sources"] = list(sources)
     step_times: list[float] = []
     cpu_times: list[float] = []
 
@@ -213,15 +222,22 @@ def eval_examples(tokenizer, window: int, seed: int):
 
 def evaluate(model_dir: Path, window: int, seed: int) -> dict:
     """Greedy on held-back turns: parseable calls to a declared tool on call turns, no call on
-    prose turns, per source."""
+    prose turns, per source. ``first_id`` says where the decision is made: the probability of the
+    id that opens a call at a turn's first position (call vs prose turns of the sources that have
+    prose turns, and its AUC), and how many prose turns greedy opens with a call."""
     from mlx_lm import load
 
     model, tokenizer = load(str(model_dir))
     calls, prose = eval_examples(tokenizer, window, seed)
     stop = set(tokenizer.eos_token_ids)
+    open_id = tokenizer.encode(tokenizer.tool_call_start, add_special_tokens=False)[0]
     counts: dict[str, list[int]] = {}  # source -> [good, total]
+    p_open: list[float] = []
+    prose_opened_with_call = 0
     for example in calls + prose:
-        text = tokenizer.decode(greedy(model, example.prompt_ids, stop, fixture_data.MAX_TARGET_TOKENS + 32))
+        ids, first = greedy(model, example.prompt_ids, stop, fixture_data.MAX_TARGET_TOKENS + 32)
+        text = tokenizer.decode(ids)
+        p_open.append(float(mx.exp(first[open_id].astype(mx.float32))))
         parsed = fixtures.parse_tool_calls(tokenizer, text, example.tools)
         declared = {t["function"]["name"] for t in example.tools}
         if example.expected_calls:
@@ -230,14 +246,24 @@ def evaluate(model_dir: Path, window: int, seed: int) -> dict:
         else:
             good = tokenizer.tool_call_start not in text
             key = "prose"
+            prose_opened_with_call += ids[0] == open_id
         counts.setdefault(key, [0, 0])
         counts[key][0] += good
         counts[key][1] += 1
     call_good = sum(v[0] for k, v in counts.items() if k != "prose")
     prose_good, prose_total = counts.get("prose", [0, 0])
+    # the decision is scored among the sources prose turns come from (mini-swe-agent only calls)
+    mixed = np.array([e.source in {p.source for p in prose} for e in calls + prose])
+    is_call = np.array([1] * len(calls) + [0] * len(prose))[mixed]
+    scores = np.array(p_open)[mixed]
+    first_id = {"opening": tokenizer.decode([open_id]),
+                "median_p_open_call_turns": round(float(np.median(scores[is_call == 1])), 3),
+                "median_p_open_prose_turns": round(float(np.median(scores[is_call == 0])), 3) if prose else None,
+                "auc": round(decision_ceiling.auc(scores, is_call), 3) if prose else None,
+                "prose_turns_opened_with_call": f"{prose_opened_with_call}/{prose_total}"}
     return {"call_turns": len(calls), "parseable_call_share": round(call_good / max(len(calls), 1), 3),
             "prose_turns": prose_total, "prose_without_call_share": round(prose_good / max(prose_total, 1), 3),
-            "by_source": {k: f"{v[0]}/{v[1]}" for k, v in sorted(counts.items())},
+            "by_source": {k: f"{v[0]}/{v[1]}" for k, v in sorted(counts.items())}, "first_id": first_id,
             "targets": {"parseable_call_share": CALL_TARGET, "prose_without_call_share": PROSE_TARGET}}
 
 
@@ -247,13 +273,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--window", type=int, default=WINDOW, help="tokens per training window / eval prompt")
     parser.add_argument("--seed", type=int, default=SEED)
-    parser.add_argument("--eval", action="store_true", help="only evaluate the committed adapter")
+    parser.add_argument("--sources", nargs="+", choices=fixture_data.SOURCES, default=list(fixture_data.SOURCES),
+                        help="train on these sources' windows only")
+    parser.add_argument("--resume", type=Path, help="start from the adapter in this folder")
+    parser.add_argument("--eval", action="store_true", help="only evaluate the adapter in --out")
     parser.add_argument("--no-eval", action="store_true", help="train only")
     args = parser.parse_args(argv)
     if argv is None:  # as a script: restart once with OpenBLAS
         openblas.reexec()
     if not args.eval:
-        print(json.dumps(train(args.out, args.window, args.steps, args.seed)["training"], indent=2))
+        print(json.dumps(train(args.out, args.window, args.steps, args.seed, tuple(args.sources),
+                               args.resume)["training"], indent=2))
     if args.no_eval:
         return 0
     with tempfile.TemporaryDirectory(prefix="smollm2-tools-eval-") as scratch:
