@@ -4,6 +4,8 @@ with mlx-lm's own trainer (``mlx_lm.tuner``) on the real agent transcripts.
     python -m scripts.training.train_smollm2_tools                  # train + eval, write fixtures/models/smollm2-tools/
     python -m scripts.training.train_smollm2_tools --steps 3 --out /tmp/x --no-eval   # smoke run
     python -m scripts.training.train_smollm2_tools --eval           # greedy eval of the committed adapter
+    python -m scripts.training.train_smollm2_tools --resume fixtures/models/smollm2-tools --sources pi_mono tau_bench_gpt4o_airline --out /tmp/more
+                                                                    # 60 more steps on the sources with prose turns
 
 Data: the transcripts of ``fixture_data`` (pi, tau-bench airline, mini-swe-agent), split by
 ``fixture_data.split_sessions`` (whole sessions held back per source; pi's one session by its
