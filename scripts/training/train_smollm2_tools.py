@@ -154,8 +154,9 @@ def train(out: Path, window: int, steps: int, seed: int, sources: tuple[str, ...
     print(f"{len(sequences)} windows {by_source}, {sum(len(q.ids) for q in sequences):,} tokens; "
           f"blas {openblas.describe()}", file=sys.stderr, flush=True)
     config = adapter_config(window, steps, seed)
-    if resume is not None or sources != fixture_data.SOURCES:
-        config["resumed_from"] = json.loads((resume / "adapter_config.json").read_text()) if resume else None
+    if resume is not None:
+        config["resumed_from"] = json.loads((resume / "adapter_config.json").read_text())
+    if sources != fixture_data.SOURCES:
         config["sources"] = list(sources)
     step_times: list[float] = []
     cpu_times: list[float] = []
@@ -255,7 +256,8 @@ def evaluate(model_dir: Path, window: int, seed: int) -> dict:
     call_good = sum(v[0] for k, v in counts.items() if k != "prose")
     prose_good, prose_total = counts.get("prose", [0, 0])
     # the decision is scored among the sources prose turns come from (mini-swe-agent only calls)
-    mixed = np.array([e.source in {p.source for p in prose} for e in calls + prose])
+    prose_sources = {e.source for e in prose}
+    mixed = np.array([e.source in prose_sources for e in calls + prose])
     is_call = np.array([1] * len(calls) + [0] * len(prose))[mixed]
     scores = np.array(p_open)[mixed]
     first_id = {"opening": tokenizer.decode([open_id]),
