@@ -262,9 +262,9 @@ def evaluate(model_dir: Path, window: int, seed: int) -> dict:
     scores = np.array(p_open)[mixed]
     first_id = {"opening": tokenizer.decode([open_id]),
                 "median_p_open_call_turns": round(float(np.median(scores[is_call == 1])), 3),
-                "median_p_open_prose_turns": round(float(np.median(scores[is_call == 0])), 3) if prose else None,
-                "auc": round(decision_ceiling.auc(scores, is_call), 3) if prose else None,
-                "prose_turns_opened_with_call": f"{prose_opened_with_call}/{prose_total}"}
+                "median_p_open_prose_turns": round(float(np.median(scores[is_call == 0])), 3),
+                "auc": round(decision_ceiling.auc(scores, is_call), 3),
+                "prose_turns_opened_with_call": f"{prose_opened_with_call}/{prose_total}"} if prose else None
     return {"call_turns": len(calls), "parseable_call_share": round(call_good / max(len(calls), 1), 3),
             "prose_turns": prose_total, "prose_without_call_share": round(prose_good / max(prose_total, 1), 3),
             "by_source": {k: f"{v[0]}/{v[1]}" for k, v in sorted(counts.items())}, "first_id": first_id,
