@@ -6,19 +6,12 @@ each yielded token it asks the session for a proposal and applies it as one *rou
 one append-and-rewind primitive. The steps, as in mlx-lm's ``speculative_generate_step``:
 
 - ``_Target.prefill`` / ``_Target.step``: mlx-lm's chunked prefill and pipelined serial step.
-- ``_assert_round``: the in-flight sample for the first slot is discarded (counted as wasted),
-  the span is appended with one chunked forward (last-row logits only), its ids are yielded one
-  at a time, and sampling resumes from the last row.
-- ``_verify_round``: the first id was checked against the in-flight sample before any forward;
-  the whole span is forwarded once, every row is sampled by the target (the acceptance rule,
-  :mod:`mlx_fill.core.acceptance`), the rejected tail is rewound and decoding resumes at the
-  correction token.
+- rounds: :class:`~mlx_fill.core.round.Asking` decides when the session is asked (after each
+  yielded token, and after each round for the slots its fresh sample leads: a *chained*
+  round); :func:`~mlx_fill.core.round.execute` appends, asserts or verifies, and rewinds (the
+  one round executor, shared with the batched lane).
 - ``_Output.burst``: yields a round's ids; its ``finally`` rewinds the cache to what the
   consumer received when it stops mid-burst.
-
-A round that ends with a fresh sample is followed by a *chained* round: that sample (a
-:class:`Sample`, not yet yielded nor fed) leads the next span. :class:`Round` is one round's
-state.
 
 Invariants: at every yield and when the consumer stops (``close()``, ``max_tokens`` inside a
 span, an exception), the cache holds exactly prompt + yielded tokens; a proposed EOS is never
@@ -29,8 +22,7 @@ sample.
 from __future__ import annotations
 
 import functools
-import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable, Generator, Iterator, Optional, Sequence
 
 import mlx.core as mx
@@ -40,12 +32,12 @@ from mlx_lm.generate import generation_stream, maybe_quantize_kv_cache
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
-from .acceptance import Sampler, process_row, verify_rows
+from .acceptance import Sampler
 from .plan import DispatchPlan
-from .primitive import (Checkpoint, Unsupported, append, cache_kinds, cache_offset,
-                        check_supported, checkpoint, rewind)
-from .proposal import MEDIA_REFUSAL, DecodeView, FillSession, FillStats, Proposal
+from .primitive import Checkpoint, Unsupported, cache_kinds, check_supported, rewind
+from .proposal import MEDIA_REFUSAL, FillSession, FillStats
 from .resolve import plan_for
+from .round import Asking, CacheView, Round, Sample, execute, settle
 
 DEFAULT_QUANTIZED_KV_START = 5000
 
@@ -68,59 +60,6 @@ def generate_step(
     return _fill_loop(prompt, model, stream, fill=fill, **kwargs)
 
 
-@dataclass(frozen=True)
-class Sample:
-    """A target sample not yet in the cache: ``token`` (shape ``[1]``, possibly still being
-    computed) and the log-probabilities ``[V]`` it was drawn from."""
-
-    token: mx.array
-    logprobs: mx.array
-
-    @property
-    def id(self) -> int:
-        return int(self.token.item())
-
-
-@dataclass(frozen=True)
-class Round:
-    """One proposal applied at output index ``start`` (the slot of ``sample``).
-
-    ``sample`` is the target's sample for that slot, not in the cache. In a ``chained`` round it
-    was drawn by the previous round: it leads the span (fed first, always kept, yielded first).
-    Otherwise it is the in-flight sample, which an ``assert`` span replaces (a wasted sample)
-    and a ``verify`` span must start with. ``proposal`` holds the ids capped to ``cap`` (what
-    fits before ``max_tokens``; None: no limit)."""
-
-    proposal: Proposal
-    sample: Sample
-    chained: bool
-    start: int
-    cap: int | None
-
-    @property
-    def lead(self) -> list[int]:
-        """The ids fed before the proposal's: the pending sample in a chained round."""
-        return [self.sample.id] if self.chained else []
-
-    @property
-    def feed(self) -> list[int]:
-        return self.lead + list(self.proposal.ids)
-
-    @property
-    def position(self) -> int:
-        """Output index of the proposal's first id (what feedback and traces report)."""
-        return self.start + len(self.lead)
-
-    def wants_next(self, kept: int) -> bool:
-        """Whether a sample after ``kept`` proposal ids is still needed (``max_tokens`` not reached)."""
-        return self.cap is None or kept < self.cap
-
-
-def _forced_logprobs(token: int, vocab: int) -> mx.array:
-    """Log-probabilities of an asserted token: the policy put all mass on it (lazy)."""
-    return mx.where(mx.arange(vocab) == token, 0.0, -mx.inf)
-
-
 def _refusal(prompt_cache: list, input_embeddings: Any) -> str | None:
     if input_embeddings is not None:
         return MEDIA_REFUSAL
@@ -131,41 +70,20 @@ def _refusal(prompt_cache: list, input_embeddings: Any) -> str | None:
     return None
 
 
-class _Target:
-    """The target model and its cache for one generation: mlx-lm's single-token step, the
-    chunked prefill, span forwards through the primitive, and the logits-processor history.
-
-    Invariant: ``history`` ends with the last id fed to the cache (None without processors or
-    before the first feed), exactly as in mlx-lm's ``generate_step``."""
+class _Target(CacheView):
+    """The target model and its cache for one generation: a :class:`CacheView` plus mlx-lm's
+    single-token step, the chunked prefill and the logits-processor history they grow."""
 
     def __init__(self, model: nn.Module, cache: list, plan: DispatchPlan, stats: FillStats, *,
                  sampler: Sampler, logits_processors: list | None,
                  quantize: Callable[[list], None], prefill_step_size: int, replay: bool = False):
-        self.model = model
-        self.replay = replay  # rewind by restore-and-replay (every rank of a sharded model alike)
-        self.cache = cache
-        self.plan = plan
-        self.stats = stats
-        self.sampler = sampler
-        self.logits_processors = logits_processors
-        self.quantize = quantize
+        super().__init__(model, cache, plan, stats, sampler=sampler,
+                         logits_processors=logits_processors, quantize=quantize, replay=replay)
         self.prefill_step_size = prefill_step_size
-        self.history: mx.array | None = None
 
     def _remember(self, ids: mx.array) -> None:
         if self.logits_processors:
             self.history = ids if self.history is None else mx.concat([self.history, ids])
-
-    def remember(self, ids: Sequence[int]) -> None:
-        """Grow the history by ids a span fed to the cache."""
-        if self.logits_processors:
-            dtype = self.history.dtype if self.history is not None else mx.uint32
-            self._remember(mx.array(list(ids), dtype=dtype))
-
-    def sample(self, row: mx.array) -> Sample:
-        """Sample a ``[1, V]`` logits row after the current history (the one acceptance rule's
-        row processing)."""
-        return Sample(*process_row(row, self.history, self.sampler, self.logits_processors))
 
     def prefill(self, prompt: mx.array, progress: Callable[[int, int], None]) -> Sample:
         """Feed the prompt in ``prefill_step_size`` chunks, all but its last id, then step on
@@ -195,22 +113,6 @@ class _Target:
         self.quantize(self.cache)
         self.stats.forwards += 1
         return self.sample(logits)
-
-    def forward(self, feed: list[int], rows: str) -> tuple[Checkpoint, mx.array | None]:
-        """Append ``feed`` in plan-sized chunks, keeping a checkpoint to rewind to; ``rows``
-        selects the logits rows returned (``all``, ``last`` or ``none``)."""
-        t0 = time.perf_counter()
-        cp = checkpoint(self.model, self.cache, self.plan)
-        cp.replay = self.replay
-        self.stats.checkpoint_ms += (time.perf_counter() - t0) * 1e3
-        self.stats.forwards += len(self.plan.chunks(cache_offset(self.cache), len(feed)))
-        return cp, append(self.model, self.cache, feed, plan=self.plan, logits=rows, record=cp,
-                          after_chunk=self.quantize)
-
-    def rewind(self, cp: Checkpoint, keep: int) -> None:
-        t0 = time.perf_counter()
-        rewind(cp, keep)
-        self.stats.checkpoint_ms += (time.perf_counter() - t0) * 1e3
 
 
 class _Output:
@@ -242,57 +144,16 @@ class _Output:
         finally:
             if not finished:
                 rewind(cp, received)
-                self.fill.feedback(rnd.proposal, max(0, received - len(rnd.lead)), rnd.position)
+                settle(self.fill, rnd, received)
 
 
-def _assert_round(rnd: Round, target: _Target, out: _Output):
-    """Append an asserted span (after the chained sample, else in place of the discarded
-    in-flight sample) with one chunked forward; returns the sample after it, or None when the
-    span reaches ``max_tokens``."""
-    if not rnd.chained:
-        target.stats.wasted_samples += 1
-    need_next = rnd.wants_next(len(rnd.proposal.ids))
-    feed = rnd.feed
-    cp, row = target.forward(feed, "last" if need_next else "none")
-    vocab = rnd.sample.logprobs.shape[-1]
-    lead_lps = [rnd.sample.logprobs] if rnd.chained else []
-    yield from out.burst(rnd, cp, feed,
-                         lead_lps + [_forced_logprobs(t, vocab) for t in rnd.proposal.ids])
-    target.remember(feed)
-    nxt = None
-    if need_next:
-        nxt = target.sample(row)
-        mx.async_eval(nxt.token, nxt.logprobs)
-    out.fill.feedback(rnd.proposal, len(rnd.proposal.ids), rnd.position)
-    return nxt
-
-
-def _verify_round(rnd: Round, target: _Target, out: _Output):
-    """Forward the span once, sample every row (the one acceptance rule), rewind the rejected
-    tail and yield the agreeing prefix; returns the correction/bonus sample after it, or None
-    when the kept ids reach ``max_tokens``."""
-    feed = rnd.feed
-    cp, rows = target.forward(feed, "all")
-    verdict = verify_rows(rows, feed, target.history, target.sampler, target.logits_processors)
-    target.rewind(cp, verdict.accepted)
-    kept = feed[:verdict.accepted]
-    yield from out.burst(rnd, cp, kept,
-                         [rnd.sample.logprobs, *verdict.row_logprobs[:len(kept) - 1]])
-    target.remember(kept)
-    accepted = len(kept) - len(rnd.lead)
-    out.fill.feedback(rnd.proposal, accepted, rnd.position)
-    if not rnd.wants_next(accepted):
-        return None
-    return Sample(mx.array([verdict.next_token], dtype=rnd.sample.token.dtype),
-                  verdict.next_logprobs)
-
-
-def _round(proposal: Proposal, sample: Sample, chained: bool, start: int,
-           remaining: int | None) -> Round:
-    """The round for ``proposal``, its ids capped so the yields fit ``remaining``."""
-    cap = None if remaining is None else remaining - int(chained)
-    ids = proposal.ids if cap is None else proposal.ids[:cap]
-    return Round(replace(proposal, ids=tuple(ids)), sample, chained, start, cap)
+def _apply(rnd: Round, target: _Target, out: _Output):
+    """Run one round (:func:`~mlx_fill.core.round.execute`) and yield its committed ids;
+    returns the sample after them, or None when they reach ``max_tokens``."""
+    done = execute(target, rnd)
+    yield from out.burst(rnd, done.checkpoint, done.ids, done.logprobs)
+    settle(out.fill, rnd, len(done.ids))
+    return done.next
 
 
 def _fill_loop(
@@ -346,9 +207,10 @@ def _fill_loop(
                      logits_processors=logits_processors, quantize=quantize,
                      prefill_step_size=prefill_step_size,
                      replay=shared is not None and shared.replay)
-    propose = fill.propose if shared is None else functools.partial(shared.propose, fill)
     progress = prompt_progress_callback or (lambda *_: None)
     prompt_ids = fill.prompt_ids if fill.prompt_ids is not None else prompt.tolist()
+    asking = Asking(fill, prompt_ids,
+                    None if shared is None else functools.partial(shared.propose, fill))
     out = _Output(fill)
     emitted = out.emitted
     total = len(prompt)
@@ -358,22 +220,16 @@ def _fill_loop(
 
     def apply(rnd: Round):
         with mx.stream(stream):
-            if rnd.proposal.policy == "assert":
-                return (yield from _assert_round(rnd, target, out))
-            return (yield from _verify_round(rnd, target, out))
+            return (yield from _apply(rnd, target, out))
 
     with mx.stream(stream):
         sample = target.prefill(prompt, progress)
     chained = False  # sample was drawn by a round: not yielded, not fed, no step in flight
-    asked = -1  # len(emitted) + 1 when the slot after sample was already offered to the sources
     while True:
-        left = remaining()
-        if chained and (left is None or left > 1):
-            asked = len(emitted) + 1
-            proposal = propose(DecodeView(prompt_ids, [*emitted, sample.id], fill.eos_ids,
-                                          pending=True))
-            if proposal is not None:
-                sample = yield from apply(_round(proposal, sample, True, len(emitted), left))
+        if chained:
+            rnd = asking.after_sample(emitted, sample, remaining())
+            if rnd is not None:
+                sample = yield from apply(rnd)
                 if sample is None:  # max_tokens reached inside the span
                     break
                 continue
@@ -392,15 +248,8 @@ def _fill_loop(
         if len(emitted) % 256 == 0:
             mx.clear_cache()
         sample, chained = following, False
-        left = remaining()
-        if left == 0 or asked == len(emitted):
-            continue
-        proposal = propose(DecodeView(prompt_ids, emitted, fill.eos_ids))
-        if proposal is None:
-            continue
-        rnd = _round(proposal, sample, False, len(emitted), left)
-        if rnd.proposal.policy == "verify" and sample.id != rnd.proposal.ids[0]:
-            fill.feedback(rnd.proposal, 0, rnd.position)  # disagrees with the in-flight sample
+        rnd = asking.at_sample(emitted, sample, remaining())
+        if rnd is None:
             continue
         sample = yield from apply(rnd)
         if sample is None:  # max_tokens reached inside the span; the cache holds every yield
