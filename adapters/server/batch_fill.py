@@ -6,19 +6,18 @@ Mechanism, per :meth:`GenerationBatch.next` call (one decode step of the whole b
    the rows stock batching computes; each sequence's token is emitted and the next samples are
    in flight.
 2. For each sequence that has a fill session (:class:`SeqFill`), its in-flight sample is read
-   (a sync). A token the session has not yet seen as the end of a view is shown first (its
-   proposal starts at the in-flight sample's slot, as a round of the serial loop does);
-   otherwise the in-flight sample *leads* the round, as the pending sample leads a chained
-   round of the serial loop: the session sees it as emitted and may propose the slots after
-   it (:func:`_proposal`). With a proposal,
-   a *side step* on the sequence's own slice of the batch cache: the sequence's caches are
-   extracted (``BatchKVCache.extract`` / ``ArraysCache.extract``, copies of that row), the
-   lead and the span are appended in one call of the serial append-and-rewind primitive
-   (:mod:`mlx_fill.core.primitive`) under the dispatch plan, the span verified or asserted
-   exactly as the serial loop does (:mod:`mlx_fill.core.acceptance`), the rejected tail is
-   rewound on that sequence only, and the result is written back into that row of the batch
-   cache (:func:`_write_back`). The lead and the kept ids join the step's responses, in order,
-   after its stock token; the sample after them becomes its next input.
+   (a sync) and the session is asked through the same :class:`~mlx_fill.core.round.Asking` as
+   the serial loop (:func:`_round`): a token the session has not yet seen as the end of a view
+   is shown first (its proposal starts at the in-flight sample's slot); otherwise, or when that
+   yields nothing, the in-flight sample *leads* the round, as the pending sample leads a chained
+   round of the serial loop. With a round, a *side step* on the sequence's own slice of the
+   batch cache: the sequence's caches are extracted (``BatchKVCache.extract`` /
+   ``ArraysCache.extract``, copies of that row) and the round runs through the one round
+   executor (:func:`mlx_fill.core.round.execute`: one append of the lead and the span under
+   the dispatch plan, assert or verify, rewind), cut where a stop sequence ends the sequence;
+   the result is written back into that row of the batch cache (:func:`_write_back`). The
+   lead and the kept ids join the step's responses, in order, after its stock token; the
+   sample after them becomes its next input.
 
 Exactness. Every other sequence's cache rows and samples are the stock step's, untouched. The
 filled sequence's rows hold the serial primitive's keys and values, which equal serial
@@ -62,11 +61,12 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import cache as C
 
-from mlx_fill.core.acceptance import process_row, verify_rows
 from mlx_fill.core.plan import DispatchPlan
-from mlx_fill.core.primitive import Unsupported, append, cache_offset, checkpoint, rewind
-from mlx_fill.core.proposal import DecodeView, FillSession, Proposal
+from mlx_fill.core.primitive import Unsupported
+from mlx_fill.core.proposal import FillSession, FillStats
 from mlx_fill.core.resolve import plan_for
+from mlx_fill.core.round import Asking, CacheView, Outcome, Round, Sample, execute, settle
+from mlx_fill.adapters import mlx_lm_seam as seam
 from mlx_fill.spec.cost import batch_min_gain
 
 log = logging.getLogger("mlx_fill")
@@ -76,8 +76,7 @@ log = logging.getLogger("mlx_fill")
 class SeqFill:
     """One batched sequence's fill: its session, the full prompt ids, the ids emitted so far,
     the largest generation batch it decoded in (``batch_peak``: proof the batch was used),
-    ``rounds`` applied, ``on_end`` (called once when the sequence leaves the batch) and how much
-    of ``emitted`` the session has seen as a view's end (``viewed``)."""
+    ``rounds`` applied and ``on_end`` (called once when the sequence leaves the batch)."""
 
     session: FillSession
     prompt_ids: list[int]
@@ -85,7 +84,10 @@ class SeqFill:
     batch_peak: int = 0
     rounds: int = 0
     on_end: Callable[[], None] | None = None
-    viewed: int = 0  # the longest ``emitted`` prefix the session was shown as a whole view
+    asking: Asking = field(init=False)  # when the session is asked (shared with the serial loop)
+
+    def __post_init__(self) -> None:
+        self.asking = Asking(self.session, self.prompt_ids)
 
     def end(self) -> None:
         if self.on_end is not None:
@@ -93,7 +95,7 @@ class SeqFill:
             on_end()
 
 
-# the registry of the BatchGenerator whose ``_next`` is running (uid -> SeqFill)
+# the registry of the BatchGenerator whose step (``BatchGenerator._next``) is running (uid -> SeqFill)
 _active: contextvars.ContextVar[dict[int, SeqFill] | None] = contextvars.ContextVar(
     "mlx_fill_batch", default=None)
 
@@ -133,7 +135,7 @@ def _take_alone(batch_cache: list[Any]) -> list[Any] | None:
         if int(bc.left_padding[0].item()) != 0:
             return None
         sc = C.KVCache()
-        sc.offset = bc._idx
+        sc.offset = seam.kv_end(bc)
         single.append(sc)
     for bc, sc in zip(batch_cache, single):
         if isinstance(sc, C.KVCache):  # moved, not shared: appends may then update in place
@@ -148,12 +150,8 @@ def _give_back(batch_cache: list[Any], single: list[Any]) -> None:
             bc.cache = list(sc.cache)
             continue
         bc.keys, bc.values = sc.keys, sc.values
-        bc.offset = bc.offset + (sc.offset - bc._idx)
-        bc._idx = sc.offset
-
-
-def _forced(token: int, vocab: int) -> mx.array:
-    return mx.where(mx.arange(vocab) == token, 0.0, -mx.inf)
+        bc.offset = bc.offset + (sc.offset - seam.kv_end(bc))
+        seam.set_kv_end(bc, sc.offset)
 
 
 def _write_back(batch_cache: list[Any], i: int, single: list[Any], added: int) -> None:
@@ -167,73 +165,48 @@ def _write_back(batch_cache: list[Any], i: int, single: list[Any], added: int) -
         if added == 0:
             continue
         pad = int(bc.left_padding[i].item())
+        end = seam.kv_end(bc)
         if added > pad:  # grow every row's left padding by the shortfall, rounded up
             grow = -(-(added - pad) // PAD_GROWTH) * PAD_GROWTH
             # and keep room on the right, so the next batched step does not copy again
-            spare = -(bc._idx + grow) % bc.step
+            spare = -(end + grow) % bc.step
             widths = [(0, 0), (0, 0), (grow, spare), (0, 0)]
-            bc.keys = mx.pad(bc.keys[..., :bc._idx, :], widths)
-            bc.values = mx.pad(bc.values[..., :bc._idx, :], widths)
+            bc.keys = mx.pad(bc.keys[..., :end, :], widths)
+            bc.values = mx.pad(bc.values[..., :end, :], widths)
             bc.left_padding = bc.left_padding + grow
-            bc._idx += grow
+            end += grow
+            seam.set_kv_end(bc, end)
             pad += grow
         start = pad - added
-        bc.keys[i:i + 1, :, start:bc._idx, :] = sc.keys[..., :sc.offset, :]
-        bc.values[i:i + 1, :, start:bc._idx, :] = sc.values[..., :sc.offset, :]
+        bc.keys[i:i + 1, :, start:end, :] = sc.keys[..., :sc.offset, :]
+        bc.values[i:i + 1, :, start:end, :] = sc.values[..., :sc.offset, :]
         onehot = (mx.arange(bc.left_padding.size) == i).astype(bc.left_padding.dtype) * added
         bc.left_padding = bc.left_padding - onehot
         bc.offset = bc.offset + onehot.astype(bc.offset.dtype)
 
 
-@dataclass
-class _Outcome:
-    """What a side step emitted for one sequence: ids (the lead first), their logprobs, the
-    finish reason of the last one (None: still decoding) and the next input sample (None when
-    finished)."""
-
-    ids: list[int]
-    logprobs: list[mx.array]
-    finish: str | None
-    next_token: mx.array | None = None
-    next_logprobs: mx.array | None = None
-    forwards: int = 0
+def _stop(gb: Any, i: int, ids: list[int]) -> int | None:
+    """How many of ``ids`` sequence ``i`` takes through the one that completes a stop
+    sequence (advancing its stop matcher over exactly those), or None when none does."""
+    for n, t in enumerate(ids, start=1):
+        if seam.stops(gb, i, t):
+            return n
+    return None
 
 
-def _cut(gb: Any, i: int, ids: list[int]) -> tuple[int, str | None]:
-    """How many of ``ids`` sequence ``i`` emits before a stop sequence or ``max_tokens`` ends
-    it (advancing its stop matcher over exactly those), and the finish reason."""
-    room = gb.max_tokens[i] - gb._num_tokens[i]
-    for n, t in enumerate(ids[:room], start=1):
-        if gb._matchers[i].advance(t):
-            return n, "stop"
-        if n == room:
-            return n, "length"
-    return len(ids), None
-
-
-def _history(gb: Any, i: int) -> mx.array | None:
-    """Sequence ``i``'s logits-processor history (ending with its last fed id), or None."""
-    if not gb.logits_processors or not gb.logits_processors[i]:
-        return None
-    buf = gb._token_context[i]
-    return buf._buffer[:buf._size]
-
-
-def _side_step(gb: Any, i: int, lead: list[int], proposal: Proposal, plan: DispatchPlan) -> _Outcome:
-    """Feed sequence ``i`` of generation batch ``gb`` ``lead`` (its in-flight sample, or
-    nothing) and ``proposal``'s ids in one append on its own caches (taken over from the batch
-    when it is alone, else extracted and written back before returning). A verify span starts
-    with the in-flight sample when nothing leads it; a lead is always kept."""
+def _side_step(gb: Any, i: int, rnd: Round, plan: DispatchPlan, stats: FillStats) -> Outcome:
+    """Run ``rnd`` (:func:`~mlx_fill.core.round.execute`) on sequence ``i`` of generation batch
+    ``gb``, on its own caches: taken over from the batch when it is alone, else extracted and
+    written back before returning."""
     sampler = (gb.samplers[i] if gb.samplers and gb.samplers[i] is not None
                else gb.fallback_sampler)
     processors = gb.logits_processors[i] if gb.logits_processors else None
-    history = _history(gb, i)
-    ids = [*lead, *proposal.ids]
     alone = _take_alone(gb.prompt_cache) if len(gb.uids) == 1 else None
     single = alone if alone is not None else [c.extract(i) for c in gb.prompt_cache]
+    view = CacheView(gb.model, single, plan, stats, sampler=sampler,
+                     logits_processors=processors, history=seam.history(gb, i))
     try:
-        out = _apply_span(gb, i, single, ids, proposal.policy, bool(lead), plan, sampler,
-                          processors, history)
+        out = execute(view, rnd, stop=lambda ids: _stop(gb, i, ids))
     finally:  # also when the primitive refuses: the batch must get its buffers back
         if alone is not None:
             _give_back(gb.prompt_cache, single)
@@ -242,75 +215,15 @@ def _side_step(gb: Any, i: int, lead: list[int], proposal: Proposal, plan: Dispa
     return out
 
 
-def _apply_span(gb: Any, i: int, single: list[Any], ids: list[int], policy: str, led: bool,
-                plan: DispatchPlan, sampler: Any, processors: Any, history: Any) -> _Outcome:
-    """The side step proper on sequence ``i``'s single-sequence caches ``single``: append
-    ``ids`` (``led``: the first is the target's in-flight sample), verify or assert the rest,
-    rewind the rejected tail; ``single`` ends holding the kept ids."""
-    cp = checkpoint(gb.model, single, plan)
-    forwards = len(plan.chunks(cache_offset(single), len(ids)))
-    if policy == "assert":
-        row = append(gb.model, single, ids, plan=plan, logits="last", record=cp)
-        n, finish = _cut(gb, i, ids)
-        vocab = gb._next_logprobs[i].shape[-1]
-        lps = [gb._next_logprobs[i] if led else _forced(ids[0], vocab),
-               *(_forced(t, vocab) for t in ids[1:n])]
-        out = _Outcome(ids[:n], lps[:n], finish)
-        if finish is None:
-            hist = history
-            if processors:
-                hist = mx.concatenate([history, mx.array(ids, dtype=history.dtype)])
-            out.next_token, out.next_logprobs = process_row(row, hist, sampler, processors)
-    else:
-        rows = append(gb.model, single, ids, plan=plan, logits="all", record=cp)
-        verdict = verify_rows(rows, ids, history, sampler, processors)
-        kept = ids[:verdict.accepted]
-        n, finish = _cut(gb, i, kept)
-        lps = [gb._next_logprobs[i], *verdict.row_logprobs[:n - 1]]
-        out = _Outcome(kept[:n], lps, finish)
-        if finish is None:
-            out.next_token = mx.array([verdict.next_token], dtype=gb._next_tokens.dtype)
-            out.next_logprobs = verdict.next_logprobs
-    rewind(cp, n)
-    out.forwards = forwards
-    return out
-
-
-def _apply(gb: Any, i: int, out: _Outcome) -> None:
-    """Record sequence ``i``'s side-step ids as fed and emitted, and set its next input."""
-    gb.tokens[i].extend(out.ids)
-    gb._num_tokens[i] += len(out.ids)
-    if gb.logits_processors and gb.logits_processors[i]:
-        gb._token_context[i].update_and_fetch(mx.array(out.ids, dtype=mx.int32))
-    if out.next_token is not None:
-        nt = gb._next_tokens
-        gb._next_tokens = mx.concatenate([nt[:i], out.next_token.astype(nt.dtype), nt[i + 1:]])
-        gb._next_logprobs[i] = out.next_logprobs
-
-
-def _proposal(sf: SeqFill, lead: int) -> tuple[Proposal, bool, int] | None:
-    """This step's proposal for a sequence whose in-flight sample is ``lead``: (proposal,
-    whether ``lead`` leads it, output index of its first id), or None.
-
-    Every emitted id ends a view once, as in the serial loop: an id the session has not seen
-    as the end of a view (the first token, the sample after a side step) is shown first, and
-    that proposal's first id is for ``lead``'s slot (a verify span must start with ``lead``;
-    an assert span replaces it). Otherwise, or when that yields nothing, ``lead`` leads: the
-    session sees it as emitted and drafts the slots after it (a chained round)."""
-    eos = sf.session.eos_ids
-    if sf.viewed < len(sf.emitted):
-        sf.viewed = len(sf.emitted)
-        position = len(sf.emitted)
-        proposal = sf.session.propose(DecodeView(sf.prompt_ids, sf.emitted, eos))
-        if proposal is not None:
-            if proposal.policy == "assert" or proposal.ids[0] == lead:
-                return proposal, False, position
-            sf.session.feedback(proposal, 0, position)
-    if lead in eos:
-        return None
-    sf.viewed = len(sf.emitted) + 1
-    proposal = sf.session.propose(DecodeView(sf.prompt_ids, [*sf.emitted, lead], eos))
-    return None if proposal is None else (proposal, True, len(sf.emitted) + 1)
+def _round(sf: SeqFill, sample: Sample, room: int) -> Round | None:
+    """This step's round for a sequence whose in-flight sample is ``sample`` and that has
+    ``room`` slots left: the round at the sample's slot when its session has not yet seen the
+    last emitted id as a view's end; otherwise, or when that yields nothing, the round the
+    sample leads (a chained round), unless the sample ends the sequence."""
+    rnd = sf.asking.at_sample(sf.emitted, sample, room)
+    if rnd is None and sample.id not in sf.session.eos_ids:
+        rnd = sf.asking.after_sample(sf.emitted, sample, room)
+    return rnd
 
 
 def _fill_rounds(gb: Any, reg: dict[int, SeqFill], responses: list) -> list:
@@ -325,33 +238,31 @@ def _fill_rounds(gb: Any, reg: dict[int, SeqFill], responses: list) -> list:
         plan = sf.session.plan if sf.session.plan is not None else plan_for(gb.model)
         # a side step stalls the whole batch: it must beat the batched step's own rate
         sf.session.pace.min_gain = batch_min_gain(plan, len(gb.uids))
-        if gb._num_tokens[i] + 1 >= gb.max_tokens[i]:
+        room = seam.slots_left(gb, i)
+        if room <= 1:
             continue  # the in-flight sample is the sequence's last token: nothing to fill
-        lead = int(gb._next_tokens[i].item())  # the in-flight sample (a sync)
-        found = _proposal(sf, lead)
-        if found is None:
+        rnd = _round(sf, Sample(*seam.in_flight(gb, i)), room)  # reads the sample: a sync
+        if rnd is None:
             continue
-        proposal, led, position = found
         try:
-            out = _side_step(gb, i, [lead] if led else [], proposal, plan)
+            out = _side_step(gb, i, rnd, plan, sf.session.stats)
         except Unsupported as e:
             sf.session.refuse(e.reason)
             continue
         sf.rounds += 1
-        sf.session.stats.forwards += out.forwards
-        if proposal.policy == "assert" and not led:
-            sf.session.stats.wasted_samples += 1
-        sf.session.feedback(proposal, len(out.ids) - int(led), position)
-        _apply(gb, i, out)
+        settle(sf.session, rnd, len(out.ids))
+        finish = "stop" if out.stopped else ("length" if len(out.ids) >= room else None)
+        seam.commit(gb, i, out.ids, None if out.next is None else (out.next.token,
+                                                                   out.next.logprobs))
         sf.emitted.extend(out.ids)
         sf.session.stats.emitted = len(sf.emitted)
         rows = [gb.Response(uid, t, lp, None, None, None)
                 for t, lp in zip(out.ids, out.logprobs)]
-        if out.finish is not None:
-            rows[-1] = gb.Response(uid, out.ids[-1], out.logprobs[-1], out.finish,
+        if finish is not None:
+            rows[-1] = gb.Response(uid, out.ids[-1], out.logprobs[-1], finish,
                                    gb.extract_cache(i), list(gb.tokens[i]))
         extra[uid] = rows
-        if out.finish is not None:
+        if finish is not None:
             finished.add(i)
     if finished:
         gb.filter([i for i in range(len(gb.uids)) if i not in finished])
@@ -380,7 +291,8 @@ def install(generate_module: Any) -> bool:
     BG, GB = generate_module.BatchGenerator, generate_module.GenerationBatch
     if getattr(GB.next, "__mlx_fill__", False):
         return False
-    stock_next, stock_bg_next, stock_remove = GB.next, BG._next, BG.remove
+    stock_next, stock_bg_next, stock_remove = (getattr(cls, name) for cls, name in
+                                               ((GB, "next"), (BG, seam.BATCH_STEP), (BG, "remove")))
 
     def gb_next(self):
         reg = _active.get()
@@ -413,7 +325,8 @@ def install(generate_module: Any) -> bool:
                 reg.pop(uid).end()
         return stock_remove(self, uids, *a, **kw)
 
-    for cls, name, orig, new in ((GB, "next", stock_next, gb_next), (BG, "_next", stock_bg_next, bg_next),
+    for cls, name, orig, new in ((GB, "next", stock_next, gb_next),
+                                 (BG, seam.BATCH_STEP, stock_bg_next, bg_next),
                                  (BG, "remove", stock_remove, remove)):
         new.__wrapped__ = orig
         new.__mlx_fill__ = True
