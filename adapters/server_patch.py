@@ -41,18 +41,26 @@ proposals (:mod:`mlx_fill.core.shared`). A rank whose session build fails still 
 fill's loop with a refused session, so the per-request agreement happens on every rank. The
 plan is resolved at load on every rank together (rank 0's, shared).
 
-Every wrapper carries ``__mlx_fill__ = True`` (idempotence) and ``__wrapped__``. All targets are
-checked before any is replaced; a mismatch raises, and the hook turns that into one warning.
+State: one :class:`ServerFill` per patched server holds everything the hook keeps between
+calls (ledgers, acceptance estimates, template variables, distributed groups, the request parked
+between ``_tokenize`` and ``insert_segments``, the serial request on the generation thread); the
+module holds none. Each wrapper is a named function of that state and the wrapped original
+(:data:`WRAPPERS`); a request body is first seen in :meth:`ServerFill.receive`.
+
+Every wrapper carries ``__mlx_fill__ = True`` (idempotence) and ``__wrapped__``. Every private
+name the hook and the batched lane touch is in :mod:`mlx_fill.adapters.mlx_lm_seam` and checked
+before anything is replaced: a server mismatch raises (the hook turns that into one warning and
+patches nothing); a batched-lane mismatch is one warning and fill off in that lane only.
 """
 
 from __future__ import annotations
 
 import contextvars
 import hashlib
-import inspect
 import json
 import logging
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -70,25 +78,13 @@ from mlx_fill.session import (
     server_ledger,
     usage_extra,
 )
+from mlx_fill.adapters import mlx_lm_seam as seam
 from mlx_fill.adapters.server import batch_fill
 from mlx_fill.adapters.server.batch_fill import SeqFill
 from mlx_fill.adapters.server.template_vars import template_variables
 
 ROUTED_KEYS = ("tools", "tool_choice", "prediction")
 log = logging.getLogger("mlx_fill")
-
-# (class name, method, leading parameter names the wrapper relies on)
-TARGETS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("APIHandler", "handle_completion", ("self", "request", "stop_words")),
-    ("APIHandler", "generate_response", ("self", "text", "finish_reason")),
-    ("APIHandler", "completion_usage_response", ("self",)),
-    ("ResponseGenerator", "generate", ("self", "request", "generation_args")),
-    ("ResponseGenerator", "_is_batchable", ("self", "args")),
-    ("ResponseGenerator", "_serve_single", ("self", "request", "stream")),
-    ("ResponseGenerator", "_tokenize", ("self", "tokenizer", "request", "args")),
-    ("ModelProvider", "_load", ("self", "model_path")),
-    ("BatchGenerator", "insert_segments", ("self", "segments")),
-)
 
 
 @dataclass
@@ -115,8 +111,15 @@ class FillRequest:
         return extra
 
 
-_current: contextvars.ContextVar[tuple[FillRequest, Any, str] | None] = contextvars.ContextVar(
-    "mlx_fill_request", default=None)
+@dataclass
+class Parked:
+    """A batched-lane request between ``_tokenize`` and the ``insert_segments`` that follows it
+    on the generation thread."""
+
+    request: FillRequest
+    tokenizer: Any
+    args: Any
+    model_key: str
 
 
 def wants_fill(body: Any) -> bool:
@@ -125,17 +128,308 @@ def wants_fill(body: Any) -> bool:
         body.get("tools") or body.get("tool_choice") is not None or body.get("prediction") is not None)
 
 
-def _check(server: Any) -> None:
-    for cls_name, method, params in TARGETS:
-        cls = getattr(server, cls_name, None)
-        fn = getattr(cls, method, None)
-        if fn is None:
-            raise RuntimeError(f"mlx_lm.server.{cls_name}.{method} is missing")
-        names = tuple(inspect.signature(fn).parameters)[:len(params)]
-        if names != params:
-            raise RuntimeError(f"mlx_lm.server.{cls_name}.{method}{names} does not start with {params}")
-    if not callable(getattr(server, "stream_generate", None)):
-        raise TypeError("mlx_lm.server.stream_generate is missing or not callable")
+class ServerFill:
+    """The hook's state for one patched ``mlx_lm.server``: fill ``mode``; whether the batched
+    lane fills (``batch_lane``: its seam matched); per model key and template the evidence
+    ledger, per model key the cost-gated sources' acceptance estimates (kept for the process
+    lifetime), per template its variables; per loaded model its distributed group and whether
+    its caches batch-fill; the request parked between ``_tokenize`` and ``insert_segments``;
+    the serial request published on the generation thread (a context variable)."""
+
+    def __init__(self, mode: str, batch_lane: bool = True):
+        self.mode = mode
+        self.batch_lane = batch_lane
+        self.ledgers: dict[tuple[str, str], Ledger | None] = {}
+        self.acceptance: dict[str, dict] = {}
+        self.template_vars: dict[str, frozenset[str]] = {}
+        self.groups: dict[int, Any] = {}  # id(model) -> the distributed group it was sharded over
+        self.batchable: dict[int, bool] = {}  # id(model) -> its caches batch-fill
+        self.parked: Parked | None = None
+        self.current: contextvars.ContextVar[tuple[FillRequest, Any, str] | None] = (
+            contextvars.ContextVar("mlx_fill_request", default=None))
+
+    def receive(self, body: Any) -> FillRequest | None:
+        """The one place a request body is first seen: the request's fill mark, or None when
+        fill leaves it alone."""
+        return FillRequest(self.mode, body) if wants_fill(body) else None
+
+    def ledger_for(self, model_key: str, tokenizer: Any) -> Ledger | None:
+        """The server's evidence ledger for its model and template, loaded once; None (logged,
+        fill still serves in ``verify``) when the persisted file is unreadable."""
+        key = (model_key, getattr(tokenizer, "chat_template", None) or "")
+        if key not in self.ledgers:
+            try:
+                self.ledgers[key] = server_ledger(model_key, tokenizer)
+            except ValueError as e:
+                log.warning("mlx-fill: evidence ledger disabled (%s)", e)
+                self.ledgers[key] = None
+        return self.ledgers[key]
+
+    def allowed_kwargs(self, tokenizer: Any) -> frozenset[str]:
+        """The ``chat_template_kwargs`` keys the tokenizer's template reads, computed once per
+        template."""
+        template = getattr(tokenizer, "chat_template", None)
+        key = hashlib.sha256(json.dumps(template, sort_keys=True, default=str).encode()).hexdigest()
+        if key not in self.template_vars:
+            self.template_vars[key] = template_variables(template)
+        return self.template_vars[key]
+
+    def budget_refusal(self, body: dict, tokenizer: Any) -> str | None:
+        """Why fill must not even look at this request's tools or template arguments: tools over
+        the default :class:`~mlx_fill.limits.Limits` compile budget (checked without recursion or
+        jsonschema, so the generation thread never spends long on them), or
+        ``chat_template_kwargs`` beyond the model template's variables (fill renders only the
+        model directory's template)."""
+        if over_compile_budget(body.get("tools")):
+            return "compile_budget"
+        kwargs = body.get("chat_template_kwargs")
+        if kwargs is not None and not (isinstance(kwargs, dict)
+                                       and set(kwargs) <= self.allowed_kwargs(tokenizer)):
+            return "template_kwargs"
+        return None
+
+    def open_session(self, fill_request: FillRequest, args: Any, kwargs: dict,
+                     ledger: Ledger | None = None, model_key: str = "",
+                     group: Any = None) -> FillSession | None:
+        """The request's session; a request fill cannot serve (malformed tools or prediction) or
+        must not compile (:meth:`budget_refusal`) gets a refused session, so it decodes exactly
+        as without fill and says why in ``usage.fill``."""
+        body = fill_request.body
+        tokenizer = kwargs["tokenizer"]
+        prompt_ids = fill_request.prompt_ids or []
+        refusal = self.budget_refusal(body, tokenizer)
+        if refusal is not None:
+            session = FillSession([], prompt_ids=prompt_ids)
+            session.refuse(refusal)
+            return session
+        try:
+            fill_request.predicted = predicted_count(tokenizer, body.get("prediction"))
+            session = build_session(
+                fill_request.mode, model=kwargs["model"], tokenizer=tokenizer,
+                prompt_ids=prompt_ids, messages=body.get("messages"),
+                tools=body.get("tools") or None,
+                template_kwargs=body.get("chat_template_kwargs") or None,
+                temperature=float(getattr(args.sampling, "temperature", 0.0) or 0.0),
+                seed=getattr(args, "seed", None),
+                logprobs=bool(getattr(args, "logprobs", False))
+                or (getattr(args, "top_logprobs", -1) or -1) > 0,
+                response_format=body.get("response_format"),
+                media=kwargs.get("input_embeddings") is not None,
+                prediction=body.get("prediction"), ledger=ledger,
+                acceptance=self.acceptance.setdefault(model_key, {}), group=group)
+        except ValueError as e:
+            session = FillSession([], prompt_ids=prompt_ids)
+            session.refuse("invalid_request")
+            fill_request.error = str(e)
+            return session
+        # mlx_lm.server reads every token's logprob before it builds the next step, so its plain
+        # steps are synchronous, like a round's: a round costs its rows and nothing more
+        if session is not None:
+            session.pace.round_overhead = 0.0
+        return session
+
+    def group(self, model: Any) -> Any:
+        """The group a model loaded by ``ModelProvider._load`` under ``mlx.launch`` spans, else
+        None."""
+        return self.groups.get(id(model))
+
+    def batch_fills(self, model_provider: Any) -> bool:
+        """Whether fill requests for the provider's loaded model keep the batched lane: its
+        caches batch-fill and it is not sharded over a distributed group (ranks agree on
+        proposals only in the serial lane). False before a model is loaded."""
+        model = seam.loaded_model(model_provider)
+        if model is None or self.group(model) is not None:
+            return False
+        if id(model) not in self.batchable:
+            self.batchable[id(model)] = batch_fill.supported(model)
+        return self.batchable[id(model)]
+
+    def register(self, batch_generator: Any, uid: int, parked: Parked) -> None:
+        """Build the batched request's session and register it under ``uid``; a build failure
+        serves the request without fill (logged, ``usage.fill.error``)."""
+        fill_request = parked.request
+        ledger = None
+        try:
+            ledger = self.ledger_for(parked.model_key, parked.tokenizer)
+            session = self.open_session(fill_request, parked.args,
+                                        {"tokenizer": parked.tokenizer,
+                                         "model": batch_generator.model},
+                                        ledger, parked.model_key)
+        except Exception as e:  # noqa: BLE001 -- a fill bug must not fail the request
+            log.warning("mlx-fill: request served without fill (%s: %s)", type(e).__name__, e)
+            fill_request.error = f"{type(e).__name__}: {e}"
+            return
+        fill_request.session = session
+        seq = SeqFill(session, list(fill_request.prompt_ids or []),
+                      on_end=lambda: end_session(session, ledger))
+        fill_request.batched = seq
+        batch_fill.registry(batch_generator)[uid] = seq
+
+    def serial_stream(self, stream_generate: Callable, current: tuple[FillRequest, Any, str],
+                      kw: dict):
+        """The serial lane's ``stream_generate`` call for the published request: with its
+        session (rank 0 or one machine), a follower session (other ranks), or without fill when
+        the session cannot be built (logged, ``usage.fill.error``)."""
+        fill_request, args, model_key = current
+        group = self.group(kw["model"])
+        if group is not None and group.rank() != 0:
+            return stream_generate(fill=_follower(fill_request, kw, group), **kw)
+        ledger = None
+        try:
+            ledger = self.ledger_for(model_key, kw["tokenizer"])
+            session = attach_shared(self.open_session(fill_request, args, kw, ledger, model_key,
+                                                      group), group)
+        except Exception as e:  # noqa: BLE001 -- a fill bug must not fail the request
+            log.warning("mlx-fill: request served without fill (%s: %s)", type(e).__name__, e)
+            fill_request.error = f"{type(e).__name__}: {e}"
+            if group is None:
+                return stream_generate(**kw)
+            # the other ranks decode with fill's loop: agree with them, refused
+            return stream_generate(fill=follower_session(
+                kw["model"], fill_request.prompt_ids or [], group, refuse="error"), **kw)
+        fill_request.session = session
+        return _finishing(stream_generate(fill=session, **kw), session, ledger)
+
+
+def _add_usage(response: Any, fill_request: FillRequest | None) -> Any:
+    if fill_request is not None and isinstance(response, dict) and isinstance(response.get("usage"), dict):
+        response["usage"].update(fill_request.usage())
+    return response
+
+
+# --- the wrappers: each a named function of the server's state and the wrapped original --------
+
+
+def _handle_completion(state: ServerFill, original: Callable) -> Callable:
+    """HTTP thread: mark a request fill may serve (on the handler and on the request)."""
+    def handle_completion(self, request, stop_words, *a, **kw):
+        self.mlx_fill = state.receive(seam.request_body(self))
+        if self.mlx_fill is not None:
+            request.mlx_fill = self.mlx_fill
+        return original(self, request, stop_words, *a, **kw)
+    return handle_completion
+
+
+def _generate_response(state: ServerFill, original: Callable) -> Callable:
+    """The final response: ``usage`` gains the request's fill block."""
+    def generate_response(self, *a, **kw):
+        return _add_usage(original(self, *a, **kw), getattr(self, "mlx_fill", None))
+    return generate_response
+
+
+def _usage_response(state: ServerFill, original: Callable) -> Callable:
+    """The streamed usage chunk: ``usage`` gains the request's fill block."""
+    def completion_usage_response(self, *a, **kw):
+        return _add_usage(original(self, *a, **kw), getattr(self, "mlx_fill", None))
+    return completion_usage_response
+
+
+def _generate(state: ServerFill, original: Callable) -> Callable:
+    """Copy the request's mark onto its generation arguments (they cross to the generation
+    thread, and to every rank)."""
+    def generate(self, request, generation_args, *a, **kw):
+        fill_request = getattr(request, "mlx_fill", None)
+        if fill_request is not None:
+            generation_args.mlx_fill = fill_request
+        return original(self, request, generation_args, *a, **kw)
+    return generate
+
+
+def _is_batchable(state: ServerFill, original: Callable) -> Callable:
+    """Routing: a marked request takes the serial lane when the batched lane fills but the
+    loaded model does not batch-fill; otherwise stock's answer."""
+    def is_batchable(self, args, *a, **kw):
+        if (getattr(args, "mlx_fill", None) is not None and state.batch_lane
+                and not state.batch_fills(seam.model_provider(self))):
+            return False
+        return original(self, args, *a, **kw)
+    return is_batchable
+
+
+def _tokenize(state: ServerFill, original: Callable) -> Callable:
+    """Record a marked request's full prompt ids and park it for the ``insert_segments`` that
+    follows in the batched lane."""
+    def tokenize(self, tokenizer, request, args, *a, **kw):
+        state.parked = None
+        out = original(self, tokenizer, request, args, *a, **kw)
+        fill_request = getattr(request, "mlx_fill", None)
+        if fill_request is not None:
+            fill_request.prompt_ids = seam.prompt_of(out)
+            if state.batch_lane:
+                state.parked = Parked(fill_request, tokenizer, args,
+                                      seam.model_key(seam.model_provider(self)))
+        return out
+    return tokenize
+
+
+def _insert_segments(state: ServerFill, original: Callable) -> Callable:
+    """Batched lane: the parked request's session is registered under its new uid."""
+    def insert_segments(self, segments, *a, **kw):
+        parked, state.parked = state.parked, None
+        uids = original(self, segments, *a, **kw)
+        if parked is not None and len(uids) == 1:
+            state.register(self, uids[0], parked)
+        return uids
+    return insert_segments
+
+
+def _serve_single(state: ServerFill, original: Callable) -> Callable:
+    """Serial lane: publish the marked request on the generation thread for the
+    ``stream_generate`` call inside."""
+    def serve_single(self, request, *a, **kw):
+        state.parked = None
+        args = seam.serial_args(request)
+        fill_request = getattr(args, "mlx_fill", None)
+        model_key = seam.model_key(seam.model_provider(self))
+        token = state.current.set((fill_request, args, model_key)
+                                  if fill_request is not None else None)
+        try:
+            return original(self, request, *a, **kw)
+        finally:
+            state.current.reset(token)
+    return serve_single
+
+
+def _stream_generate(state: ServerFill, original: Callable) -> Callable:
+    """Serial lane: the published request decodes with ``fill=`` (one session per request)."""
+    def stream_generate(*a, **kw):
+        current = state.current.get()
+        if current is None or kw.get("draft_model") is not None or "fill" in kw or a:
+            return original(*a, **kw)
+        state.current.set(None)
+        return state.serial_stream(original, current, kw)
+    return stream_generate
+
+
+def _load(state: ServerFill, original: Callable) -> Callable:
+    """Resolve the loaded model's dispatch plan right after loading (every rank together)."""
+    def load(self, *a, **kw):
+        out = original(self, *a, **kw)
+        model = seam.loaded_model(self)
+        if model is not None:
+            from mlx_fill.core.resolve import prepare
+            group = seam.provider_group(self)
+            if group is not None:
+                state.groups[id(model)] = group
+            prepare(model, group)
+        return out
+    return load
+
+
+# (class name in mlx_lm.server or None for the module, attribute, wrapper); the last one
+# carries the idempotence flag :func:`apply` checks
+WRAPPERS: tuple[tuple[str | None, str, Callable[[ServerFill, Callable], Callable]], ...] = (
+    ("BatchGenerator", "insert_segments", _insert_segments),
+    ("ModelProvider", "_load", _load),
+    ("APIHandler", "handle_completion", _handle_completion),
+    ("APIHandler", "generate_response", _generate_response),
+    ("APIHandler", "completion_usage_response", _usage_response),
+    ("ResponseGenerator", "generate", _generate),
+    ("ResponseGenerator", "_tokenize", _tokenize),
+    ("ResponseGenerator", "_serve_single", _serve_single),
+    (None, "stream_generate", _stream_generate),
+    ("ResponseGenerator", "_is_batchable", _is_batchable),
+)
 
 
 def _wrap(original: Callable, wrapper: Callable) -> Callable:
@@ -146,260 +440,31 @@ def _wrap(original: Callable, wrapper: Callable) -> Callable:
     return wrapper
 
 
-def _add_usage(response: Any, fill_request: FillRequest | None) -> Any:
-    if fill_request is not None and isinstance(response, dict) and isinstance(response.get("usage"), dict):
-        response["usage"].update(fill_request.usage())
-    return response
-
-
-_ledgers: dict[tuple[str, str], Ledger | None] = {}
-
-
-def _ledger_for(model_key: str, tokenizer: Any) -> Ledger | None:
-    """The server's evidence ledger for its model and template, loaded once; None (logged,
-    fill still serves in ``verify``) when the persisted file is unreadable."""
-    key = (model_key, getattr(tokenizer, "chat_template", None) or "")
-    if key not in _ledgers:
-        try:
-            _ledgers[key] = server_ledger(model_key, tokenizer)
-        except ValueError as e:
-            log.warning("mlx-fill: evidence ledger disabled (%s)", e)
-            _ledgers[key] = None
-    return _ledgers[key]
-
-
-# per model: the cost-gated sources' per-draft acceptance estimates, kept for the process lifetime
-_acceptance: dict[str, dict] = {}
-
-_template_vars: dict[str, frozenset[str]] = {}
-
-
-def _allowed_kwargs(tokenizer: Any) -> frozenset[str]:
-    """The ``chat_template_kwargs`` keys the tokenizer's template reads, computed once per
-    template."""
-    template = getattr(tokenizer, "chat_template", None)
-    key = hashlib.sha256(json.dumps(template, sort_keys=True, default=str).encode()).hexdigest()
-    if key not in _template_vars:
-        _template_vars[key] = template_variables(template)
-    return _template_vars[key]
-
-
-def _budget_refusal(body: dict, tokenizer: Any) -> str | None:
-    """Why fill must not even look at this request's tools or template arguments: tools over
-    the default :class:`~mlx_fill.limits.Limits` compile budget (checked without recursion or
-    jsonschema, so the generation thread never spends long on them), or
-    ``chat_template_kwargs`` beyond the model template's variables (fill renders only the
-    model directory's template)."""
-    if over_compile_budget(body.get("tools")):
-        return "compile_budget"
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is not None and not (isinstance(kwargs, dict)
-                                   and set(kwargs) <= _allowed_kwargs(tokenizer)):
-        return "template_kwargs"
-    return None
-
-
-def _open_session(fill_request: FillRequest, args: Any, kwargs: dict,
-                  ledger: Ledger | None = None, model_key: str = "",
-                  group: Any = None) -> FillSession | None:
-    """The request's session; a request fill cannot serve (malformed tools or prediction) or
-    must not compile (:func:`_budget_refusal`) gets a refused session, so it decodes exactly as
-    without fill and says why in ``usage.fill``."""
-    body = fill_request.body
-    tokenizer = kwargs["tokenizer"]
-    prompt_ids = fill_request.prompt_ids or []
-    refusal = _budget_refusal(body, tokenizer)
-    if refusal is not None:
-        session = FillSession([], prompt_ids=prompt_ids)
-        session.refuse(refusal)
-        return session
-    try:
-        fill_request.predicted = predicted_count(tokenizer, body.get("prediction"))
-        session = build_session(
-            fill_request.mode, model=kwargs["model"], tokenizer=tokenizer, prompt_ids=prompt_ids,
-            messages=body.get("messages"), tools=body.get("tools") or None,
-            template_kwargs=body.get("chat_template_kwargs") or None,
-            temperature=float(getattr(args.sampling, "temperature", 0.0) or 0.0),
-            seed=getattr(args, "seed", None),
-            logprobs=bool(getattr(args, "logprobs", False)) or (getattr(args, "top_logprobs", -1) or -1) > 0,
-            response_format=body.get("response_format"),
-            media=kwargs.get("input_embeddings") is not None,
-            prediction=body.get("prediction"), ledger=ledger,
-            acceptance=_acceptance.setdefault(model_key, {}), group=group)
-    except ValueError as e:
-        session = FillSession([], prompt_ids=prompt_ids)
-        session.refuse("invalid_request")
-        fill_request.error = str(e)
-        return session
-    # mlx_lm.server reads every token's logprob before it builds the next step, so its plain
-    # steps are synchronous, like a round's: a round costs its rows and nothing more
-    if session is not None:
-        session.pace.round_overhead = 0.0
-    return session
-
-
 def apply(server: Any, mode: str) -> bool:
     """Patch the executed ``mlx_lm.server`` module for fill ``mode``. Returns False when it was
-    already patched. Raises (patching nothing) when a target is missing or has another shape."""
+    already patched. Raises (patching nothing) when a server target is missing or has another
+    shape; a batched-lane mismatch is one warning and that lane runs without fill."""
     if getattr(server.ResponseGenerator._is_batchable, "__mlx_fill__", False):
         return False
-    _check(server)
+    mismatch = seam.server_mismatch(server)
+    if mismatch is not None:
+        raise RuntimeError(mismatch)
     check_env()
     from .mlx_lm import install_generate_step
-    API, RG = server.APIHandler, server.ResponseGenerator
-    handle_completion, generate_response = API.handle_completion, API.generate_response
-    usage_response, generate = API.completion_usage_response, RG.generate
-    is_batchable, serve_single, tokenize = RG._is_batchable, RG._serve_single, RG._tokenize
-    stream_generate = server.stream_generate
-    load = server.ModelProvider._load
-    insert_segments = server.BatchGenerator.insert_segments
-
-    def handle_completion_w(self, request, stop_words, *a, **kw):
-        body = getattr(self, "body", None)
-        self.mlx_fill = FillRequest(mode, body) if wants_fill(body) else None
-        if self.mlx_fill is not None:
-            request.mlx_fill = self.mlx_fill
-        return handle_completion(self, request, stop_words, *a, **kw)
-
-    def generate_response_w(self, *a, **kw):
-        return _add_usage(generate_response(self, *a, **kw), getattr(self, "mlx_fill", None))
-
-    def usage_response_w(self, *a, **kw):
-        return _add_usage(usage_response(self, *a, **kw), getattr(self, "mlx_fill", None))
-
-    def generate_w(self, request, generation_args, *a, **kw):
-        fill_request = getattr(request, "mlx_fill", None)
-        if fill_request is not None:
-            generation_args.mlx_fill = fill_request
-        return generate(self, request, generation_args, *a, **kw)
-
-    def is_batchable_w(self, args, *a, **kw):
-        if getattr(args, "mlx_fill", None) is not None and not _batch_fills(self.model_provider):
-            return False
-        return is_batchable(self, args, *a, **kw)
-
-    def tokenize_w(self, tokenizer, request, args, *a, **kw):
-        _pending.clear()
-        out = tokenize(self, tokenizer, request, args, *a, **kw)
-        fill_request = getattr(request, "mlx_fill", None)
-        if fill_request is not None:
-            fill_request.prompt_ids = list(out[0])
-            model_key = str((getattr(self.model_provider, "model_key", None) or ("",))[0])
-            _pending.append((fill_request, tokenizer, args, model_key))
-        return out
-
-    def insert_segments_w(self, segments, *a, **kw):
-        pending = _pending.pop() if _pending else None
-        uids = insert_segments(self, segments, *a, **kw)
-        if pending is not None and len(uids) == 1:
-            _register(self, uids[0], *pending)
-        return uids
-
-    def serve_single_w(self, request, stream, *a, **kw):
-        _pending.clear()
-        args = request[2]
-        fill_request = getattr(args, "mlx_fill", None)
-        model_key = str((getattr(getattr(self, "model_provider", None), "model_key", None) or ("",))[0])
-        token = _current.set((fill_request, args, model_key) if fill_request is not None else None)
-        try:
-            return serve_single(self, request, stream, *a, **kw)
-        finally:
-            _current.reset(token)
-
-    def stream_generate_w(*a, **kw):
-        current = _current.get()
-        if current is None or kw.get("draft_model") is not None or "fill" in kw or a:
-            return stream_generate(*a, **kw)
-        _current.set(None)  # one session per request
-        fill_request, args, model_key = current
-        group = _group(kw["model"])
-        if group is not None and group.rank() != 0:
-            return stream_generate(fill=_follower(fill_request, kw, group), **kw)
-        ledger = None
-        try:
-            ledger = _ledger_for(model_key, kw["tokenizer"])
-            session = attach_shared(_open_session(fill_request, args, kw, ledger, model_key, group),
-                                    group)
-        except Exception as e:  # noqa: BLE001 -- a fill bug must not fail the request
-            log.warning("mlx-fill: request served without fill (%s: %s)", type(e).__name__, e)
-            fill_request.error = f"{type(e).__name__}: {e}"
-            if group is None:
-                return stream_generate(*a, **kw)
-            # the other ranks decode with fill's loop: agree with them, refused
-            return stream_generate(fill=follower_session(
-                kw["model"], fill_request.prompt_ids or [], group, refuse="error"), **kw)
-        fill_request.session = session
-        return _finishing(stream_generate(fill=session, **kw), session, ledger)
-
-    def load_w(self, *a, **kw):
-        out = load(self, *a, **kw)
-        if getattr(self, "model", None) is not None:
-            from mlx_fill.core.resolve import prepare
-            group = getattr(self, "pipeline_group", None) or getattr(self, "tensor_group", None)
-            if group is not None:
-                _groups[id(self.model)] = group
-            prepare(self.model, group)
-        return out
-
+    generate = sys.modules["mlx_lm.generate"]
+    batch_mismatch = seam.batch_mismatch(generate, sys.modules["mlx_lm.models.cache"])
+    if batch_mismatch is not None:
+        warnings.warn(f"mlx-fill: batched lane runs without fill ({batch_mismatch})",
+                      RuntimeWarning, stacklevel=2)
+    state = ServerFill(mode, batch_lane=batch_mismatch is None)
     install_generate_step()
-    batch_fill.install(sys.modules["mlx_lm.generate"])
-    server.BatchGenerator.insert_segments = _wrap(insert_segments, insert_segments_w)
-    server.ModelProvider._load = _wrap(load, load_w)
-    API.handle_completion = _wrap(handle_completion, handle_completion_w)
-    API.generate_response = _wrap(generate_response, generate_response_w)
-    API.completion_usage_response = _wrap(usage_response, usage_response_w)
-    RG.generate = _wrap(generate, generate_w)
-    RG._tokenize = _wrap(tokenize, tokenize_w)
-    RG._serve_single = _wrap(serve_single, serve_single_w)
-    server.stream_generate = _wrap(stream_generate, stream_generate_w)
-    RG._is_batchable = _wrap(is_batchable, is_batchable_w)  # last: the idempotence flag
+    if state.batch_lane:
+        batch_fill.install(generate)
+    for cls_name, name, make in WRAPPERS:
+        owner = server if cls_name is None else getattr(server, cls_name)
+        original = getattr(owner, name)
+        setattr(owner, name, _wrap(original, make(state, original)))
     return True
-
-
-_groups: dict[int, Any] = {}  # id(model) -> the distributed group it was sharded over
-
-# (fill request, tokenizer, args, model key) of the last ``_tokenize`` on the generation
-# thread, taken by the ``insert_segments`` that follows it in the batched lane
-_pending: list[tuple[FillRequest, Any, Any, str]] = []
-_batchable_models: dict[int, bool] = {}
-
-
-def _batch_fills(model_provider: Any) -> bool:
-    """Whether fill requests for the provider's loaded model keep the batched lane: its caches
-    batch-fill and it is not sharded over a distributed group (ranks agree on proposals only in
-    the serial lane). False before a model is loaded."""
-    model = getattr(model_provider, "model", None)
-    if model is None or _group(model) is not None:
-        return False
-    if id(model) not in _batchable_models:
-        _batchable_models[id(model)] = batch_fill.supported(model)
-    return _batchable_models[id(model)]
-
-
-def _register(batch_generator: Any, uid: int, fill_request: FillRequest, tokenizer: Any,
-              args: Any, model_key: str) -> None:
-    """Build the batched request's session and register it under ``uid``; a build failure
-    serves the request without fill (logged, ``usage.fill.error``)."""
-    ledger = None
-    try:
-        ledger = _ledger_for(model_key, tokenizer)
-        session = _open_session(fill_request, args,
-                                {"tokenizer": tokenizer, "model": batch_generator.model},
-                                ledger, model_key)
-    except Exception as e:  # noqa: BLE001 -- a fill bug must not fail the request
-        log.warning("mlx-fill: request served without fill (%s: %s)", type(e).__name__, e)
-        fill_request.error = f"{type(e).__name__}: {e}"
-        return
-    fill_request.session = session
-    seq = SeqFill(session, list(fill_request.prompt_ids or []),
-                  on_end=lambda: end_session(session, ledger))
-    fill_request.batched = seq
-    batch_fill.registry(batch_generator)[uid] = seq
-
-
-def _group(model: Any) -> Any:
-    """The group a model loaded by ``ModelProvider._load`` under ``mlx.launch`` spans, else None."""
-    return _groups.get(id(model))
 
 
 def _follower(fill_request: FillRequest, kwargs: dict, group: Any) -> FillSession:

@@ -289,5 +289,6 @@ def test_round_overhead_is_the_plans_in_the_loop_and_nothing_in_mlx_lm_server(lm
     args = SimpleNamespace(sampling=SimpleNamespace(temperature=0.0), seed=None, logprobs=False,
                            top_logprobs=-1)
     request = server_patch.FillRequest("all", {"messages": msgs, "tools": TOOLS}, prompt_ids=prompt)
-    served = server_patch._open_session(request, args, {"tokenizer": tok, "model": model})
+    served = server_patch.ServerFill("all").open_session(request, args,
+                                                         {"tokenizer": tok, "model": model})
     assert served.stats.refusals == {} and served.pace.round_overhead == 0.0

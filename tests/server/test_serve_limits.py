@@ -284,8 +284,8 @@ def hook_session(engine, monkeypatch, body):
     args = SimpleNamespace(sampling=SimpleNamespace(temperature=0.0), seed=None, logprobs=False,
                            top_logprobs=-1)
     request = server_patch.FillRequest("strict", body, prompt_ids=[1, 2, 3])
-    return server_patch._open_session(request, args, {"tokenizer": engine.tokenizer,
-                                                      "model": engine.model})
+    return server_patch.ServerFill("strict").open_session(
+        request, args, {"tokenizer": engine.tokenizer, "model": engine.model})
 
 
 def test_hook_skips_fill_over_the_compile_budget(engine, monkeypatch):

@@ -93,8 +93,7 @@ def test_server_patch_ledger_fails_open_on_a_corrupt_file(caplog):
     path = ledger_path("corrupt-model", _Tok.chat_template)
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
-    server_patch._ledgers.clear()
-    assert server_patch._ledger_for("corrupt-model", _Tok()) is None
+    state = server_patch.ServerFill("strict")
+    assert state.ledger_for("corrupt-model", _Tok()) is None
     assert "evidence ledger disabled" in caplog.text
-    assert server_patch._ledger_for("fresh-model", _Tok()) is not None
-    server_patch._ledgers.clear()
+    assert state.ledger_for("fresh-model", _Tok()) is not None
