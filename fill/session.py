@@ -8,7 +8,7 @@ Modes (``MLX_FILL`` / ``--fill``): ``off`` -> no session; ``strict`` -> the stri
 strict + echo + suffix + ngram, plus the sources named in ``extra_sources`` / ``MLX_FILL_SOURCES``. An OpenAI
 ``prediction`` adds a :class:`~mlx_fill.sources.prediction.PredictionSource` (``verify``: lossless) in
 every mode but ``off``. Every source that proposes ``verify`` drafts from context (echo, suffix,
-ngram, prediction) is priced per draft by a :class:`~mlx_fill.spec.cost.CostGate` on the
+ngram, prediction) is priced per draft by a :class:`~mlx_fill.core.cost.CostGate` on the
 request's dispatch plan: it proposes only the prefix whose expected accepted ids pay for the
 forward under the loaded model's own cost curve.
 
@@ -40,7 +40,7 @@ from mlx_fill.modes import check_mode
 from mlx_fill.core.resolve import plan_for
 from mlx_fill.sources.prediction import ORIGIN as PREDICTION
 from mlx_fill.sources.prediction import PredictionSource, prediction_text, prediction_usage
-from mlx_fill.spec.cost import CostGate
+from mlx_fill.core.cost import CostGate
 from mlx_fill.strict.schema import tool_schemas
 from mlx_fill.strict.source import lazy_strict_source
 from mlx_fill.spec.roster import NAMES, make_sources, source_acceptance

@@ -19,7 +19,7 @@ from typing import Any, Hashable, Sequence
 
 from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.proposal import DecodeView, Pace, Proposal
-from .cost import AcceptanceByPosition, best_length, pays, round_costs
+from mlx_fill.core.cost import AcceptanceByPosition, best_length, pays, round_costs
 
 
 class BestOf:
@@ -27,7 +27,7 @@ class BestOf:
     ``confidence() -> Hashable`` for their last draft. ``plan=None``: propose the full draft
     of the best member (the corpus study's oracle setting). ``stats`` carries the calibration
     across requests (pass the same dict to every request's BestOf). Rounds are priced as the
-    cost gates price them (:func:`~mlx_fill.spec.cost.best_length`, against ``pace``: the
+    cost gates price them (:func:`~mlx_fill.core.cost.best_length`, against ``pace``: the
     round overhead, a view-end draft's first id)."""
 
     def __init__(self, members: Sequence[Any], *, plan: DispatchPlan | None = None,

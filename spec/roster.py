@@ -2,7 +2,7 @@
 
 All sources of one request share one :class:`~mlx_fill.sources.echo.EchoIndex` (the index is idempotent
 under several readers of the same token stream). With a ``plan`` each source's round length is
-chosen by its own :class:`~mlx_fill.spec.cost.CostGate` from the plan's cost curve; with
+chosen by its own :class:`~mlx_fill.core.cost.CostGate` from the plan's cost curve; with
 ``plan=None`` every round proposes up to ``max_span`` ids (the corpus study's oracle setting).
 """
 
@@ -17,7 +17,7 @@ from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.proposal import Pace, ProposalSource
 from .base import DraftProposalSource, DraftSource
 from .combine import BestOf
-from .cost import CostGate, DraftAcceptance
+from mlx_fill.core.cost import CostGate, DraftAcceptance
 from .ngram import NgramDraft
 from .suffix import GlobalSuffixTree, SuffixDraft, SuffixParams
 

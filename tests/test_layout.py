@@ -1,6 +1,7 @@
-"""The layout is the design: the core imports nothing of mlx_fill outside ``fill/core/``, no
-relative import leaves its top-level folder, no core function is long, and the optional
-extras stay optional."""
+"""The layout is the design: every package sits in a declared layer and imports only its own
+package and the layers below (:data:`LAYERS`); no relative import leaves its top-level folder;
+no package module imports the scripts; no core function is long, and none in ``adapters/`` and
+``fill/evidence/``; the optional extras stay optional."""
 
 from __future__ import annotations
 
@@ -12,6 +13,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"fill": "mlx_fill", "spec": "mlx_fill.spec", "adapters": "mlx_fill.adapters"}
 MAX_CORE_FUNCTION_LINES = 120
+# the front ends and the evidence tools: functions a reader takes in at once
+MAX_FUNCTION_LINES = {"adapters": 80, "fill/evidence": 80}
+
+# The declared order, bottom first: a module may import its own package and any package of a
+# lower layer, never one of its own layer or above. ``mlx_fill.limits`` and ``mlx_fill.modes``
+# import nothing of mlx_fill and sit beside the core, as does the package itself (``__version__``;
+# its public names resolve lazily, at first use); the scripts (``scripts/``) are above all.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("mlx_fill", "mlx_fill.core", "mlx_fill.limits", "mlx_fill.modes"),
+    ("mlx_fill.strict", "mlx_fill.sources", "mlx_fill.assets"),
+    ("mlx_fill.spec",),  # the speculative roster
+    ("mlx_fill.session",),
+    ("mlx_fill.adapters", "mlx_fill.evidence"),
+    ("mlx_fill.cli",),  # the command
+)
 
 
 def _modules() -> list[tuple[Path, str, bool]]:
@@ -61,6 +77,69 @@ def _crossing(path: Path, package: str, folder: str) -> list[str]:
             in _imports(path, package) if relative and _folder_of(target) != folder]
 
 
+def _package_of(dotted: str) -> tuple[int, str]:
+    """(layer, package) of a dotted ``mlx_fill`` name: the longest declared package it is in
+    (``mlx_fill`` itself holds only its ``__init__``: every other module must be declared)."""
+    best = None
+    for layer, packages in enumerate(LAYERS):
+        for package in packages:
+            inside = dotted == package or (package != "mlx_fill" and dotted.startswith(package + "."))
+            if inside and (best is None or len(package) > len(best[1])):
+                best = (layer, package)
+    if best is None:
+        raise AssertionError(f"{dotted} is in no declared layer")
+    return best
+
+
+def _module_name(path: Path, package: str, is_init: bool) -> str:
+    return package if is_init else f"{package}.{path.stem}"
+
+
+def _upward(path: Path, package: str, is_init: bool) -> list[str]:
+    """Imports of ``path`` that reach its own layer (another package) or a layer above."""
+    layer, own = _package_of(_module_name(path, package, is_init))
+    bad = []
+    for line, target, _ in _imports(path, package):
+        t_layer, t_package = _package_of(target)
+        if t_package != own and t_layer >= layer:
+            bad.append(f"{line}: {own} (layer {layer}) imports {target} (layer {t_layer})")
+    return bad
+
+
+def _scripts_imports(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module] if isinstance(node, ast.ImportFrom) and not node.level
+                 and node.module else [])
+        found += [f"{node.lineno}: imports {n}" for n in names if n.split(".")[0] == "scripts"]
+    return found
+
+
+def test_every_package_imports_only_its_own_and_lower_layers():
+    bad = [f"{path.relative_to(ROOT)}:{v}" for path, package, is_init in _modules()
+           for v in _upward(path, package, is_init)]
+    assert not bad, bad
+
+
+def test_no_package_module_imports_the_scripts():
+    bad = [f"{path.relative_to(ROOT)}:{v}" for path, _, _ in _modules()
+           for v in _scripts_imports(path)]
+    assert not bad, bad
+
+
+def test_the_layer_check_can_fail(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("from mlx_fill.session import build_session\nfrom mlx_fill.sources import echo\n"
+                     "from mlx_fill.core.plan import DispatchPlan\nfrom .rows import RowTable\n"
+                     "import scripts.bench\n")
+    assert _upward(probe, "mlx_fill.strict", False) == [
+        "1: mlx_fill.strict (layer 1) imports mlx_fill.session (layer 3)",
+        "2: mlx_fill.strict (layer 1) imports mlx_fill.sources (layer 1)"]
+    assert _upward(probe, "mlx_fill.evidence", False) == []
+    assert _scripts_imports(probe) == ["5: imports scripts.bench"]
+
+
 def test_the_core_imports_nothing_of_mlx_fill_outside_the_core():
     bad = [f"{path.relative_to(ROOT)}:{v}" for path, package, _ in _modules()
            if package.startswith("mlx_fill.core") for v in _outside_core(path, package)]
@@ -85,14 +164,19 @@ def test_the_layout_checks_can_fail(tmp_path):
     assert _crossing(probe, "mlx_fill.spec", "spec") == []
 
 
-def test_no_core_function_is_longer_than_the_limit():
+def _long_functions(folder: str, limit: int) -> list[str]:
     long = []
-    for path in sorted((ROOT / "fill" / "core").rglob("*.py")):
+    for path in sorted((ROOT / folder).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 lines = node.end_lineno - node.lineno + 1
-                if lines > MAX_CORE_FUNCTION_LINES:
+                if lines > limit:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines})")
+    return long
+
+
+def test_no_core_function_is_longer_than_the_limit():
+    long = _long_functions("fill/core", MAX_CORE_FUNCTION_LINES)
     assert not long, long
 
 

@@ -44,7 +44,7 @@ the server's per-token work, for the sequences that have a session only.
 
 Pricing. A side step stalls the whole batch, whose step emits ``B`` tokens for ``c(B)``; before
 asking a sequence's session for a proposal the step sets its pace to ``B / c(B)``
-(:func:`~mlx_fill.spec.cost.batch_min_gain`), so its cost gates, and its assert spans, fire only
+(:func:`~mlx_fill.core.cost.batch_min_gain`), so its cost gates, and its assert spans, fire only
 where the side step emits more tokens per unit of cost than the batch would have meanwhile.
 A side step is priced by its rows alone: ``mlx_lm.server`` opens its sessions with no round
 overhead (:mod:`mlx_fill.adapters.server_patch`), because it waits for every batched step.
@@ -67,7 +67,7 @@ from mlx_fill.core.proposal import FillSession, FillStats
 from mlx_fill.core.resolve import plan_for
 from mlx_fill.core.round import Asking, CacheView, Outcome, Round, Sample, execute, settle
 from mlx_fill.adapters import mlx_lm_seam as seam
-from mlx_fill.spec.cost import batch_min_gain
+from mlx_fill.core.cost import batch_min_gain
 
 log = logging.getLogger("mlx_fill")
 

@@ -91,7 +91,7 @@ class Pace:
     for every step in both of its lanes). ``first_in_flight``: whether the proposal asked for
     now starts at the slot whose sample is in flight (a view's end, :attr:`DecodeView.pending`
     False): its first id must match that sample and buys nothing by itself
-    (:func:`~mlx_fill.spec.cost.choose_length`); the session sets it for every view."""
+    (:func:`~mlx_fill.core.cost.choose_length`); the session sets it for every view."""
 
     min_gain: float = 1.0
     round_overhead: float = 0.0

@@ -74,7 +74,7 @@ def echo_span(
 
 class EchoDraft(IndexedDraft):
     """The echo lookup as a :class:`~mlx_fill.spec.base.DraftSource` over a (possibly shared)
-    :class:`EchoIndex`. ``stats`` (if given) records shadow acceptance (see ``spec.cost``)."""
+    :class:`EchoIndex`. ``stats`` (if given) records shadow acceptance (see ``core.cost``)."""
 
     def __init__(self, index: EchoIndex | None = None, *, name: str = "echo",
                  anchors: Sequence[int] = (8, 4, 2), candidates: int = 4, max_span: int = LOOKUP_MAX_SPAN,
@@ -111,7 +111,7 @@ class EchoSource:
     and the span is corroborated by >= 2 occurrences, had no
     branch stop and ends at a delimiter. Feedback on corroborated ``verify`` spans is reported
     to ``record(origin, agreed)`` (the ledger), agreement iff every id was accepted.
-    With a ``gate`` (:class:`~mlx_fill.spec.cost.CostGate`) every span is priced under its own
+    With a ``gate`` (:class:`~mlx_fill.core.cost.CostGate`) every span is priced under its own
     key (:meth:`EchoDraft.confidence`: anchor, corroboration, delimiter end): the gate keeps
     the prefix that pays, and a span it declines is scored as a shadow draft. A cut span is
     never ``corroborated`` (it no longer ends where the occurrences agreed).

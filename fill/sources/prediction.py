@@ -6,7 +6,7 @@ prediction: while the output follows the prediction the cursor advances with it;
 divergence it re-anchors on the longest trailing n-gram of the output that occurs in the
 prediction at or after the cursor (edits keep their order), else anywhere.
 
-With a ``gate`` (:class:`~mlx_fill.spec.cost.CostGate`) a prediction is priced like any other
+With a ``gate`` (:class:`~mlx_fill.core.cost.CostGate`) a prediction is priced like any other
 draft: its key says whether the cursor is in step with the output (``("sync",)``) or was just
 re-anchored on a ``k``-gram (``("anchor", k)``), the gate keeps the prefix that pays under the
 loaded model's cost curve, and a declined span is scored as a shadow draft, so a prediction that
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mlx_fill.core.proposal import DEFAULT_MAX_SPAN, DecodeView, FillSession, Proposal
-from mlx_fill.spec.cost import CostGate
+from mlx_fill.core.cost import CostGate
 
 ORIGIN = "prediction"
 ANCHORS = (8, 4, 3, 2)

@@ -14,7 +14,7 @@ when the guard puts the stream in the row's structural state:
 
 Policy: every row is proposed as ``verify`` (the same forward checks it; a model that strays
 from its template costs nothing but the check). With a ``gate``
-(:class:`~mlx_fill.spec.cost.CostGate`) a ``verify`` row is priced like any draft, keyed by its
+(:class:`~mlx_fill.core.cost.CostGate`) a ``verify`` row is priced like any draft, keyed by its
 origin: the gate keeps the prefix of the span that pays under the loaded model's cost curve,
 and a row it declines is scored as a shadow. Only a ``determined`` row (its certainty class,
 decided when the row is compiled: :func:`mlx_fill.strict.rows.certainty`) can ever become ``assert``,

@@ -20,7 +20,7 @@ from mlx_fill.sources.echo import EchoSource
 from mlx_fill.sources.prediction import PredictionSource, prediction_text, prediction_usage
 from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.proposal import DecodeView, FillStats
-from mlx_fill.spec.cost import CostGate
+from mlx_fill.core.cost import CostGate
 from mlx_fill.modes import OFF, enabled
 from mlx_fill.session import build_session, check_mode
 from mlx_lm import load

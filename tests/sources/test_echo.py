@@ -126,7 +126,7 @@ def test_gated_echo_prices_each_span_under_its_own_key():
     one key were always accepted, the next span of that key is proposed (cut to what pays),
     while the source's first span, at the prior, is only kept as a shadow."""
     from mlx_fill.core.plan import DispatchPlan
-    from mlx_fill.spec.cost import CostGate
+    from mlx_fill.core.cost import CostGate
 
     steep = DispatchPlan(key=None, max_chunk=16, cost={2: 1.6, 4: 2.0, 8: 3.2, 16: 6.0}, qualified=True)
     copy = list(range(10, 40))

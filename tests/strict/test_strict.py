@@ -122,7 +122,7 @@ def test_a_gate_prices_verify_rows_and_learns_from_declined_ones():
     """Under a cost curve where verifying never pays (c(m) = m) every row is declined and kept
     as a shadow that still learns; where rows are nearly free every row fires whole."""
     from mlx_fill.core.plan import DispatchPlan
-    from mlx_fill.spec.cost import CostGate
+    from mlx_fill.core.cost import CostGate
 
     linear = DispatchPlan(key=None, max_chunk=16, cost={}, qualified=True)
     free = DispatchPlan(key=None, max_chunk=16, cost={64: 1.0}, qualified=True)

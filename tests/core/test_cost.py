@@ -8,7 +8,7 @@ import pytest
 
 from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.proposal import DecodeView, FillSession, Pace, Proposal
-from mlx_fill.spec.cost import (PRICE_MARGIN, AcceptanceByPosition, CostGate, DraftAcceptance,
+from mlx_fill.core.cost import (PRICE_MARGIN, AcceptanceByPosition, CostGate, DraftAcceptance,
                                 batch_min_gain, best_length, choose_length, expected_emitted,
                                 round_costs)
 

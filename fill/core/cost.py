@@ -37,8 +37,8 @@ from __future__ import annotations
 
 from typing import Hashable, Sequence
 
-from mlx_fill.core.plan import DispatchPlan
-from mlx_fill.core.proposal import Pace
+from .plan import DispatchPlan
+from .proposal import Pace
 
 
 # A drafted round must beat its bar by this factor. Its price rests on estimates (the draft's
