@@ -1,6 +1,7 @@
-"""Only job: put ``mlx_fill.pth`` and ``mlx_fill.start`` (``adapters/hooks/``) at the root of
-site-packages, for wheels (``pip install .``) and editable installs (``pip install -e .``).
-Everything else is in pyproject.toml. The hook does nothing unless ``MLX_FILL`` is set."""
+"""Two jobs: put ``mlx_fill.pth`` and ``mlx_fill.start`` (``adapters/hooks/``) at the root of
+site-packages, for wheels (``pip install .``) and editable installs (``pip install -e .``); and keep
+the modules only the scripts and tests use (:data:`SCRIPTS_ONLY`) out of the wheel. Everything
+else is in pyproject.toml. The hook does nothing unless ``MLX_FILL`` is set."""
 
 from pathlib import Path
 
@@ -8,11 +9,19 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 from setuptools.command.editable_wheel import editable_wheel
 
+# (package, module) used only by scripts/ and tests/: a checkout has them, the wheel does not
+SCRIPTS_ONLY = {("mlx_fill.assets", "random_models"), ("mlx_fill.spec", "mtp"),
+                ("mlx_fill.spec", "mtp_head"), ("mlx_fill.spec", "mtp_tap")}
 HOOKS = [Path(__file__).parent / "adapters" / "hooks" / name for name in ("mlx_fill.pth", "mlx_fill.start")]
 
 
 class BuildPyWithHooks(build_py):
-    """Copies the hook files to the build root, which a wheel installs as purelib root."""
+    """Copies the hook files to the build root, which a wheel installs as purelib root, and
+    leaves the scripts-only modules out."""
+
+    def find_package_modules(self, package, package_dir):
+        return [m for m in super().find_package_modules(package, package_dir)
+                if (m[0], m[1]) not in SCRIPTS_ONLY]
 
     def run(self):
         super().run()

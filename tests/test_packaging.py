@@ -24,6 +24,9 @@ def test_wheel_layout_and_import(tmp_path):
                    "mlx_fill.pth", "mlx_fill.start"):
         assert module in names, module
     assert not any(n.startswith(("fill/", "spec/", "adapters/", "tests/")) for n in names)
+    for scripts_only in ("mlx_fill/assets/random_models.py", "mlx_fill/spec/mtp.py",
+                         "mlx_fill/spec/mtp_head.py", "mlx_fill/spec/mtp_tap.py"):
+        assert scripts_only not in names, scripts_only
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
                     str(target), str(wheel)], check=True, timeout=300)

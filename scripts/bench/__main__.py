@@ -180,7 +180,7 @@ def run_e2e(quick: bool, repeats: int, fixtures: list[str] | None = None,
     from mlx_lm import load
 
     from mlx_fill.assets.fixtures import fixture_path
-    from mlx_fill.spec.mtp import has_mtp, load_mtp_head
+    from mlx_fill.spec.mtp_head import has_mtp, load_mtp_head
 
     rows = heldout_rows(quick, per_source)
     fixtures = fixtures or (["qwen3-json"] if quick else ["qwen3-json", "qwen35-xml", "glm-xml"])

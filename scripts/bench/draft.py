@@ -39,7 +39,8 @@ from mlx_fill.core.resolve import plan_for
 from mlx_fill.core.proposal import FillSession
 from mlx_fill.assets.random_models import build, config_for, save
 from mlx_fill.spec.draft import make_draft_source
-from mlx_fill.spec.mtp import MTPHead, load_mtp_head, make_mtp_source
+from mlx_fill.spec.mtp import make_mtp_source
+from mlx_fill.spec.mtp_head import MTPHead, load_mtp_head
 
 OUTPUT_PROJECTIONS = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
 

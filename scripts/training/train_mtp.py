@@ -1,7 +1,7 @@
 """Train an MTP head for a Qwen3.5-style target by self-distillation, written as ``mtp.*`` tensors.
 
 The target is frozen. For every training sequence ``s`` the target runs once (teacher forcing):
-its pre-final-norm hidden states ``H`` (captured by :class:`mlx_fill.spec.mtp.HiddenTap`) and its
+its pre-final-norm hidden states ``H`` (captured by :class:`mlx_fill.spec.mtp_tap.HiddenTap`) and its
 greedy predictions ``y`` (``y[p]`` = the target's argmax for the slot after ``s[p]``). The head is
 trained on the two ways :class:`~mlx_fill.spec.mtp.MTPSource` uses it:
 
@@ -39,7 +39,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
 from mlx_fill.assets.random_models import build, config_for, save
-from mlx_fill.spec.mtp import HiddenTap, MTPHead
+from mlx_fill.spec.mtp_head import MTPHead
+from mlx_fill.spec.mtp_tap import HiddenTap
 
 from scripts.training import openblas
 

@@ -8,41 +8,41 @@ import math
 
 import pytest
 
-from mlx_fill.evidence import report
+from mlx_fill.evidence import render, report, stats
 from mlx_fill.cli import main
 
 
 # ----------------------------------------------------------------------------- exact binomial
 
 def test_binom_cdf_matches_exact_counts():
-    assert report.binom_cdf(1, 5, 0.5) == pytest.approx(6 / 32)
-    assert report.binom_cdf(4, 5, 0.5) == pytest.approx(31 / 32)
-    assert report.binom_cdf(2, 4, 0.25) == pytest.approx(sum(math.comb(4, i) * 0.25**i * 0.75 ** (4 - i) for i in range(3)))
-    assert report.binom_cdf(-1, 5, 0.5) == 0.0
-    assert report.binom_cdf(5, 5, 0.5) == 1.0
-    assert report.binom_sf(5, 5, 0.5) == pytest.approx(1 / 32)
+    assert stats.binom_cdf(1, 5, 0.5) == pytest.approx(6 / 32)
+    assert stats.binom_cdf(4, 5, 0.5) == pytest.approx(31 / 32)
+    assert stats.binom_cdf(2, 4, 0.25) == pytest.approx(sum(math.comb(4, i) * 0.25**i * 0.75 ** (4 - i) for i in range(3)))
+    assert stats.binom_cdf(-1, 5, 0.5) == 0.0
+    assert stats.binom_cdf(5, 5, 0.5) == 1.0
+    assert stats.binom_sf(5, 5, 0.5) == pytest.approx(1 / 32)
 
 
 def test_binom_cdf_is_stable_for_large_n():
     # 2000 fair coins: P(X <= 1000) is just over one half.
-    value = report.binom_cdf(1000, 2000, 0.5)
+    value = stats.binom_cdf(1000, 2000, 0.5)
     assert 0.5 < value < 0.52
 
 
 @pytest.mark.parametrize("n", [1, 7, 20, 100])
 def test_clopper_pearson_closed_forms(n):
     # 0 successes: upper bound solves (1 - t)^n = alpha; n successes: lower bound solves t^n = alpha.
-    assert report.clopper_pearson_upper(0, n) == pytest.approx(1 - 0.05 ** (1 / n), abs=1e-9)
-    assert report.clopper_pearson_lower(n, n) == pytest.approx(0.05 ** (1 / n), abs=1e-9)
-    assert report.clopper_pearson_lower(0, n) == 0.0
-    assert report.clopper_pearson_upper(n, n) == 1.0
+    assert stats.clopper_pearson_upper(0, n) == pytest.approx(1 - 0.05 ** (1 / n), abs=1e-9)
+    assert stats.clopper_pearson_lower(n, n) == pytest.approx(0.05 ** (1 / n), abs=1e-9)
+    assert stats.clopper_pearson_lower(0, n) == 0.0
+    assert stats.clopper_pearson_upper(n, n) == 1.0
 
 
 def test_clopper_pearson_brackets_the_estimate():
-    lo, hi = report.clopper_pearson_lower(7, 20), report.clopper_pearson_upper(7, 20)
+    lo, hi = stats.clopper_pearson_lower(7, 20), stats.clopper_pearson_upper(7, 20)
     assert lo < 7 / 20 < hi
-    assert report.binom_sf(7, 20, lo) == pytest.approx(0.05, abs=1e-9)
-    assert report.binom_cdf(7, 20, hi) == pytest.approx(0.05, abs=1e-9)
+    assert stats.binom_sf(7, 20, lo) == pytest.approx(0.05, abs=1e-9)
+    assert stats.binom_cdf(7, 20, hi) == pytest.approx(0.05, abs=1e-9)
 
 
 # ----------------------------------------------------------------------------- McNemar
@@ -54,14 +54,14 @@ def _outcomes(both, a_only, b_only, neither):
 
 
 def test_identical_arms_show_no_drop():
-    m = report.mcnemar_drop(*_outcomes(15, 0, 0, 5))
+    m = stats.mcnemar_drop(*_outcomes(15, 0, 0, 5))
     assert (m.pairs, m.both, m.a_only, m.b_only, m.neither) == (20, 15, 0, 0, 5)
     assert m.p_drop == 1.0 and not m.significant_drop
     assert m.a_rate == m.b_rate == 0.75
 
 
 def test_large_drop_fails():
-    m = report.mcnemar_drop(*_outcomes(5, 10, 0, 5))
+    m = stats.mcnemar_drop(*_outcomes(5, 10, 0, 5))
     assert m.p_drop == pytest.approx(2**-10)
     assert m.significant_drop
     assert m.drop == pytest.approx(0.5)
@@ -70,71 +70,71 @@ def test_large_drop_fails():
 
 def test_five_one_sided_losses_are_significant_but_four_are_not():
     # Exact one-sided p-values: 1/32 < 0.05 <= 1/16.
-    assert report.mcnemar_drop(*_outcomes(10, 5, 0, 0)).significant_drop
-    assert not report.mcnemar_drop(*_outcomes(10, 4, 0, 0)).significant_drop
+    assert stats.mcnemar_drop(*_outcomes(10, 5, 0, 0)).significant_drop
+    assert not stats.mcnemar_drop(*_outcomes(10, 4, 0, 0)).significant_drop
 
 
 def test_gains_are_never_a_drop():
-    m = report.mcnemar_drop(*_outcomes(5, 0, 12, 3))
+    m = stats.mcnemar_drop(*_outcomes(5, 0, 12, 3))
     assert not m.significant_drop and m.drop < 0 and m.drop_upper95 < 0
 
 
 @pytest.mark.parametrize("a_only", range(0, 13))
 @pytest.mark.parametrize("b_only", [0, 1, 3, 8])
 def test_bound_and_p_value_agree(a_only, b_only):
-    m = report.mcnemar_drop(*_outcomes(4, a_only, b_only, 2))
+    m = stats.mcnemar_drop(*_outcomes(4, a_only, b_only, 2))
     assert m.significant_drop == (m.p_drop < 0.05)
     assert m.drop_lower95 <= m.drop + 1e-12 and m.drop <= m.drop_upper95 + 1e-12
 
 
 def test_mcnemar_rejects_unpaired_input():
     with pytest.raises(ValueError, match="differ in length"):
-        report.mcnemar_drop([True], [True, False])
+        stats.mcnemar_drop([True], [True, False])
 
 
 # ----------------------------------------------------------------------------- paired ratios
 
 def test_median_bounds_use_extremes_at_five_pairs():
-    assert report.median_bounds([3.0, 1.0, 5.0, 2.0, 4.0]) == (1.0, 5.0)
-    assert report.median_bounds([1.0, 2.0, 3.0, 4.0]) == (None, None)
+    assert stats.median_bounds([3.0, 1.0, 5.0, 2.0, 4.0]) == (1.0, 5.0)
+    assert stats.median_bounds([1.0, 2.0, 3.0, 4.0]) == (None, None)
 
 
 def test_median_bounds_tighten_with_more_pairs():
     values = [float(i) for i in range(1, 101)]
-    lo, hi = report.median_bounds(values)
+    lo, hi = stats.median_bounds(values)
     assert 40 < lo < 50.5 < hi < 61
     # Sign-test coverage: at most 5% of a fair sign sequence lies above the upper bound.
-    assert report.binom_cdf(int(hi) - 1, 100, 0.5) >= 0.95
+    assert stats.binom_cdf(int(hi) - 1, 100, 0.5) >= 0.95
 
 
 def test_slower_arm_is_called_slower():
     a = [1.0 + 0.01 * i for i in range(20)]
-    s = report.paired_ratio(a, [2 * x for x in a])
+    s = stats.paired_ratio(a, [2 * x for x in a])
     assert s.median == pytest.approx(2.0) and s.verdict == "slower"
 
 
 def test_faster_arm_is_called_faster():
     a = [1.0 + 0.01 * i for i in range(20)]
-    s = report.paired_ratio(a, [0.6 * x for x in a])
+    s = stats.paired_ratio(a, [0.6 * x for x in a])
     assert s.verdict == "faster" and s.upper95 < 1
 
 
 def test_mixed_ratios_are_inconclusive():
     a = [1.0] * 20
     b = [0.5, 2.0] * 10
-    assert report.paired_ratio(a, b).verdict == "inconclusive"
+    assert stats.paired_ratio(a, b).verdict == "inconclusive"
 
 
 def test_too_few_pairs_are_inconclusive():
-    s = report.paired_ratio([1.0, 1.0], [3.0, 3.0])
+    s = stats.paired_ratio([1.0, 1.0], [3.0, 3.0])
     assert (s.lower95, s.upper95, s.verdict) == (None, None, "inconclusive")
 
 
 def test_paired_ratio_rejects_bad_times():
     with pytest.raises(ValueError, match="positive"):
-        report.paired_ratio([1.0, 0.0], [1.0, 1.0])
+        stats.paired_ratio([1.0, 0.0], [1.0, 1.0])
     with pytest.raises(ValueError, match="no pairs"):
-        report.paired_ratio([], [])
+        stats.paired_ratio([], [])
 
 
 # ----------------------------------------------------------------------------- agreement keys
@@ -269,7 +269,7 @@ def test_by_source_splits_the_wall_ratio_and_the_candidates_tokens():
     assert by_source["tau"]["pairs"] == 4 and by_source["tau"]["wall"]["median"] == pytest.approx(1.5)
     assert (by_source["pi"]["tokens_emitted"], by_source["pi"]["tokens_decoded"],
             by_source["pi"]["tokens_injected"]) == (48, 24, 24)
-    md = report.render_markdown(report.summarize(_runs(records)), [])
+    md = render.render_markdown(report.summarize(_runs(records)), [])
     assert "| pi | 6 | 0.500 |" in md and "| tau | 4 | 1.500 |" in md
 
 

@@ -23,8 +23,9 @@ from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.primitive import append
 from mlx_fill.core.proposal import FillSession
 from mlx_fill.assets.random_models import build, config_for, save
-from mlx_fill.spec.mtp import (HiddenTap, MTPHead, MTPSource, has_mtp, load_mtp_head,
-                               make_mtp_source)
+from mlx_fill.spec.mtp import MTPSource, make_mtp_source
+from mlx_fill.spec.mtp_head import MTPHead, has_mtp, load_mtp_head
+from mlx_fill.spec.mtp_tap import HiddenTap
 
 PLAN = DispatchPlan(key=None, max_chunk=16, qualified=True)
 
