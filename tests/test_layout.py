@@ -201,3 +201,8 @@ def test_the_public_api_is_listed_once_and_resolves():
     for name in mlx_fill.__all__:
         assert getattr(mlx_fill, name) is not None, name
     assert sorted(dir(mlx_fill)) == sorted(mlx_fill.__all__)
+
+
+def test_no_front_end_or_evidence_function_is_longer_than_the_limit():
+    long = [f for folder, limit in MAX_FUNCTION_LINES.items() for f in _long_functions(folder, limit)]
+    assert not long, long
