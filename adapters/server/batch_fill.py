@@ -219,10 +219,12 @@ def _round(sf: SeqFill, sample: Sample, room: int) -> Round | None:
     """This step's round for a sequence whose in-flight sample is ``sample`` and that has
     ``room`` slots left: the round at the sample's slot when its session has not yet seen the
     last emitted id as a view's end; otherwise, or when that yields nothing, the round the
-    sample leads (a chained round), unless the sample ends the sequence."""
+    sample leads (a chained round), unless the sample ends the sequence. That view is priced
+    as one whose last id is emitted (not ``pending``): the serial lane's next view ends at the
+    same sample and is priced so, and both lanes take the same decisions."""
     rnd = sf.asking.at_sample(sf.emitted, sample, room)
     if rnd is None and sample.id not in sf.session.eos_ids:
-        rnd = sf.asking.after_sample(sf.emitted, sample, room)
+        rnd = sf.asking.after_sample(sf.emitted, sample, room, pending=False)
     return rnd
 
 

@@ -119,16 +119,17 @@ class Asking:
             return None
         return rnd
 
-    def after_sample(self, emitted: Sequence[int], sample: Sample,
-                     remaining: int | None) -> Round | None:
+    def after_sample(self, emitted: Sequence[int], sample: Sample, remaining: int | None,
+                     *, pending: bool = True) -> Round | None:
         """The chained round that ``sample`` (known, not in the cache) leads, or None (also
-        when no slot is left after it). Every rank of a sharded model asks alike: nothing here
-        depends on the session's own sources or end ids."""
+        when no slot is left after it). ``pending`` is what the view says of that sample
+        (:attr:`DecodeView.pending`, which the cost gates price by). Every rank of a sharded
+        model asks alike: nothing here depends on the session's own sources or end ids."""
         if remaining is not None and remaining <= 1:
             return None
         self.shown = len(emitted) + 1
         proposal = self.propose(DecodeView(self.prompt_ids, [*emitted, sample.id],
-                                           self.session.eos_ids, pending=True))
+                                           self.session.eos_ids, pending=pending))
         if proposal is None:
             return None
         return make_round(proposal, sample, True, len(emitted), remaining)
