@@ -22,7 +22,7 @@ from .ngram import NgramDraft
 from .suffix import GlobalSuffixTree, SuffixDraft, SuffixParams
 
 NAMES = ("echo", "ngram", "suffix")
-ECHO_ROW = "echo:corroborated"
+ECHO_ORIGIN = "echo:corroborated"
 
 
 class GatedDraft:
@@ -132,7 +132,7 @@ def make_sources(
     out: list[ProposalSource] = []
     for name in names:
         if name == "echo":
-            promoted = (lambda: ledger.promoted(ECHO_ROW)) if ledger is not None else (lambda: False)
+            promoted = (lambda: ledger.promoted(ECHO_ORIGIN)) if ledger is not None else (lambda: False)
             out.append(EchoSource(EchoDraft(index, max_span=max_span, delimiters=delim),
                                   gate=gate(max_span, name), assert_allowed=promoted,
                                   record=ledger.record if ledger is not None else None))

@@ -40,7 +40,7 @@ class Engine:
     """The model, its tokenizer, the prompt cache and the fill configuration. Not thread-safe:
     :class:`App` calls it from one worker thread only."""
 
-    def __init__(self, model_path: str, *, fill: str = "strict", draft_model: str | None = None,
+    def __init__(self, model_path: str, *, mode: str = "strict", draft_model: str | None = None,
                  prompt_cache_size: int = 8, max_tokens: int = DEFAULT_MAX_TOKENS,
                  limits: Limits = DEFAULT_LIMITS, prefill_step_size: int = DEFAULT_PREFILL_STEP,
                  prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES, dtype: str | None = None):
@@ -49,7 +49,7 @@ class Engine:
 
         from mlx_fill.session import check_env, check_mode
         self.model_path = model_path
-        self.fill = check_mode(fill)
+        self.mode = check_mode(mode)
         check_env()
         from mlx_fill.core.resolve import prepare  # dispatch plans: qualified at start-up, not in a request
         self.model, self.tokenizer = mlx_lm.load(model_path)
@@ -59,14 +59,14 @@ class Engine:
             # evaluated here: a lazy cast recorded on this thread's stream cannot be evaluated
             # by the worker thread that generates ("There is no Stream(cpu, 0) in current thread")
             mx.eval(self.model.parameters())
-        if self.fill != "off":
+        if self.mode != "off":
             prepare(self.model)
         self.draft = None
         if draft_model is not None:
             from mlx_fill.spec.draft import check_same_tokenizer
             self.draft, draft_tokenizer = mlx_lm.load(draft_model)
             check_same_tokenizer(draft_tokenizer, self.tokenizer)
-            if self.fill != "off":
+            if self.mode != "off":
                 prepare(self.draft)
         self.prompt_cache = LRUPromptCache(prompt_cache_size, max_bytes=prompt_cache_bytes)
         self.limits = limits
@@ -75,12 +75,12 @@ class Engine:
         self.template_vars = tokenizer_template_variables(self.tokenizer)
         self.stopping = threading.Event()  # set at shutdown: every generation stops
         self.ledger = None
-        if self.fill != "off":
+        if self.mode != "off":
             from mlx_fill.session import server_ledger
             self.ledger = server_ledger(str(model_path), self.tokenizer)
         self.acceptance: dict = {}  # per-draft acceptance estimates, kept for the server's lifetime
         self.global_tree = None
-        if self.fill == "all":
+        if self.mode == "all":
             from mlx_fill.spec.suffix import GlobalSuffixTree
             self.global_tree = GlobalSuffixTree()
 
@@ -109,7 +109,7 @@ class Engine:
         from mlx_fill.session import build_session
         refuse = "compile_budget" if over_compile_budget(req.tools, self.limits) else None
         session = build_session(
-            self.fill, model=self.model, tokenizer=self.tokenizer, prompt_ids=prompt_ids,
+            self.mode, model=self.model, tokenizer=self.tokenizer, prompt_ids=prompt_ids,
             messages=req.messages, tools=req.tools, template_kwargs=req.chat_template_kwargs,
             temperature=req.temperature, seed=req.seed, prediction=req.prediction,
             global_tree=self.global_tree, ledger=self.ledger, draft_model=self.draft,

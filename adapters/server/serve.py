@@ -103,7 +103,7 @@ def create_app(engine: Engine):
     @app.get("/health")
     async def health():
         import mlx.core as mx
-        return {"status": "ok", "model": model_id, "fill": engine.fill,
+        return {"status": "ok", "model": model_id, "fill": engine.mode,
                 "active_memory": mx.get_active_memory(), "peak_memory": mx.get_peak_memory()}
 
     @app.get("/v1/models")
@@ -293,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise UserError(str(err)) from err
     try:
-        engine = Engine(args.model, fill=args.fill, draft_model=args.draft_model,
+        engine = Engine(args.model, mode=args.fill, draft_model=args.draft_model,
                         prompt_cache_size=args.prompt_cache_size, max_tokens=args.max_tokens,
                         limits=limits, prefill_step_size=args.prefill_step_size,
                         prompt_cache_bytes=args.prompt_cache_bytes, dtype=args.dtype)

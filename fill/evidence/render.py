@@ -62,7 +62,7 @@ def _by_tool_table(name: str, by_tool: dict) -> list[str]:
     return lines
 
 
-def _by_source_table(name: str, by_source: dict) -> list[str]:
+def _by_transcript_source_table(name: str, by_source: dict) -> list[str]:
     """Markdown table of candidate ``name``'s wall ratio and token accounting per source."""
     lines = [f"| source | pairs | wall {name}/A p50 | one-sided 95% bounds | {name} injected / emitted "
              f"| {name} decoded / emitted |", "|---|---|---|---|---|---|"]
@@ -101,7 +101,7 @@ def render_markdown(result: dict, plots: Sequence[str]) -> str:
         lines += [f"### {name} vs A: {status}" if named else f"## Verdict: {status}", "",
                   *_verdict_bullets(name, c["paired"]), ""]
         if c.get("by_source"):
-            lines += [*_by_source_table(name, c["by_source"]), ""]
+            lines += [*_by_transcript_source_table(name, c["by_source"]), ""]
     lines += ["## Arms", "",
               "| arm | requests | errors | agreement | wall p50 s | TTFT p50 s | first tool call p50 s "
               "| tool-call turns | emitted | decoded | emitted/decoded | injected |",

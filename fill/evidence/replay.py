@@ -154,7 +154,7 @@ class Turn:
     """One request: the recorded history up to an assistant turn and that turn as reference."""
 
     session_id: str
-    source: str
+    transcript_source: str
     turn: int
     message_index: int
     messages: list[dict]
@@ -317,7 +317,7 @@ def turn_record(turn: Turn, reply: Reply, *, arm: str, rep: int, order: int, url
     """One ``kind: turn`` line of the runs file."""
     return {
         "kind": "turn", "arm": arm, "rep": rep, "order": order, "url": url, "model": model,
-        "session_id": turn.session_id, "source": turn.source, "turn": turn.turn,
+        "session_id": turn.session_id, "source": turn.transcript_source, "turn": turn.turn,
         "message_index": turn.message_index, "tools_origin": turn.tools_origin,
         "prompt_messages": len(turn.messages), "expected": turn.expected,
         "output": {"content": reply.content, "tool_calls": reply.tool_calls, "finish_reason": reply.finish_reason},

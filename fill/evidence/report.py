@@ -185,7 +185,7 @@ def _candidate_summary(turns: Sequence[dict], candidate: str, by_tool: bool) -> 
     pairs, left_out = pair_records(turns, candidate)
     paired = _paired_summary(pairs)
     paired["left_out_records"] = left_out
-    out: dict = {"paired": paired, "by_source": _by_source(pairs)}
+    out: dict = {"paired": paired, "by_source": _by_transcript_source(pairs)}
     if by_tool:
         out["by_tool"] = {name: _paired_summary(group)
                           for name, group in _group_pairs(pairs, tool_label).items()}
@@ -207,7 +207,7 @@ def _group_pairs(pairs: Sequence[tuple[dict, dict]],
     return dict(sorted(groups.items()))
 
 
-def _by_source(pairs: Sequence[tuple[dict, dict]]) -> dict[str, dict]:
+def _by_transcript_source(pairs: Sequence[tuple[dict, dict]]) -> dict[str, dict]:
     """Per transcript source: the pairs' :func:`_paired_summary` (wall ratio candidate/A,
     agreement) and the candidate's token accounting (:func:`arm_summary`: emitted, decoded,
     injected)."""

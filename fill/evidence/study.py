@@ -136,7 +136,7 @@ def study_session(rendered, rows: list[Row], plan: DispatchPlan | None, eos: fro
             strict = _strict_factory(tokenizer, rendered, turn)
         for row in rows:
             row.session = _make_session(row, plan, prompt, index, max_span, strict)
-            c = row.by_source[rendered.source]
+            c = row.by_source[rendered.transcript_source]
             c.turns += 1
             c.tokens += len(out)
             c.forwards += 1  # the prompt forward emits the first token
@@ -154,7 +154,7 @@ def study_session(rendered, rows: list[Row], plan: DispatchPlan | None, eos: fro
             if ptr >= len(out):
                 live.remove(row)
                 continue
-            c = row.by_source[rendered.source]
+            c = row.by_source[rendered.transcript_source]
             view = DecodeView(prompt, row.emitted, eos)
             p = row.session.propose(view)
             if p is None:

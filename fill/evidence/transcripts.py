@@ -65,7 +65,7 @@ class RenderedTurn:
 @dataclass
 class RenderedSession:
     session_id: str
-    source: str
+    transcript_source: str
     tokens: list[int]
     turns: list[RenderedTurn]
     think_ids: list[int]

@@ -1,4 +1,5 @@
-"""The evidence ledger: verified agreement per (model, template, source or row), persisted.
+"""The evidence ledger: verified agreement per (model, template, origin: a source or a strict
+row), persisted (the file keeps them under ``rows``).
 
 Every ``verify`` outcome of a ledger-tracked row is an agreement (the target produced every
 proposed id) or a disagreement. A row is promoted from ``verify`` to ``assert`` only once it has
@@ -30,21 +31,21 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class RowEvidence:
+class OriginEvidence:
     agreements: int = 0
     disagreements: int = 0
 
 
 @dataclass
 class Ledger:
-    """Counters for one (model, template) pair. ``eligible`` names the rows (origins, e.g.
+    """Counters for one (model, template) pair. ``eligible`` names the origins (e.g.
     ``"echo:corroborated"``) that may ever be promoted."""
 
     model: str
     template: str
     promote_after: int = DEFAULT_PROMOTE_AFTER
     eligible: frozenset[str] = frozenset()
-    rows: dict[str, RowEvidence] = field(default_factory=dict)
+    origins: dict[str, OriginEvidence] = field(default_factory=dict)
     path: Path | None = None
     _refused: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
 
@@ -52,37 +53,37 @@ class Ledger:
         if self.promote_after < 1:
             raise ValueError(f"promote_after must be >= 1, got {self.promote_after}")
 
-    def record(self, row: str, agreed: bool) -> None:
-        ev = self.rows.setdefault(row, RowEvidence())
+    def record(self, origin: str, agreed: bool) -> None:
+        ev = self.origins.setdefault(origin, OriginEvidence())
         if agreed:
             ev.agreements += 1
         else:
             ev.disagreements += 1
 
-    def is_eligible(self, row: str) -> bool:
+    def is_eligible(self, origin: str) -> bool:
         """Listed exactly, or under a listed prefix ending in ``:`` (``"strict:"``)."""
-        return row in self.eligible or any(
-            e.endswith(":") and row.startswith(e) for e in self.eligible)
+        return origin in self.eligible or any(
+            e.endswith(":") and origin.startswith(e) for e in self.eligible)
 
-    def promoted(self, row: str, *, certainty: str | None = None) -> bool:
-        """True iff ``row`` may be asserted: not a ``likely`` strict row, eligible, enough
+    def promoted(self, origin: str, *, certainty: str | None = None) -> bool:
+        """True iff ``origin`` may be asserted: not a ``likely`` strict row, eligible, enough
         agreements, none against. ``certainty`` is the row's class (None for sources that are
         not compiled rows). Temperature is the session's to enforce (no ``assert`` above 0)."""
-        if not self.is_eligible(row):
+        if not self.is_eligible(origin):
             return False
         if certainty != "determined" and certainty is not None:
-            if row not in self._refused:
-                self._refused.add(row)
+            if origin not in self._refused:
+                self._refused.add(origin)
                 log.info("evidence ledger: %s is a %s strict row; it stays verify whatever "
-                         "MLX_FILL_PROMOTE says", row, certainty)
+                         "MLX_FILL_PROMOTE says", origin, certainty)
             return False
-        ev = self.rows.get(row)
+        ev = self.origins.get(origin)
         return ev is not None and ev.disagreements == 0 and ev.agreements >= self.promote_after
 
     def to_json(self) -> dict:
         return {"model": self.model, "template": self.template,
                 "rows": {k: {"agreements": v.agreements, "disagreements": v.disagreements}
-                         for k, v in sorted(self.rows.items())}}
+                         for k, v in sorted(self.origins.items())}}
 
     def save(self) -> Path:
         path = self.path or ledger_path(self.model, self.template)
@@ -113,9 +114,8 @@ def load_ledger(model: str, template: str, *, promote_after: int = DEFAULT_PROMO
     if path.exists():
         try:
             data = json.loads(path.read_text())
-            rows = data["rows"]
-            for row, ev in rows.items():
-                led.rows[row] = RowEvidence(int(ev["agreements"]), int(ev["disagreements"]))
+            for origin, ev in data["rows"].items():
+                led.origins[origin] = OriginEvidence(int(ev["agreements"]), int(ev["disagreements"]))
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"corrupt evidence ledger {path}: {e}") from e
         if data.get("model") != model or data.get("template") != template:

@@ -529,7 +529,7 @@ def identity_key(tokenizer, tools: list[dict] | None, template_kwargs: dict | No
 
 
 _TABLES: dict[str, RowTable | None] = {}
-_MAX_PLANS = 64
+_MAX_TABLES = 64
 
 
 def table_for(tokenizer, messages: list[dict], tools: list[dict] | None,
@@ -549,7 +549,7 @@ def table_for(tokenizer, messages: list[dict], tools: list[dict] | None,
             return table
         return compile_table(tokenizer, messages, tools, template_kwargs)
     table = compile_table(tokenizer, messages, tools, template_kwargs)
-    if len(_TABLES) >= _MAX_PLANS:
+    if len(_TABLES) >= _MAX_TABLES:
         _TABLES.pop(next(iter(_TABLES)))
     _TABLES[key] = table
     return table

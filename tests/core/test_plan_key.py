@@ -195,7 +195,7 @@ def tiny_served_dir(tmp_path):
 
 def test_serve_engine_qualifies_at_start_up(tiny_served_dir, plan_dirs, qualify_calls):
     from mlx_fill.adapters.server.serve import Engine
-    engine = Engine(str(tiny_served_dir), fill="strict")
+    engine = Engine(str(tiny_served_dir), mode="strict")
     assert len(qualify_calls) == 1 and qualify_calls[0] == config_key(engine.model)
     assert list((plan_dirs.parent / "cache" / "plans").glob("*.json"))
 

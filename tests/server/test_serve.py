@@ -204,7 +204,7 @@ def test_draft_model_source_is_lossless():
     model, _ = serving_model_dir()
     # a request the model answers at length (a short reply leaves nothing to draft)
     req = lambda: parse_chat_request({"messages": AGENT_MESSAGES, "max_tokens": 24})
-    drafting, stock = Engine(str(model), fill="strict", draft_model=str(model)), Engine(str(model), fill="off")
+    drafting, stock = Engine(str(model), mode="strict", draft_model=str(model)), Engine(str(model), mode="off")
     with_draft = drafting.generate(drafting.prepare(req()), threading.Event())
     plain = stock.generate(stock.prepare(req()), threading.Event())
     assert with_draft.tokens == plain.tokens
@@ -222,14 +222,14 @@ def test_engine_keeps_a_persisted_evidence_ledger(tmp_path, monkeypatch):
     model, _ = serving_model_dir()
     monkeypatch.setenv("MLX_FILL_CACHE", str(tmp_path))
     monkeypatch.setenv("MLX_FILL_PROMOTE", "strict:")
-    engine = Engine(str(model), fill="strict")
+    engine = Engine(str(model), mode="strict")
     assert engine.ledger.eligible == frozenset({"strict:"})
     req = parse_chat_request({"messages": AGENT_MESSAGES, "tools": AGENT_TOOLS, "max_tokens": 8})
     engine.generate(engine.prepare(req), threading.Event())
     path = ledger_path(str(model), engine.tokenizer.chat_template)
     assert path.is_file() and path.parent == tmp_path / "ledger"
     assert json.loads(path.read_text())["model"] == str(model)
-    assert Engine(str(model), fill="off").ledger is None
+    assert Engine(str(model), mode="off").ledger is None
 
 
 def test_dtype_cast_engine_generates_on_its_worker_thread():
@@ -243,7 +243,7 @@ def test_dtype_cast_engine_generates_on_its_worker_thread():
     req = lambda: parse_chat_request({"messages": AGENT_MESSAGES, "tools": AGENT_TOOLS, "max_tokens": 16})
     answers = {}
     for fill in ("off", "strict"):
-        engine = Engine(str(model), fill=fill, dtype="bfloat16")
+        engine = Engine(str(model), mode=fill, dtype="bfloat16")
         with ThreadPoolExecutor(max_workers=1) as worker:
             answers[fill] = worker.submit(
                 lambda: engine.generate(engine.prepare(req()), threading.Event())).result()

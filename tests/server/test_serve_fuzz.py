@@ -74,7 +74,7 @@ bodies = st.fixed_dictionaries(
 
 @pytest.fixture(scope="module")
 def client():
-    engine = Engine(str(random_qwen3_dir()), fill="all", max_tokens=2,
+    engine = Engine(str(random_qwen3_dir()), mode="all", max_tokens=2,
                     limits=Limits(max_tokens_ceiling=4, max_prompt_tokens=2048))
     with TestClient(create_app(engine), raise_server_exceptions=False) as c:
         yield c

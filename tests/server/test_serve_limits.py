@@ -26,7 +26,7 @@ USER = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine(str(random_qwen3_dir()), fill="all", max_tokens=2)
+    return Engine(str(random_qwen3_dir()), mode="all", max_tokens=2)
 
 
 @pytest.fixture(scope="module")

@@ -48,8 +48,8 @@ def test_persisted_under_user_cache_dir_and_reloaded(tmp_path):
     assert path.parent == tmp_path / "ledger" and path == ledger_path(led.model, led.template)
     again = load_ledger("mlx-community/Qwen3-0.6B", "{{ template }}", promote_after=2,
                         eligible=frozenset({ROW}))
-    assert again.rows[ROW].agreements == 2 and again.promoted(ROW)
-    assert load_ledger("other-model", "{{ template }}").rows == {}
+    assert again.origins[ROW].agreements == 2 and again.promoted(ROW)
+    assert load_ledger("other-model", "{{ template }}").origins == {}
 
 
 def test_corrupt_or_foreign_ledger_is_an_error_not_a_reset():
