@@ -11,7 +11,7 @@ from itertools import zip_longest
 from typing import Any
 
 from mlx_fill.evidence.replay import load_recordings, recording_turns
-from mlx_fill.core.paths import TRANSCRIPTS
+from mlx_fill.assets.checkout import TRANSCRIPTS
 
 
 def _with_argument_objects(messages: list[dict]) -> list[dict]:

@@ -206,3 +206,11 @@ def test_the_public_api_is_listed_once_and_resolves():
 def test_no_front_end_or_evidence_function_is_longer_than_the_limit():
     long = [f for folder, limit in MAX_FUNCTION_LINES.items() for f in _long_functions(folder, limit)]
     assert not long, long
+
+
+def test_only_the_checkout_module_reads_the_checkout():
+    """Package code finds the clone's ``fixtures/`` through :mod:`mlx_fill.assets.checkout`
+    alone; ``REPO_ROOT`` belongs to the scripts and tests."""
+    reads = [str(path.relative_to(ROOT)) for path, _, _ in _modules()
+             if "parents[2]" in path.read_text() or "REPO_ROOT" in path.read_text()]
+    assert reads == ["fill/assets/checkout.py"], reads

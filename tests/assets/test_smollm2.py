@@ -19,7 +19,7 @@ from mlx_lm import generate, load
 
 from mlx_fill.assets import fixtures, smollm2
 from mlx_fill.assets import store as assets
-from mlx_fill.core.paths import TRANSCRIPTS
+from mlx_fill.assets.checkout import TRANSCRIPTS
 
 NAME = "smollm2-135m"
 PER_SOURCE = 3  # sessions per transcript source

@@ -16,7 +16,7 @@ from adapter_models import free_port, running_server
 from mlx_fill.evidence import replay
 from mlx_fill.cli import main
 from mlx_fill.core.errors import UserError
-from mlx_fill.core.paths import TRANSCRIPTS
+from mlx_fill.assets.checkout import TRANSCRIPTS
 
 
 
