@@ -12,7 +12,9 @@ the unsharded fill run's in what was proposed, accepted and injected (not the wa
 batches tool requests, a sharded one serves them serially), and a fault injected
 on one rank (rank 0 in the pipeline run, rank 1 in the tensor run) disarms fill on every rank
 at the same step: still the fill-off answer, no hang, ``usage.fill.refusals == {"shard_fault":
-1}``. Every server and launch is bounded by a timeout."""
+1}``. Every server and launch is bounded by a timeout, sized for a machine that runs another
+CPU-bound job beside the test (:data:`READY_S`, :data:`REQUEST_S`: a start-up loads and
+qualifies the model on every rank; a two-rank request synchronizes at every step)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -35,7 +38,26 @@ from mlx_fill.assets.fixtures import fixture_path
 HERE = Path(__file__).parent
 LAUNCH = shutil.which("mlx.launch")
 MAX_TOKENS = 64
+# bounds, not expectations: on a loaded machine a start-up (load, plan qualification on every
+# rank) and a request take several times what they take on a quiet one
+READY_S = 600.0
+REQUEST_S = 600.0
+PROBE_S = 180.0
 PROBE = "import mlx.core as mx; g = mx.distributed.init(); print(mx.distributed.all_sum(1).item())"
+
+
+def _ring_port() -> int:
+    """A port ``p`` with ``p + 1`` also free: ``mlx.launch`` gives rank ``i`` port ``p + i``."""
+    for _ in range(50):
+        p = free_port()
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", p))
+                b.bind(("127.0.0.1", p + 1))
+            except OSError:
+                continue
+        return p
+    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
 
 
 def _launch_argv(script: list[str], ring_port: int) -> list[str]:
@@ -50,22 +72,22 @@ def ring(tmp_path_factory) -> None:
     probe = tmp_path_factory.mktemp("probe") / "probe.py"
     probe.write_text(PROBE)
     try:
-        out = subprocess.run(_launch_argv([str(probe)], free_port()), capture_output=True,
-                             text=True, timeout=60, start_new_session=True)
+        out = subprocess.run(_launch_argv([str(probe)], _ring_port()), capture_output=True,
+                             text=True, timeout=PROBE_S, start_new_session=True)
     except subprocess.TimeoutExpired:
-        pytest.skip("mlx.launch --backend ring did not finish a two-rank all_sum in 60 s")
+        pytest.skip(f"mlx.launch --backend ring did not finish a two-rank all_sum in {PROBE_S} s")
     if out.returncode != 0 or out.stdout.split().count("2") != 2:
         pytest.skip(f"the ring backend is unavailable here: {(out.stderr or out.stdout)[-500:]}")
 
 
 @contextlib.contextmanager
 def launched_server(model: Path, *, pipeline: bool, env: dict[str, str], log: Path,
-                    timeout: float = 150.0):
+                    timeout: float = READY_S):
     """Two ranks of ``dist_server.py`` under ``mlx.launch``; the whole process group is killed
     on exit (also when a rank hangs)."""
     port = free_port()
     argv = _launch_argv([str(HERE / "dist_server.py"), "--model", str(model), "--port", str(port),
-                         *(["--pipeline"] if pipeline else [])], free_port())
+                         *(["--pipeline"] if pipeline else [])], _ring_port())
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_FILL")}
     full_env.update(env)
     with open(log, "wb") as out:
@@ -83,7 +105,7 @@ def launched_server(model: Path, *, pipeline: bool, env: dict[str, str], log: Pa
                     raise RuntimeError(f"not ready after {timeout}s:\n{log.read_text()[-3000:]}")
                 time.sleep(0.5)
             yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
-                                max_retries=0, timeout=120)
+                                max_retries=0, timeout=REQUEST_S)
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -135,10 +157,11 @@ def unsharded(tmp_path_factory) -> dict[str, dict]:
     logs = tmp_path_factory.mktemp("logs")
     cmd = lambda p: [sys.executable, str(HERE / "dist_server.py"), "--model", str(model), "--port", str(p)]
     p_off, p_fill = free_port(), free_port()
-    with running_server(cmd(p_off), p_off, log=logs / "off.log") as off, \
+    with running_server(cmd(p_off), p_off, log=logs / "off.log", timeout=READY_S) as off, \
             running_server(cmd(p_fill), p_fill, env={"MLX_FILL": "strict", "PIN_COST": "1"},
-                           log=logs / "fill.log") as on:
-        client = lambda base: openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+                           log=logs / "fill.log", timeout=READY_S) as on:
+        client = lambda base: openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0,
+                                            timeout=REQUEST_S)
         return {"off": answers(client(off)), "fill": answers(client(on))}
 
 
