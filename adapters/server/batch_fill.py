@@ -95,7 +95,7 @@ class SeqFill:
             on_end()
 
 
-# the registry of the BatchGenerator whose step (``BatchGenerator._next``) is running (uid -> SeqFill)
+# the registry of the BatchGenerator whose step (``seam.BATCH_STEP``) is running (uid -> SeqFill)
 _active: contextvars.ContextVar[dict[int, SeqFill] | None] = contextvars.ContextVar(
     "mlx_fill_batch", default=None)
 
