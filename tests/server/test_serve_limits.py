@@ -244,7 +244,7 @@ class CountingModel:
 @pytest.mark.parametrize("fill", ["all", "off"])  # the fill loop and mlx-lm's own generate_step
 @pytest.mark.parametrize("how", ["disconnect", "shutdown"])
 def test_prefill_stops_within_a_chunk(engine, monkeypatch, how, fill):
-    monkeypatch.setattr(engine, "fill", fill)
+    monkeypatch.setattr(engine, "mode", fill)
     cancelled = threading.Event()
     event = cancelled if how == "disconnect" else engine.stopping
     counting = CountingModel(engine.model, event, after=2)
