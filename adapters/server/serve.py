@@ -556,13 +556,15 @@ def _usage(out: Outcome) -> dict:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, type=model_ref, help="mlx-lm model directory (or hub id)")
-    parser.add_argument("--fill", default="strict", choices=("strict", "echo", "all", "off"))
+    parser.add_argument("--fill", default="strict", choices=("strict", "echo", "all", "off"),
+                        help="fill mode for every request: strict (template/schema tokens), echo "
+                             "(spans copied from the conversation), all (both), off (plain decoding)")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                         help="cast the model's floating-point weights after loading (default: as stored)")
     parser.add_argument("--draft-model", default=None, type=model_ref,
                         help="a smaller model with the same tokenizer, used as a verify source")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--port", type=int, default=8080, help="TCP port to listen on")
     parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                         help="completion length when a request gives none")
     parser.add_argument("--prompt-cache-size", type=int, default=8,
@@ -575,7 +577,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(Limits):
         parser.add_argument("--" + f.name.replace("_", "-"), type=int,
                             default=f.default, help=f"{f.metadata['help']} (default {f.default})")
-    parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--log-level", default="warning",
+                        choices=("critical", "error", "warning", "info", "debug"),
+                        help="server log level (info logs one line per request)")
 
 
 def limits_from(args: argparse.Namespace) -> Limits:

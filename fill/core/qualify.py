@@ -24,7 +24,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
-from .errors import model_dir
+from .errors import UserError, model_dir
 from .exactness import arrays_equal, cache_content
 from .plan import DispatchPlan, PlanKey, config_key, format_key, save_plan
 from .primitive import (Unsupported, append, cache_offset, check_supported, checkpoint,
@@ -169,6 +169,32 @@ def measure_cost(model: Any, cache: list[Any], sizes: tuple[int, ...], vocab: in
     return {m: round(statistics.median(t) / one, 3) for m, t in times.items()}
 
 
+COST_TRIES = 3  # cost-curve measurements before an implausible curve is refused
+
+
+class ImplausibleCost(UserError):
+    """Every cost-curve measurement had some c(M) < 1 for M >= 2: an M-row forward timed
+    cheaper than a one-row forward, which only timing noise (a loaded machine) produces."""
+
+
+def measure_plausible_cost(model: Any, cache: list[Any], sizes: tuple[int, ...], vocab: int,
+                           repeats: int, agree: Agree = _alone) -> dict[int, float]:
+    """:func:`measure_cost`, measured again while some c(M) < 1 for M >= 2, at most
+    ``COST_TRIES`` times; then :class:`ImplausibleCost` naming what was measured. ``agree``
+    makes every rank re-measure (and refuse) together."""
+    tries = []
+    for _ in range(COST_TRIES):
+        cost = measure_cost(model, cache, sizes, vocab, repeats)
+        if agree(all(c >= 1.0 for m, c in cost.items() if m >= 2)):
+            return cost
+        tries.append(cost)
+    low = "; ".join(", ".join(f"c({m})={c:.2f}" for m, c in sorted(t.items()) if m >= 2 and c < 1)
+                    for t in tries)
+    raise ImplausibleCost(f"the cost curve measured an M-row forward cheaper than a one-row one "
+                          f"in all {COST_TRIES} tries ({low}; an M-row forward costs at least "
+                          f"one row), so timing is noise here: qualify again on a quieter machine")
+
+
 def measure_round_overhead(model: Any, cache: list[Any], repeats: int, steps: int = 8) -> float:
     """What a fill round costs beyond its rows, in plain steps: the median over repeats of
     time(synchronous 1-row append, its sample read, as a round does) / time(pipelined greedy
@@ -250,7 +276,7 @@ def qualify(model: Any, *, quick: bool, vocab: int | None = None, repeats: int |
     repeats = repeats or (3 if quick else 7)
     cache = make_prompt_cache(model)  # grown once: both measures run at KV length COST_KV
     _grow(model, cache, COST_KV, vocab)
-    cost = measure_cost(model, cache, sizes, vocab, repeats)
+    cost = measure_plausible_cost(model, cache, sizes, vocab, repeats, agree)
     overhead = measure_round_overhead(model, cache, repeats)
     stamp = f"{'quick' if quick else 'full'} qualify, {date.today().isoformat()}"
     plan = replace(plan, cost=cost, round_overhead=overhead,

@@ -85,10 +85,14 @@ def _tool_calls(tok, text: str, tools: list[dict]) -> tuple[str, list[dict]]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--fixture", default="qwen3-json", choices=FIXTURES + REAL_FIXTURES)
-    parser.add_argument("--fill", default="strict", choices=("strict", "echo", "all"))
-    parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--fixture", default="qwen3-json", choices=FIXTURES + REAL_FIXTURES,
+                        help="the fixture model to run (`mlx-fill fixture NAME` prints its folder)")
+    parser.add_argument("--fill", default="strict", choices=("strict", "echo", "all"),
+                        help="fill mode of the 'on' run: strict (template/schema tokens), echo "
+                             "(spans copied from the conversation), all (both)")
+    parser.add_argument("--turns", type=int, default=3,
+                        help="agent turns (model call, then a canned tool result) to run")
+    parser.add_argument("--max-tokens", type=int, default=160, help="token limit per turn")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                         help="cast the model's floating-point weights after loading (default: as "
                              "stored; smollm2-tools fills only in bfloat16 on a CPU, where its "

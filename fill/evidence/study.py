@@ -252,8 +252,8 @@ def run_study(path: Path, family: str, row_names: list[str], *, sessions: int | 
               per_source: int | None = None, plan: DispatchPlan | None = None, max_span: int = LOOKUP_MAX_SPAN, workers: int = 2,
               progress: bool = True) -> dict:
     """Run the study and return the JSON-able result (see the module contract)."""
-    from .transcripts import load_recordings
-    all_sessions, corrupt = load_recordings(path)
+    from .replay import read_sessions
+    all_sessions, corrupt = read_sessions(path)
     picks = list(range(len(all_sessions)))[:sessions] if sessions else list(range(len(all_sessions)))
     if per_source:
         taken: dict[str, int] = defaultdict(int)
@@ -391,10 +391,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="at most N sessions of each transcript source (first N)")
     parser.add_argument("--cost-curve", type=existing_file, default=None,
                         help="DispatchPlan JSON whose cost map prices each forward")
-    parser.add_argument("--max-span", type=int, default=32)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=Path("out/study"))
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--max-span", type=int, default=32,
+                        help="longest proposal span, in tokens, a source may offer")
+    parser.add_argument("--workers", type=int, default=2, help="worker processes")
+    parser.add_argument("--out", type=Path, default=Path("out/study"),
+                        help="output folder for study.json, study.md and the plot")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def run(args: argparse.Namespace) -> int:
