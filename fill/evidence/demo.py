@@ -159,7 +159,7 @@ def _print_speed(totals: dict, plan, model) -> None:
     print(f"speed: fill saved {totals['emitted'] - totals['forwards']} of {totals['emitted']} "
           f"forwards; the wall times above do not show it. On this fixture ({width} wide, a "
           f"{vocab}-id vocabulary) a forward's cost is mostly the output projection, which every "
-          f"verified row pays again, so an M-row forward costs nearly M one-row forwards "
+          f"verified row pays again, so an M-row forward costs most of what M one-row forwards cost "
           f"({curve or 'no cost curve measured'}); the first 'on' time also includes compiling "
           f"the tools' strict rows ({totals['source_ms'] / 1e3:.1f} s of source time in all).\n"
           f"Benchmarks that measure speed: `python -m scripts.bench.forced` (forced replay of "
