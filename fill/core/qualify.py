@@ -169,30 +169,36 @@ def measure_cost(model: Any, cache: list[Any], sizes: tuple[int, ...], vocab: in
     return {m: round(statistics.median(t) / one, 3) for m, t in times.items()}
 
 
-COST_TRIES = 3  # cost-curve measurements before an implausible curve is refused
+COST_TRIES = 3  # cost-curve measurements before a curve with some c(M) < 1 is judged
+COST_NOISE = 0.05  # c(M) this far below 1 is timing noise around equal cost: stored as 1
 
 
 class ImplausibleCost(UserError):
-    """Every cost-curve measurement had some c(M) < 1 for M >= 2: an M-row forward timed
-    cheaper than a one-row forward, which only timing noise (a loaded machine) produces."""
+    """Every cost-curve measurement had some c(M) < 1 - COST_NOISE for M >= 2: an M-row forward
+    timed clearly cheaper than a one-row forward, which only timing noise (a loaded machine)
+    produces."""
 
 
 def measure_plausible_cost(model: Any, cache: list[Any], sizes: tuple[int, ...], vocab: int,
                            repeats: int, agree: Agree = _alone) -> dict[int, float]:
-    """:func:`measure_cost`, measured again while some c(M) < 1 for M >= 2, at most
-    ``COST_TRIES`` times; then :class:`ImplausibleCost` naming what was measured. ``agree``
-    makes every rank re-measure (and refuse) together."""
+    """:func:`measure_cost`, measured again while some c(M) < 1 for M >= 2 (an M-row forward
+    costs at least a one-row forward), at most ``COST_TRIES`` times. The last measurement is
+    kept with values within ``COST_NOISE`` below 1 raised to 1; one further below raises
+    :class:`ImplausibleCost` naming what was measured. ``agree`` makes every rank re-measure
+    (and refuse) together."""
     tries = []
     for _ in range(COST_TRIES):
         cost = measure_cost(model, cache, sizes, vocab, repeats)
+        tries.append(cost)
         if agree(all(c >= 1.0 for m, c in cost.items() if m >= 2)):
             return cost
-        tries.append(cost)
+    if agree(all(c >= 1.0 - COST_NOISE for m, c in cost.items() if m >= 2)):
+        return {m: c if m < 2 else max(c, 1.0) for m, c in cost.items()}
     low = "; ".join(", ".join(f"c({m})={c:.2f}" for m, c in sorted(t.items()) if m >= 2 and c < 1)
                     for t in tries)
     raise ImplausibleCost(f"the cost curve measured an M-row forward cheaper than a one-row one "
-                          f"in all {COST_TRIES} tries ({low}; an M-row forward costs at least "
-                          f"one row), so timing is noise here: qualify again on a quieter machine")
+                          f"in all {COST_TRIES} tries ({low}), which only timing noise gives: "
+                          f"qualify again on a quieter machine")
 
 
 def measure_round_overhead(model: Any, cache: list[Any], repeats: int, steps: int = 8) -> float:
