@@ -165,8 +165,12 @@ def prepare(model: Any, group: Any = None) -> None:
 
 def plan_source(model: Any) -> str:
     """One line: the plan ``model`` has here and where it came from (resolved already, e.g. by
-    :func:`prepare`; nothing is measured)."""
-    res = resolve(model, qualify=False)
+    :func:`prepare`; nothing is measured). For a start-up log: a failure is described, never
+    raised."""
+    try:
+        res = resolve(model, qualify=False)
+    except Exception as e:  # noqa: BLE001 -- a log line must not fail start-up
+        return f"no dispatch plan ({type(e).__name__}: {e})"
     where = f"{res.source} {res.path}" if res.path is not None else f"unqualified: {res.reason}"
     return f"dispatch plan max_chunk={res.plan.max_chunk} from {where}"
 
