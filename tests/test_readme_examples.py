@@ -7,7 +7,9 @@ file (a path relative to the root, e.g. ``docs/examples.md``) to check instead.
 Conventions of the markdown (a marker is an HTML comment on the line just above the fence):
 
 * ``<!-- no-run -->``: the block is not run (installs, Apple-only or GPU-only commands, the
-  test suite itself).
+  test suite itself). An unmarked block that installs (``pip install``, ``python -m venv``) or
+  runs the suite (``pytest``, ``.ci/run``) fails at once, before it runs, and so does an
+  unmarked ``bash`` block that starts a server.
 * ``<!-- server -->``: a ``bash`` block that starts a server and keeps running (``mlx_lm.server``,
   ``mlx-fill serve``). The test starts it in the background on a free loopback port (every
   ``8080`` in the block is replaced by that port), waits until the port accepts connections, and
@@ -46,6 +48,10 @@ RUN_TIMEOUT = 600  # seconds for one block (a loaded 2-core machine; a first run
 START_TIMEOUT = 240  # seconds until a server's port accepts connections
 FENCE = re.compile(r"^```(bash|sh|shell|python)\s*$")
 MARKER = re.compile(r"^<!--\s*(no-run|server)\s*-->$")
+# what a block must not do from inside the test suite (install into its environment, run the
+# suite again); such a block has to be marked no-run
+UNRUNNABLE = re.compile(r"\bpytest\b|\bpip3? install\b|\.ci/run\b|\bpython3? -m venv\b")
+SERVER = re.compile(r"\bmlx_lm[. ]server\b|\bmlx-fill serve\b")  # a command that keeps running
 
 
 @dataclass(frozen=True)
@@ -178,6 +184,10 @@ def _check_output(block: Block, out: str) -> None:
 def test_example_runs_as_printed(block: Block, env, servers, tmp_path):
     if block.marker == "no-run":
         pytest.skip("marked <!-- no-run -->")
+    assert not UNRUNNABLE.search(block.code), (
+        f"{block.name} installs packages or runs the test suite: mark it <!-- no-run -->")
+    assert block.marker == "server" or block.lang != "bash" or not SERVER.search(block.code), (
+        f"{block.name} starts a server: mark it <!-- server --> (or <!-- no-run -->)")
     if block.marker == "server":
         servers.start(block)
         return
