@@ -558,7 +558,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, type=model_ref, help="mlx-lm model directory (or hub id)")
     parser.add_argument("--fill", default="strict", choices=("strict", "echo", "all", "off"),
                         help="fill mode for every request: strict (template/schema tokens), echo "
-                             "(spans copied from the conversation), all (both), off (plain decoding)")
+                             "(strict, plus spans copied from the conversation), all (echo, plus "
+                             "suffix and n-gram lookups), off (plain decoding)")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                         help="cast the model's floating-point weights after loading (default: as stored)")
     parser.add_argument("--draft-model", default=None, type=model_ref,

@@ -90,7 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the fixture model to run (`mlx-fill fixture NAME` prints its folder)")
     parser.add_argument("--fill", default="strict", choices=("strict", "echo", "all"),
                         help="fill mode of the 'on' run: strict (template/schema tokens), echo "
-                             "(spans copied from the conversation), all (both)")
+                             "(strict, plus spans copied from the conversation), all (echo, "
+                             "plus suffix and n-gram lookups)")
     parser.add_argument("--turns", type=int, default=3,
                         help="agent turns (model call, then a canned tool result) to run")
     parser.add_argument("--max-tokens", type=int, default=160, help="token limit per turn")
