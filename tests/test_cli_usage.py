@@ -94,8 +94,14 @@ def test_unknown_names(capsys):
     _one_line(capsys, ["assets", "path", "qwen4"], "invalid choice: 'qwen4'")
 
 
-def test_demo_nonpositive_counts(capsys):
-    _one_line(capsys, ["demo", "--turns", "0"], "--turns and --max-tokens must be at least 1")
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["demo", "--turns", "0"], "argument --turns: 0 is not at least 1"),
+    (["demo", "--max-tokens", "many"], "argument --max-tokens: 'many' is not a whole number"),
+    (["qualify", "--repeats", "-1", "--model", "."], "argument --repeats: -1 is not at least 1"),
+    (["study", "--workers", "0"], "argument --workers: 0 is not at least 1"),
+])
+def test_counts_below_one(argv, needle, capsys):
+    _one_line(capsys, argv, needle)
 
 
 @pytest.fixture

@@ -26,6 +26,17 @@ def existing_file(value: str) -> Path:
     return path
 
 
+def positive_int(value: str) -> int:
+    """argparse ``type=``: an integer of at least 1."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return number
+
+
 def model_dir(value: str) -> Path:
     """argparse ``type=``: a local mlx-lm model directory (one holding ``config.json`` and
     ``*.safetensors`` weights)."""

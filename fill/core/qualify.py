@@ -24,7 +24,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
-from .errors import UserError, model_dir
+from .errors import UserError, model_dir, positive_int
 from .exactness import arrays_equal, cache_content
 from .plan import DispatchPlan, PlanKey, config_key, format_key, save_plan
 from .primitive import (Unsupported, append, cache_offset, check_supported, checkpoint,
@@ -316,7 +316,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer sizes and KV lengths")
     parser.add_argument("--out", type=Path, default=None,
                         help="plan file (default: the user cache's plans/ dir)")
-    parser.add_argument("--repeats", type=int, default=None, help="timing repeats per size")
+    parser.add_argument("--repeats", type=positive_int, default=None,
+                        help="timing repeats per size (default: 3 with --quick, else 7)")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                         help="cast the floating-point weights after loading, as a server or "
                              "script that runs the model in that dtype does (default: as stored)")

@@ -15,7 +15,7 @@ import time
 import mlx.core as mx
 
 from mlx_fill.assets.fixtures import FIXTURES, REAL_FIXTURES, fixture_path
-from mlx_fill.core.errors import UserError
+from mlx_fill.core.errors import positive_int
 
 # The embedded default exchange: a mini-swe-agent coding session held back from training (the
 # system prompt and PR description cut as in the fixtures' training data) with a single ``bash``
@@ -92,9 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fill mode of the 'on' run: strict (template/schema tokens), echo "
                              "(strict, plus spans copied from the conversation), all (echo, "
                              "plus suffix and n-gram lookups)")
-    parser.add_argument("--turns", type=int, default=3,
+    parser.add_argument("--turns", type=positive_int, default=3,
                         help="agent turns (model call, then a canned tool result) to run")
-    parser.add_argument("--max-tokens", type=int, default=160, help="token limit per turn")
+    parser.add_argument("--max-tokens", type=positive_int, default=160, help="token limit per turn")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                         help="cast the model's floating-point weights after loading (default: as "
                              "stored; smollm2-tools fills only in bfloat16 on a CPU, where its "
@@ -106,8 +106,6 @@ def run(args: argparse.Namespace) -> int:
 
     from mlx_fill.session import build_session
 
-    if args.turns < 1 or args.max_tokens < 1:
-        raise UserError("--turns and --max-tokens must be at least 1")
     model, tok = load(str(fixture_path(args.fixture)))
     if args.dtype is not None:
         model.set_dtype(getattr(mx, args.dtype))
