@@ -231,3 +231,18 @@ def test_audit_summary_separates_determined_from_likely(tmp_path, capsys):
     likely = next(line for line in out if line.strip().startswith("likely "))
     assert "fails the audit" in determined
     assert "allowed" in likely and "only ever verified" in likely and "never an emitted token" in likely
+
+
+def test_serve_port_in_use_or_out_of_range(tmp_path, capsys):
+    import socket
+
+    from mlx_fill.assets.fixtures import fixture_path
+
+    model = str(fixture_path("qwen3-json"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        _one_line(capsys, ["serve", "--model", model, "--port", str(port)],
+                  f"cannot listen on 127.0.0.1:{port}", "pick another --port")
+    _one_line(capsys, ["serve", "--model", model, "--port", "70000"], "cannot listen on 127.0.0.1:70000")

@@ -588,12 +588,30 @@ def limits_from(args: argparse.Namespace) -> Limits:
     return Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
 
 
+def check_listen(host: str, port: int) -> None:
+    """A :class:`UserError` when ``host:port`` cannot be bound (in use, out of range, not an
+    address of this machine), said before the model loads."""
+    import socket
+    if not 0 <= port <= 65535:
+        raise UserError(f"cannot listen on {host}:{port} (a port is 0 to 65535); pick another --port")
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind(address)
+    except OSError as err:
+        reason = err.strerror or str(err)
+        raise UserError(f"cannot listen on {host}:{port} ({reason}); pick another --port or "
+                        f"--host") from err
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
     try:
         limits = limits_from(args)
     except ValueError as err:
         raise UserError(str(err)) from err
+    check_listen(args.host, args.port)
     try:
         engine = Engine(args.model, fill=args.fill, draft_model=args.draft_model,
                         prompt_cache_size=args.prompt_cache_size, max_tokens=args.max_tokens,
