@@ -334,11 +334,13 @@ def apply(server: Any, mode: str) -> bool:
     def load_w(self, *a, **kw):
         out = load(self, *a, **kw)
         if getattr(self, "model", None) is not None:
-            from mlx_fill.core.resolve import prepare
+            from mlx_fill.core.resolve import plan_source, prepare
             group = getattr(self, "pipeline_group", None) or getattr(self, "tensor_group", None)
             if group is not None:
                 _groups[id(self.model)] = group
             prepare(self.model, group)
+            log.info("mlx-fill: MLX_FILL=%s active; %s; lanes patched: batch (side steps in "
+                     "BatchGenerator) and serial (generate_step)", mode, plan_source(self.model))
         return out
 
     install_generate_step()

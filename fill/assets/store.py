@@ -219,7 +219,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fetch_parser.add_argument("families", nargs="*", metavar="FAMILY", help=f"default: all of {FAMILIES}")
     fetch_parser.add_argument("--dest", type=Path, default=None, help="asset root to write into")
     path_parser = sub.add_parser("path", help="print the resolved folder of a family")
-    path_parser.add_argument("family", metavar="FAMILY", choices=FAMILIES)
+    path_parser.add_argument("family", metavar="FAMILY", choices=FAMILIES, help=f"one of {FAMILIES}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -44,6 +44,13 @@ from mlx_fill.strict.source import strict_source
 from mlx_fill.strict.tokenbytes import ids_bytes, token_bytes
 
 DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "fixtures" / "audit"
+# what a certainty class's containment failure or false fire means, as the summary says it
+SUMMARY_RULES = {
+    "determined": "any failure here fails the audit (a determined row may be asserted, "
+                  "written into the cache unchecked)",
+    "likely": "allowed: a likely row is only ever verified, so a wrong proposal costs the "
+              "extra rows of the forward that checks it (rewound), never an emitted token",
+}
 
 
 @dataclass
@@ -256,10 +263,13 @@ def audit_family(family: str, tools, corpus: Path, out=None) -> tuple[list[CaseR
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--family", required=True, choices=[*FAMILIES, "all"])
+    parser.add_argument("--family", required=True, choices=[*FAMILIES, "all"],
+                        help="template family whose corpus cases to audit, or all")
     parser.add_argument("--tools", type=existing_file,
                         help="tools.json (OpenAI tools array); default <corpus>/tools/default.json")
-    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS,
+                        help="audit corpus folder: tools/default.json and one FAMILY/ folder of "
+                             "JSON cases per family")
     parser.add_argument("--json", type=Path, help="write the full report here")
 
 
@@ -279,13 +289,13 @@ def run(args: argparse.Namespace) -> int:
     fires = [f for r in results for f in r.fires]
     total_inj = sum(r.injected for r in results)
     total_tok = sum(r.tokens for r in results)
-    per_class = " ".join(f"{c}_fires={sum(f.certainty == c for f in fires)}" for c in CERTAINTIES)
-    print(f"cases={len(results)} failed={len(bad)} fires={len(fires)} ({per_class}) "
-          f"injected={total_inj}/{total_tok} tokens "
-          f"containment_failures={sum(r.containment_failures for r in results)} "
-          f"false_fires={sum(r.false_fires for r in results)} "
-          f"determined_failures={sum(r.determined_failures for r in results)} "
-          f"missed={sum(r.missed for r in results)} unclassed_rows={unclassed}")
+    print(f"cases={len(results)} failed={len(bad)} fires={len(fires)} "
+          f"injected={total_inj}/{total_tok} tokens missed={sum(r.missed for r in results)} "
+          f"unclassed_rows={unclassed}")
+    for c, why in SUMMARY_RULES.items():
+        mine = [f for f in fires if f.certainty == c]
+        print(f"  {c:<10} fires={len(mine)} containment_failures={sum(not f.contained for f in mine)} "
+              f"false_fires={sum(f.false_fire for f in mine)}: {why}")
     if args.json:
         report = [{**asdict(r), "injected": r.injected, "ok": r.ok,
                    "containment_failures": r.containment_failures,
