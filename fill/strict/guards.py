@@ -236,10 +236,12 @@ class Markers:
     ``inline_calls``: the template writes a call right after content text on the same line
     (GLM-4.7-Flash), so a start marker after text opens a call unless it is quoted or inside
     inline code; otherwise a call opens only at the start of a line.
-    ``open_after``: texts that may stand before the start marker on its line besides
-    whitespace (harmony: ``<|start|>assistant`` after closed reasoning).
+    ``open_after``: texts that may stand before the start marker besides whitespace.
     ``turn_start_only``: a call opens only where nothing but whitespace and an ``open_after``
-    text precedes it in the turn (Llama 3.x: a call is the whole reply).
+    text precedes it in the turn's content, or since the last ``message_start`` (Llama 3.x: a
+    call is the whole reply; harmony: a call is a message of its own, opened by
+    ``<|start|>assistant``, or the reply right after the generation prompt's); never after a
+    call has ended until a new message starts.
     """
 
     call_start: str
@@ -249,6 +251,7 @@ class Markers:
     inline_calls: bool = False
     open_after: tuple[str, ...] = ()
     turn_start_only: bool = False
+    message_start: str = ""
 
 
 def protocol_markers(chat_template: str | None, eos_token: str | None) -> tuple[Markers, str] | None:
@@ -256,8 +259,9 @@ def protocol_markers(chat_template: str | None, eos_token: str | None) -> tuple[
     marker for: gpt-oss harmony, Llama 3.x JSON, Mistral ``[TOOL_CALLS]``; else None.
 
     * harmony: a call opens on ``to=functions`` (its ``.`` merges with the name's first token)
-      at the start of the reply, after ``<|start|>assistant`` or ``<|channel|>commentary``, and
-      ends with ``<|call|>``; the analysis channel is reasoning.
+      at the start of an assistant message (the reply, or after ``<|start|>``), after
+      ``assistant`` and/or ``<|channel|>commentary``, and ends with ``<|call|>``; the analysis
+      channel is reasoning. A final-channel line that starts with ``to=functions`` is prose.
     * Llama 3.x: a call is the reply itself, opening with ``{"name": "`` (optionally after
       ``<|python_tag|>``) and ending with ``<|eot_id|>``.
     * Mistral: ``[TOOL_CALLS]`` opens the call list, EOS ends it.
@@ -266,7 +270,9 @@ def protocol_markers(chat_template: str | None, eos_token: str | None) -> tuple[
         return None
     if "<|call|>" in chat_template and "<|channel|>" in chat_template:
         return Markers("to=functions", "<|call|>", "<|channel|>analysis<|message|>", "<|end|>",
-                       open_after=("<|start|>assistant", "<|channel|>commentary")), "harmony"
+                       open_after=("assistant", "<|channel|>commentary",
+                                   "assistant<|channel|>commentary"),
+                       turn_start_only=True, message_start="<|start|>"), "harmony"
     if '{"name": "' in chat_template and '"parameters": ' in chat_template:
         return Markers('{"name": "', "<|eot_id|>", open_after=("<|python_tag|>",),
                        turn_start_only=True), "llama-json"
@@ -305,16 +311,18 @@ class TurnGuard:
         self._tail = ""          # last chars, for marker detection
         self._in_fence = False
         self._window = max(len(m) for m in (markers.call_start, markers.call_end,
-                                            markers.think_start, markers.think_end, _FENCE))
+                                            markers.think_start, markers.think_end,
+                                            markers.message_start, _FENCE))
         self._parsed_len = -1
         self._parsed: CallPrefix | None = None
         self._in_string = False  # JSON bodies: inside a string value (markers are text there)
         self._escape = False
         # a start marker that ends inside a string (Llama's {"name": ") opens the body in it
         self._opens_in_string = markers.call_start.count('"') % 2 == 1
-        # turn_start_only: the turn's content so far, kept only while it could precede a call
+        # turn_start_only: the content of the turn (or message) so far, kept while it could
+        # precede a call; None once it cannot (too long, or a call has ended)
         self._head_cap = len(markers.call_start) + max(map(len, markers.open_after), default=0) + 16
-        self._head = ""
+        self._head: str | None = ""
 
     def feed(self, text: str) -> None:
         i = 0
@@ -346,6 +354,7 @@ class TurnGuard:
             self.last_body = self.body[: -len(m.call_end)]
             self.role, self.body, self.declined = Role.CONTENT, "", False
             self._line = ""                    # a call may follow a call directly
+            self._head = None                  # turn_start_only: not before a new message
             self.calls_ended += 1
         return i + len(chunk)
 
@@ -382,6 +391,7 @@ class TurnGuard:
                 self.last_body = self.body[: -len(m.call_end)]
                 self.role, self.body, self.declined = Role.CONTENT, "", False
                 self._line = ""
+                self._head = None
                 self.calls_ended += 1
                 return i
         self.body += text[start:i]
@@ -396,8 +406,11 @@ class TurnGuard:
                 self.role, self._line = Role.CONTENT, ""   # a call may follow reasoning directly
             return
         self._line = "" if ch == "\n" else self._line + ch
-        if self.markers.turn_start_only and len(self._head) <= self._head_cap:
-            self._head += ch
+        if m.turn_start_only:
+            if m.message_start and self._ends(m.message_start):
+                self._head = ""
+            elif self._head is not None:
+                self._head = self._head + ch if len(self._head) < self._head_cap else None
         if self._ends(_FENCE) and self._line.strip() == _FENCE:
             self._in_fence = not self._in_fence
         elif not self._in_fence and self._ends(m.think_start):
@@ -411,9 +424,8 @@ class TurnGuard:
         """Is the start marker that just completed in a structural position?"""
         m = self.markers
         if m.turn_start_only:
-            head = self._head[: -len(m.call_start)]
-            return (len(self._head) <= self._head_cap and self.calls_ended == 0
-                    and head.strip() in ("", *m.open_after))
+            return (self._head is not None
+                    and self._head[: -len(m.call_start)].strip() in ("", *m.open_after))
         before = self._line[: -len(m.call_start)]
         if before.strip() in ("", *m.open_after):
             return True
