@@ -11,13 +11,16 @@ nothing opens, ends or fires there); a call opens only where the protocol opens 
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mlx_fill.cli import main
 from mlx_fill.evidence.audit import DEFAULT_CORPUS, audit_case, load_cases
 from mlx_fill.strict.guards import SYNTAXES, Role, TurnGuard, protocol_markers
-from mlx_fill.assets.store import FAMILIES
+from mlx_fill.assets.store import FAMILIES, family_dir
 from mlx_fill.strict.rows import table_for
 from mlx_fill.strict.source import strict_source
 from strict_helpers import call, contained, reply_ids, teacher_force, tokenizer, tools
@@ -36,8 +39,17 @@ def _table(family: str, tool_list: str = "long"):
     return table_for(tokenizer(family), USER, tools(tool_list), PROTOCOLS[family][1])
 
 
+@lru_cache(maxsize=None)
+def _markers(family: str):
+    """The family's protocol markers, read from its fetched template (no tokenizer load)."""
+    template = (family_dir(family) / "chat_template.jinja").read_text(encoding="utf-8")
+    eos = {"gpt-oss": "<|return|>", "llama3.x": "<|eot_id|>", "mistral-nemo": "</s>"}[family]
+    return protocol_markers(template, eos)
+
+
 def _guard(family: str) -> TurnGuard:
-    markers, syntax = protocol_markers(tokenizer(family).chat_template, tokenizer(family).eos_token)
+    markers, syntax = _markers(family)
+    assert syntax == PROTOCOLS[family][0]
     return TurnGuard(SYNTAXES[syntax], markers, Role.CONTENT)
 
 
@@ -185,3 +197,57 @@ def test_audit_all_covers_six_call_syntaxes():
     syntaxes = {table_for(tokenizer(f), USER, tools("single"),
                           PROTOCOLS.get(f, (None, {}, ()))[1]).syntax for f in families}
     assert syntaxes == {"hermes-json", "xml", "glm", "harmony", "llama-json", "mistral"}
+
+
+# --- properties -----------------------------------------------------------------------------
+
+# Pieces of each protocol's markup, and a lead that makes everything after it prose: harmony's
+# final channel, text before a Llama reply's JSON, text on a Mistral line.
+MARKUP = {
+    "gpt-oss": ("<|channel|>final<|message|>",
+                ["\n", " ", " to=functions", ".run_shell_command", "<|channel|>commentary json",
+                 "<|message|>", '{"command": "', '"}', "<|call|>", "<|end|>", "é", "ls"]),
+    "llama3.x": ("Sure:",
+                 ["\n", " ", '{"name": "', "run_shell_command", '", "parameters": ', '{"command": "',
+                  '"}}', "<|python_tag|>", "é", "ls"]),
+    "mistral-nemo": ("See",
+                     [" ", "[TOOL_CALLS]", '[{"name": "', "run_shell_command", '", "arguments": ',
+                      '{"command": "', '"}, "id": "', "abcDEF123", '"}]', "é", "ls"]),
+}
+
+
+@pytest.mark.parametrize("family", PROTOCOLS)
+def test_protocol_guard_state_does_not_depend_on_how_text_is_chunked(family):
+    @settings(max_examples=80, deadline=None)
+    @given(st.lists(st.sampled_from(MARKUP[family][1]), max_size=30), st.data())
+    def check(pieces, data):
+        text = "".join(pieces)
+        cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
+        whole, chunked = _guard(family), _guard(family)
+        whole.feed(text)
+        prev = 0
+        for c in [*cuts, len(text)]:
+            chunked.feed(text[prev:c])
+            prev = c
+        assert (whole.role, whole.body, whole.calls_ended, whole.last_body) == (
+            chunked.role, chunked.body, chunked.calls_ended, chunked.last_body)
+
+    check()
+
+
+@pytest.mark.parametrize("family", PROTOCOLS)
+def test_no_fire_in_prose_that_writes_the_protocols_markup(family):
+    tok = tokenizer(family)
+    kwargs = PROTOCOLS[family][1]
+    source_tools = tools("long")
+    table_for(tok, USER, source_tools, kwargs)  # compiled once, reused by every example
+    lead, pieces = MARKUP[family]
+
+    @settings(max_examples=25, deadline=None)
+    @given(st.lists(st.sampled_from(pieces), min_size=1, max_size=20))
+    def check(parts):
+        ids = tok.encode(lead + "".join(parts), add_special_tokens=False)
+        source = strict_source(tok, USER, source_tools, kwargs)
+        assert teacher_force(source, ids, frozenset(tok.eos_token_ids)) == []
+
+    check()
