@@ -251,3 +251,25 @@ def test_no_fire_in_prose_that_writes_the_protocols_markup(family):
         assert teacher_force(source, ids, frozenset(tok.eos_token_ids)) == []
 
     check()
+
+
+def test_the_llama_3_1_template_compiles_and_its_builtin_tool_calls_get_no_rows():
+    """The 3.1 revision (fetched beside the 3.2 template) renders JSON calls the same way; with
+    ``builtin_tools`` it renders ``<|python_tag|>NAME.call(...)<|eom_id|>`` and compiles nothing."""
+    tok = tokenizer("llama3.x")
+    template = (family_dir("llama3.x") / "Llama-3.1-8B-Instruct.chat_template.jinja").read_text()
+    kwargs = {**DATE, "chat_template": template}
+    reply = {"role": "assistant", "content": "",
+             "tool_calls": [call("run_shell_command", {"command": "ls"})]}
+    ids = reply_ids(tok, USER, tools("long"), reply, kwargs)
+    source = strict_source(tok, USER, tools("long"), kwargs)
+    fires = teacher_force(source, ids, frozenset(tok.eos_token_ids))
+    assert fires and contained(ids, fires)
+    builtin = {**kwargs, "builtin_tools": ["brave_search"]}
+    reply = {"role": "assistant", "content": "",
+             "tool_calls": [call("brave_search", {"query": "weather"})]}
+    ids = reply_ids(tok, USER, tools("long"), reply, builtin)
+    assert tok.decode(ids).startswith("<|python_tag|>brave_search.call(")
+    # with builtin tools every call ends with <|eom_id|>, not the protocol's <|eot_id|>: the
+    # probes find no end marker and nothing compiles (strict is absent for such a request)
+    assert strict_source(tok, USER, tools("long"), builtin) is None
