@@ -22,7 +22,7 @@ from mlx_fill.evidence.audit import DEFAULT_CORPUS, audit_case, load_cases
 from mlx_fill.strict.guards import SYNTAXES, Role, TurnGuard, protocol_markers
 from mlx_fill.assets.store import FAMILIES, family_dir
 from mlx_fill.strict.rows import table_for
-from mlx_fill.strict.source import strict_source
+from mlx_fill.strict.source import LazyStrictSource, lazy_strict_source, strict_source
 from strict_helpers import call, contained, reply_ids, teacher_force, tokenizer, tools
 
 DATE = {"date_string": "26 Jul 2024"}
@@ -273,3 +273,16 @@ def test_the_llama_3_1_template_compiles_and_its_builtin_tool_calls_get_no_rows(
     # with builtin tools every call ends with <|eom_id|>, not the protocol's <|eot_id|>: the
     # probes find no end marker and nothing compiles (strict is absent for such a request)
     assert strict_source(tok, USER, tools("long"), builtin) is None
+
+
+def test_mistral_compiles_lazily_on_its_control_token_and_fills_as_the_eager_source():
+    tok = tokenizer("mistral-nemo")
+    reply = {"role": "assistant", "content": "",
+             "tool_calls": [{**call("run_shell_command", {"command": "ls"}), "id": "abcDEF123"}]}
+    ids = reply_ids(tok, USER, tools("long"), reply)
+    lazy = lazy_strict_source(tok, USER, tools("long"))
+    assert isinstance(lazy, LazyStrictSource)
+    eos = frozenset(tok.eos_token_ids)
+    fires = teacher_force(lazy, ids, eos)
+    assert fires == teacher_force(strict_source(tok, USER, tools("long")), ids, eos)
+    assert fires and contained(ids, fires)
