@@ -36,7 +36,8 @@ from pathlib import Path
 from mlx_fill.core.errors import UserError
 from mlx_fill.core.paths import user_cache_dir
 
-FAMILIES: tuple[str, ...] = ("qwen3", "qwen3-coder", "qwen3.5", "glm4.x")
+FAMILIES: tuple[str, ...] = ("qwen3", "qwen3-coder", "qwen3.5", "glm4.x", "gpt-oss", "llama3.x",
+                            "mistral-nemo")
 
 MANIFEST_DIR = Path(__file__).resolve().parent / "manifest"
 

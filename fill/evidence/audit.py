@@ -36,6 +36,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import jinja2
+
 from mlx_fill.assets.store import FAMILIES, load_tokenizer
 from mlx_fill.core.errors import UserError, existing_file
 from mlx_fill.core.proposal import DecodeView, FillSession
@@ -110,20 +112,24 @@ class CaseResult:
         return not (self.determined_failures or self.unclassed or self.missed)
 
 
-def _render(tok, messages, tools, kwargs, generation: bool) -> str:
-    return tok.apply_chat_template(messages, tools=tools, tokenize=False,
-                                   add_generation_prompt=generation, **kwargs)
+def _render(tok, messages, tools, kwargs, generation: bool, case_id: str = "") -> str:
+    try:
+        return tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                       add_generation_prompt=generation, **kwargs)
+    except jinja2.TemplateError as err:
+        raise UserError(f"case {case_id}: the chat template refuses the conversation ({err}); "
+                        f"fix its messages or reply") from err
 
 
 def case_stream(tok, case: dict, tools) -> tuple[list[int], list[int], str]:
     """(prompt ids, reply ids cut after the first EOS, reply text) for one case."""
     kwargs = case.get("template_kwargs", {})
     messages = case["messages"]
-    primer = _render(tok, messages, tools, kwargs, True)
+    primer = _render(tok, messages, tools, kwargs, True, case["id"])
     if "raw_reply" in case:
         text = case["raw_reply"]
     else:
-        full = _render(tok, [*messages, case["reply"]], tools, kwargs, False)
+        full = _render(tok, [*messages, case["reply"]], tools, kwargs, False, case["id"])
         if not full.startswith(primer):
             raise UserError(f"case {case['id']}: the rendered reply does not extend the prompt; "
                             f"fix its messages or reply")
