@@ -407,11 +407,15 @@ def _load(state: ServerFill, original: Callable) -> Callable:
         out = original(self, *a, **kw)
         model = seam.loaded_model(self)
         if model is not None:
-            from mlx_fill.core.resolve import prepare
+            from mlx_fill.core.resolve import plan_source, prepare
             group = seam.provider_group(self)
             if group is not None:
                 state.groups[id(model)] = group
             prepare(model, group)
+            lanes = ("batch (side steps in BatchGenerator) and serial (generate_step)"
+                     if state.batch_lane else "serial (generate_step)")
+            log.info("mlx-fill: MLX_FILL=%s active; %s; lanes patched: %s", state.mode,
+                     plan_source(model), lanes)
         return out
     return load
 

@@ -37,8 +37,24 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse help with each argument's default appended, unless its help already names its
+    default or it has none to show (None, or a flag's False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse, with a bad argument raised as a one-line :class:`UserError` (not usage + exit)."""
+    """argparse, with a bad argument raised as a one-line :class:`UserError` (not usage + exit),
+    and every default in the help (subcommand parsers too)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         raise UserError(f"{message} (see `{self.prog} --help`)")
@@ -46,7 +62,10 @@ class _Parser(argparse.ArgumentParser):
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:  # no command: the usage, as for any other missing argument
+        print(_usage(), file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
     name, rest = argv[0], argv[1:]

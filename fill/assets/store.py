@@ -36,7 +36,8 @@ from pathlib import Path
 from mlx_fill.core.errors import UserError
 from mlx_fill.core.paths import user_cache_dir
 
-FAMILIES: tuple[str, ...] = ("qwen3", "qwen3-coder", "qwen3.5", "glm4.x")
+FAMILIES: tuple[str, ...] = ("qwen3", "qwen3-coder", "qwen3.5", "glm4.x", "gpt-oss", "llama3.x",
+                            "mistral-nemo")
 
 MANIFEST_DIR = Path(__file__).resolve().parent / "manifest"
 
@@ -219,7 +220,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fetch_parser.add_argument("families", nargs="*", metavar="FAMILY", help=f"default: all of {FAMILIES}")
     fetch_parser.add_argument("--dest", type=Path, default=None, help="asset root to write into")
     path_parser = sub.add_parser("path", help="print the resolved folder of a family")
-    path_parser.add_argument("family", metavar="FAMILY", choices=FAMILIES)
+    path_parser.add_argument("family", metavar="FAMILY", choices=FAMILIES, help=f"one of {FAMILIES}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -26,14 +26,29 @@ def existing_file(value: str) -> Path:
     return path
 
 
+def positive_int(value: str) -> int:
+    """argparse ``type=``: an integer of at least 1."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return number
+
+
 def model_dir(value: str) -> Path:
-    """argparse ``type=``: a local mlx-lm model directory (one holding ``config.json``)."""
+    """argparse ``type=``: a local mlx-lm model directory (one holding ``config.json`` and
+    ``*.safetensors`` weights)."""
     path = Path(value)
     if not (path / "config.json").is_file():
         what = "has no config.json" if path.is_dir() else "does not exist"
-        raise argparse.ArgumentTypeError(f"{value} {what}; pass an mlx-lm model directory, such as "
-                                         f"the one `mlx-fill fixture qwen3-json` prints")
-    return path
+    elif not any(path.glob("*.safetensors")):
+        what = "has no *.safetensors weights"
+    else:
+        return path
+    raise argparse.ArgumentTypeError(f"{value} {what}; pass an mlx-lm model directory, such as "
+                                     f"the one `mlx-fill fixture qwen3-json` prints")
 
 
 def model_ref(value: str) -> str:

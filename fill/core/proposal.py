@@ -117,6 +117,9 @@ class FillStats:
     source_ms: float = 0.0  # wall time inside the sources' propose/feedback (the bookkeeping)
     by_origin: Counter = field(default_factory=Counter)
     by_certainty: Counter = field(default_factory=Counter)  # committed ids per strict row class
+    proposed_by_origin: Counter = field(default_factory=Counter)  # ids proposed, by origin
+    # offers a source's cost gate priced out (not worth the rows of a verify), by origin
+    declined_by_origin: Counter = field(default_factory=Counter)
 
     @property
     def forwards_saved(self) -> int:
@@ -128,6 +131,8 @@ class FillStats:
         d["source_errors"] = dict(self.source_errors)
         d["by_origin"] = dict(self.by_origin)
         d["by_certainty"] = dict(self.by_certainty)
+        d["proposed_by_origin"] = dict(self.proposed_by_origin)
+        d["declined_by_origin"] = dict(self.declined_by_origin)
         d["forwards_saved"] = self.forwards_saved
         d["checkpoint_ms"] = round(self.checkpoint_ms, 3)
         d["source_ms"] = round(self.source_ms, 3)
@@ -231,6 +236,7 @@ class FillSession:
         s = self.stats
         s.events += 1
         s.by_origin[proposal.origin] += accepted
+        s.proposed_by_origin[proposal.origin] += len(proposal.ids)
         if proposal.certainty is not None:
             s.by_certainty[proposal.certainty] += accepted
         if proposal.policy == "assert":

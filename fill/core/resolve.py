@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .errors import model_dir
 from .plan import (
     DispatchPlan,
     Lookup,
@@ -162,6 +163,18 @@ def prepare(model: Any, group: Any = None) -> None:
                     type(e).__name__, e)
 
 
+def plan_source(model: Any) -> str:
+    """One line: the plan ``model`` has here and where it came from (resolved already, e.g. by
+    :func:`prepare`; nothing is measured). For a start-up log: a failure is described, never
+    raised."""
+    try:
+        res = resolve(model, qualify=False)
+    except Exception as e:  # noqa: BLE001 -- a log line must not fail start-up
+        return f"no dispatch plan ({type(e).__name__}: {e})"
+    where = f"{res.source} {res.path}" if res.path is not None else f"unqualified: {res.reason}"
+    return f"dispatch plan max_chunk={res.plan.max_chunk} from {where}"
+
+
 def format_resolution(res: Resolution) -> str:
     """What ``mlx-fill plan`` prints: the plan, its source, its key, every other candidate."""
     plan = res.plan
@@ -190,7 +203,7 @@ def format_resolution(res: Resolution) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, type=Path, help="mlx-lm model directory")
+    parser.add_argument("--model", required=True, type=model_dir, help="mlx-lm model directory")
     parser.add_argument("--no-qualify", action="store_true",
                         help="only look plans up; do not qualify when none applies")
 

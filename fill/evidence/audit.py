@@ -36,6 +36,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import jinja2
+
 from mlx_fill.assets import checkout
 from mlx_fill.assets.store import FAMILIES, load_tokenizer
 from mlx_fill.core.errors import UserError, existing_file
@@ -45,6 +47,13 @@ from mlx_fill.strict.source import strict_source
 from mlx_fill.strict.tokenbytes import ids_bytes, token_bytes
 
 DEFAULT_CORPUS = checkout.AUDIT
+# what a certainty class's containment failure or false fire means, as the summary says it
+SUMMARY_RULES = {
+    "determined": "any failure here fails the audit (a determined row may be asserted, "
+                  "written into the cache unchecked)",
+    "likely": "allowed: a likely row is only ever verified, so a wrong proposal costs the "
+              "extra rows of the forward that checks it (rewound), never an emitted token",
+}
 
 
 @dataclass
@@ -104,20 +113,24 @@ class CaseResult:
         return not (self.determined_failures or self.unclassed or self.missed)
 
 
-def _render(tok, messages, tools, kwargs, generation: bool) -> str:
-    return tok.apply_chat_template(messages, tools=tools, tokenize=False,
-                                   add_generation_prompt=generation, **kwargs)
+def _render(tok, messages, tools, kwargs, generation: bool, case_id: str = "") -> str:
+    try:
+        return tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                       add_generation_prompt=generation, **kwargs)
+    except jinja2.TemplateError as err:
+        raise UserError(f"case {case_id}: the chat template refuses the conversation ({err}); "
+                        f"fix its messages or reply") from err
 
 
 def case_stream(tok, case: dict, tools) -> tuple[list[int], list[int], str]:
     """(prompt ids, reply ids cut after the first EOS, reply text) for one case."""
     kwargs = case.get("template_kwargs", {})
     messages = case["messages"]
-    primer = _render(tok, messages, tools, kwargs, True)
+    primer = _render(tok, messages, tools, kwargs, True, case["id"])
     if "raw_reply" in case:
         text = case["raw_reply"]
     else:
-        full = _render(tok, [*messages, case["reply"]], tools, kwargs, False)
+        full = _render(tok, [*messages, case["reply"]], tools, kwargs, False, case["id"])
         if not full.startswith(primer):
             raise UserError(f"case {case['id']}: the rendered reply does not extend the prompt; "
                             f"fix its messages or reply")
@@ -257,10 +270,13 @@ def audit_family(family: str, tools, corpus: Path, out=None) -> tuple[list[CaseR
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--family", required=True, choices=[*FAMILIES, "all"])
+    parser.add_argument("--family", required=True, choices=[*FAMILIES, "all"],
+                        help="template family whose corpus cases to audit, or all")
     parser.add_argument("--tools", type=existing_file,
                         help="tools.json (OpenAI tools array); default <corpus>/tools/default.json")
-    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS,
+                        help="audit corpus folder: tools/default.json and one FAMILY/ folder of "
+                             "JSON cases per family")
     parser.add_argument("--json", type=Path, help="write the full report here")
 
 
@@ -280,13 +296,13 @@ def run(args: argparse.Namespace) -> int:
     fires = [f for r in results for f in r.fires]
     total_inj = sum(r.injected for r in results)
     total_tok = sum(r.tokens for r in results)
-    per_class = " ".join(f"{c}_fires={sum(f.certainty == c for f in fires)}" for c in CERTAINTIES)
-    print(f"cases={len(results)} failed={len(bad)} fires={len(fires)} ({per_class}) "
-          f"injected={total_inj}/{total_tok} tokens "
-          f"containment_failures={sum(r.containment_failures for r in results)} "
-          f"false_fires={sum(r.false_fires for r in results)} "
-          f"determined_failures={sum(r.determined_failures for r in results)} "
-          f"missed={sum(r.missed for r in results)} unclassed_rows={unclassed}")
+    print(f"cases={len(results)} failed={len(bad)} fires={len(fires)} "
+          f"injected={total_inj}/{total_tok} tokens missed={sum(r.missed for r in results)} "
+          f"unclassed_rows={unclassed}")
+    for c, why in SUMMARY_RULES.items():
+        mine = [f for f in fires if f.certainty == c]
+        print(f"  {c:<10} fires={len(mine)} containment_failures={sum(not f.contained for f in mine)} "
+              f"false_fires={sum(f.false_fire for f in mine)}: {why}")
     if args.json:
         report = [{**asdict(r), "injected": r.injected, "ok": r.ok,
                    "containment_failures": r.containment_failures,

@@ -15,6 +15,7 @@ import time
 import mlx.core as mx
 
 from mlx_fill.assets.fixtures import FIXTURES, REAL_FIXTURES, fixture_path
+from mlx_fill.core.errors import positive_int
 
 # The embedded default exchange: a mini-swe-agent coding session held back from training (the
 # system prompt and PR description cut as in the fixtures' training data) with a single ``bash``
@@ -85,10 +86,15 @@ def _tool_calls(tok, text: str, tools: list[dict]) -> tuple[str, list[dict]]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--fixture", default="qwen3-json", choices=FIXTURES + REAL_FIXTURES)
-    parser.add_argument("--fill", default="strict", choices=("strict", "echo", "all"))
-    parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--fixture", default="qwen3-json", choices=FIXTURES + REAL_FIXTURES,
+                        help="the fixture model to run (`mlx-fill fixture NAME` prints its folder)")
+    parser.add_argument("--fill", default="strict", choices=("strict", "echo", "all"),
+                        help="fill mode of the 'on' run: strict (template/schema tokens), echo "
+                             "(strict, plus spans copied from the conversation), all (echo, "
+                             "plus suffix and n-gram lookups)")
+    parser.add_argument("--turns", type=positive_int, default=3,
+                        help="agent turns (model call, then a canned tool result) to run")
+    parser.add_argument("--max-tokens", type=positive_int, default=160, help="token limit per turn")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                         help="cast the model's floating-point weights after loading (default: as "
                              "stored; smollm2-tools fills only in bfloat16 on a CPU, where its "
@@ -107,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"model: {args.fixture} ({fixture_path(args.fixture)}{', ' + args.dtype if args.dtype else ''}), "
           f"fill mode: {args.fill}\n")
     all_identical = True
-    totals = {"emitted": 0, "injected": 0, "forwards": 0}
+    totals = {"emitted": 0, "injected": 0, "forwards": 0, "source_ms": 0.0}
     acceptance: dict = {}  # what the cost gates learn carries over from turn to turn, as in a server
     for turn in range(1, args.turns + 1):
         ids = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
@@ -141,4 +147,19 @@ def run(args: argparse.Namespace) -> int:
         messages += [{"role": "tool", "content": TOOL_RESULT} for _ in calls]
     print(f"\nall turns identical: {all_identical}; injected {totals['injected']} of "
           f"{totals['emitted']} tokens in {totals['forwards']} forwards")
+    _print_speed(totals, session.plan, model)
     return 0 if all_identical else 1
+
+
+def _print_speed(totals: dict, plan, model) -> None:
+    """What the run says about speed, and what it cannot say on a fixture."""
+    width, vocab = (getattr(model.args, k, "?") for k in ("hidden_size", "vocab_size"))
+    curve = " ".join(f"c({m})={c:.2f}" for m, c in sorted(plan.cost.items()) if m > 1) if plan else ""
+    print(f"speed: fill saved {totals['emitted'] - totals['forwards']} of {totals['emitted']} "
+          f"forwards; the wall times above do not show it. On this fixture ({width} wide, a "
+          f"{vocab}-id vocabulary) a forward's cost is mostly the output projection, which every "
+          f"verified row pays again, so an M-row forward costs most of what M one-row forwards cost "
+          f"({curve or 'no cost curve measured'}); the first 'on' time also includes compiling "
+          f"the tools' strict rows ({totals['source_ms'] / 1e3:.1f} s of source time in all).\n"
+          f"Benchmarks that measure speed: `python -m scripts.bench.forced` (forced replay of "
+          f"real sessions) and `python -m scripts.bench --parts predict` (Predicted Outputs).")

@@ -94,6 +94,20 @@ def load_recordings(path: str | Path) -> tuple[list[dict], list[CorruptLine]]:
     return sessions, corrupt
 
 
+def read_sessions(path: Path) -> tuple[list[dict], list[CorruptLine]]:
+    """:func:`load_recordings` for a command: a file that cannot be read, or holds no session,
+    is a :class:`UserError` that says so (with the first corrupt line's reason)."""
+    try:
+        sessions, corrupt = load_recordings(path)
+    except OSError as err:
+        raise UserError(f"cannot read transcripts {path}: {err.strerror or err}") from err
+    if not sessions:
+        first = f", line {corrupt[0].line}: {corrupt[0].reason}" if corrupt else ""
+        raise UserError(f"{path} holds no session ({len(corrupt)} corrupt lines{first}); pass "
+                        f"JSONL transcripts, one JSON object with a messages list per line")
+    return sessions, corrupt
+
+
 def _session_problem(obj) -> str | None:
     if not isinstance(obj, dict):
         return "not a JSON object"
@@ -420,8 +434,8 @@ def add_arguments_for(name: str, parser) -> None:
     parser.add_argument("--max-sessions", type=int, default=None, help="replay at most N sessions")
     parser.add_argument("--source", action="append", default=None,
                         help="only sessions from this transcript source (repeatable)")
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--max-tokens", type=int, default=256, help="max_tokens of each request")
+    parser.add_argument("--temperature", type=float, default=0.0, help="temperature of each request")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
                         help="stream replies (needed for time to first token / tool call)")
@@ -446,7 +460,7 @@ def run(args) -> int:
             raise UserError(f"{flag} must be >= 1")
     if not args.sessions.is_file():
         raise UserError(f"no such transcripts file: {args.sessions}")
-    sessions, corrupt = load_recordings(args.sessions)
+    sessions, corrupt = read_sessions(args.sessions)
     for bad in corrupt:
         print(f"transcripts line {bad.line} skipped: {bad.reason}", file=sys.stderr)
     turns, notes = select_turns(sessions, sources=args.source, max_sessions=args.max_sessions,

@@ -36,7 +36,7 @@ from typing import Any
 
 from mlx_fill.assets.store import FAMILIES
 from mlx_fill.core.index import LOOKUP_MAX_SPAN, EchoIndex
-from mlx_fill.core.errors import UserError, existing_file
+from mlx_fill.core.errors import UserError, existing_file, positive_int
 from mlx_fill.assets.checkout import TRANSCRIPTS
 from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.proposal import DecodeView, FillSession
@@ -252,8 +252,8 @@ def run_study(path: Path, family: str, row_names: list[str], *, sessions: int | 
               per_source: int | None = None, plan: DispatchPlan | None = None, max_span: int = LOOKUP_MAX_SPAN, workers: int = 2,
               progress: bool = True) -> dict:
     """Run the study and return the JSON-able result (see the module contract)."""
-    from .transcripts import load_recordings
-    all_sessions, corrupt = load_recordings(path)
+    from .replay import read_sessions
+    all_sessions, corrupt = read_sessions(path)
     picks = list(range(len(all_sessions)))[:sessions] if sessions else list(range(len(all_sessions)))
     if per_source:
         taken: dict[str, int] = defaultdict(int)
@@ -386,15 +386,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sources", default="ngram,echo,suffix,all,best",
                         help="comma list from ngram,echo,suffix,strict,all,best (baseline "
                              "always runs; all = echo+suffix+ngram, best = strict + all)")
-    parser.add_argument("--sessions", type=int, default=None, help="first N sessions only")
-    parser.add_argument("--per-source", type=int, default=None,
+    parser.add_argument("--sessions", type=positive_int, default=None, help="first N sessions only")
+    parser.add_argument("--per-source", type=positive_int, default=None,
                         help="at most N sessions of each transcript source (first N)")
     parser.add_argument("--cost-curve", type=existing_file, default=None,
                         help="DispatchPlan JSON whose cost map prices each forward")
-    parser.add_argument("--max-span", type=int, default=32)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=Path("out/study"))
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--max-span", type=positive_int, default=32,
+                        help="longest proposal span, in tokens, a source may offer")
+    parser.add_argument("--workers", type=positive_int, default=2, help="worker processes")
+    parser.add_argument("--out", type=Path, default=Path("out/study"),
+                        help="output folder for study.json, study.md and the plot")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -54,6 +54,7 @@ class PredictionSource:
         self.ids = [int(t) for t in ids]
         self.max_span = max_span
         self.gate = gate
+        self._request_stats: Any = None
         self._cursor: int | None = 0
         self._seen = 0
         self._state: tuple = ("sync",)
@@ -92,9 +93,15 @@ class PredictionSource:
         if self.gate is not None:
             n = self.gate.offer(ids, key)
             if n <= 0:
+                if self._request_stats is not None:
+                    self._request_stats.declined_by_origin[self.name] += 1
                 return None
             ids = ids[:n]
         return Proposal(ids, "verify", self.name)
+
+    def bind_stats(self, request_stats: Any) -> None:
+        """Count each offer the cost gate declines in ``request_stats.declined_by_origin``."""
+        self._request_stats = request_stats
 
     def feedback(self, proposal: Proposal, accepted: int) -> None:
         if self.gate is not None:

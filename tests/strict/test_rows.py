@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from mlx_lm.tokenizer_utils import load as load_wrapper
 
-from mlx_fill.assets.store import search_roots
+from mlx_fill.assets.store import family_dir, search_roots
 from mlx_fill.strict.rows import compile_table, identity_key, table_for
 from mlx_fill.strict.schema import tool_schemas
 from mlx_fill.strict.source import strict_source
@@ -177,11 +177,12 @@ def _template_roots() -> list[Path]:
 
 
 def test_templates_that_cannot_render_tool_calls_yield_no_rows():
-    folders = [root / "llama3.x" for root in _template_roots() if (root / "llama3.x").is_dir()]
-    if not folders:
-        pytest.skip("no llama3.x tokenizer/template in the asset roots or the developers' folder")
-    llama = load_wrapper(folders[0])
-    assert compile_table(llama, USER, tools(), {"date_string": "26 Jul 2024"}) is None
+    """A template without a call protocol (no mlx-lm tool parser, no harmony / Llama 3.x /
+    Mistral call markup) compiles nothing; the Llama 3.2 template itself compiles
+    (``test_call_protocols``)."""
+    plain = load_wrapper(family_dir("llama3.x"))  # a fresh wrapper: its template is replaced
+    plain._tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    assert compile_table(plain, USER, tools()) is None
     assert compile_table(tokenizer("qwen3"), USER, None) is None
     ends_with_assistant = [*USER, {"role": "assistant", "content": "partial"}]
     assert compile_table(tokenizer("qwen3"), ends_with_assistant, tools()) is None

@@ -1,0 +1,248 @@
+"""``mlx-fill`` finishes the job: every option says what it does and its default, the bare
+command prints the usage and exits 2, each subcommand answers the user mistakes it can meet
+(missing or empty model folders, unreadable or malformed files, unknown names) with one line on
+stderr and exit 2, and ``qualify`` refuses a cost curve that timing noise produced."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlx_fill.cli import COMMANDS, _Parser, main
+from mlx_fill.core import qualify
+
+PROGRESS = "mlx-fill: fetching "
+
+
+def _parsers(name: str) -> list[argparse.ArgumentParser]:
+    """The parser of ``mlx-fill NAME`` and of its sub-actions (``assets fetch``, ...)."""
+    module = importlib.import_module(COMMANDS[name][0])
+    parser = _Parser(prog=f"mlx-fill {name}")
+    if hasattr(module, "add_arguments_for"):
+        module.add_arguments_for(name, parser)
+    else:
+        module.add_arguments(parser)
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return [parser, *(p for a in subs for p in a.choices.values())]
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_option_has_help_and_shows_its_default(name):
+    for parser in _parsers(name):
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            label = f"{parser.prog} {'/'.join(action.option_strings) or action.dest}"
+            assert action.help, f"{label} has no help text"
+            shown = formatter._get_help_string(action)
+            if action.default not in (None, False):
+                assert "default" in shown, f"{label}: its default {action.default!r} is not shown"
+
+
+def test_bare_command_prints_the_usage_and_exits_2(capsys):
+    assert main([]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("usage: mlx-fill COMMAND") and captured.out == ""
+    for name in COMMANDS:
+        assert f"  {name} " in captured.err
+
+
+def _one_line(capsys, argv: list[str], *needles: str) -> str:
+    code = main(argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if not line.startswith(PROGRESS)]
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith(f"mlx-fill {argv[0]}: "), err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def test_plan_missing_empty_or_weightless_model_dir_in_a_real_process(tmp_path):
+    """The README's own mistake, run as a user runs it: one line, exit 2, no traceback."""
+    mlx_fill = str(Path(sys.executable).parent / "mlx-fill")
+    proc = subprocess.run([mlx_fill, "plan", "--model", "/no/such/dir"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "/no/such/dir does not exist" in proc.stderr, proc.stderr
+    proc = subprocess.run([mlx_fill], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("usage: mlx-fill")
+
+
+@pytest.mark.parametrize("command", ["plan", "qualify", "serve"])
+def test_model_folder_mistakes(command, tmp_path, capsys):
+    _one_line(capsys, [command, "--model", str(tmp_path / "none")], "does not exist")
+    _one_line(capsys, [command, "--model", str(tmp_path)], "has no config.json")
+    (tmp_path / "config.json").write_text("{}")
+    _one_line(capsys, [command, "--model", str(tmp_path)], "has no *.safetensors weights",
+              "mlx-fill fixture qwen3-json")
+
+
+def test_unknown_names(capsys):
+    _one_line(capsys, ["fixture", "qwen4-json"], "invalid choice: 'qwen4-json'")
+    _one_line(capsys, ["demo", "--fixture", "qwen4-json"], "invalid choice: 'qwen4-json'")
+    _one_line(capsys, ["audit", "--family", "qwen4"], "invalid choice: 'qwen4'")
+    _one_line(capsys, ["study", "--sources", "echo,nope"], "unknown sources ['nope']")
+    _one_line(capsys, ["serve", "--model", "owner/name", "--fill", "fast"], "invalid choice: 'fast'")
+    _one_line(capsys, ["assets", "path", "qwen4"], "invalid choice: 'qwen4'")
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["demo", "--turns", "0"], "argument --turns: 0 is not at least 1"),
+    (["demo", "--max-tokens", "many"], "argument --max-tokens: 'many' is not a whole number"),
+    (["qualify", "--repeats", "-1", "--model", "."], "argument --repeats: -1 is not at least 1"),
+    (["study", "--workers", "0"], "argument --workers: 0 is not at least 1"),
+])
+def test_counts_below_one(argv, needle, capsys):
+    _one_line(capsys, argv, needle)
+
+
+@pytest.fixture
+def corrupt_transcripts(tmp_path) -> Path:
+    path = tmp_path / "sessions.jsonl"
+    path.write_text('{"id": "a", "messages": [\n{"no": "messages"}\n')
+    return path
+
+
+@pytest.mark.parametrize("command", ["replay", "ab", "study"])
+def test_transcripts_without_a_readable_session(command, corrupt_transcripts, capsys):
+    argv = {"replay": ["replay", "--sessions", str(corrupt_transcripts), "--url", "http://127.0.0.1:9"],
+            "ab": ["ab", "--sessions", str(corrupt_transcripts), "--url-a", "http://127.0.0.1:9",
+                   "--url-b", "http://127.0.0.1:9"],
+            "study": ["study", "--transcripts", str(corrupt_transcripts), "--no-progress"]}[command]
+    _one_line(capsys, argv, "holds no session (2 corrupt lines, line 1: invalid JSON")
+
+
+def test_replay_unreadable_transcripts(tmp_path, capsys):
+    folder = tmp_path / "a-folder.jsonl"
+    folder.mkdir()
+    _one_line(capsys, ["replay", "--sessions", str(folder), "--url", "http://127.0.0.1:9"],
+              "no such transcripts file")
+
+
+def test_report_malformed_runs(tmp_path, capsys):
+    runs = tmp_path / "runs.jsonl"
+    runs.write_text("{not json\n")
+    _one_line(capsys, ["report", str(runs)], "holds no turn records", "mlx-fill replay")
+
+
+def test_audit_malformed_tools(tmp_path, capsys):
+    tools = tmp_path / "tools.json"
+    tools.write_text("[{")
+    _one_line(capsys, ["audit", "--family", "qwen3", "--tools", str(tools)], "is not valid JSON")
+
+
+def test_study_malformed_cost_curve(tmp_path, capsys):
+    curve = tmp_path / "plan.json"
+    curve.write_text('{"max_chunk": ')
+    _one_line(capsys, ["study", "--cost-curve", str(curve)], "is not a DispatchPlan JSON")
+
+
+def test_qualify_writes_into_the_user_cache_where_plan_finds_it(tmp_path, monkeypatch, capsys):
+    """``mlx-fill qualify --model M`` (no ``--out``), then ``mlx-fill plan --model M`` finds that
+    plan and does not qualify again (the measurement itself stands in: it is tested elsewhere)."""
+    import mlx.core as mx
+
+    from mlx_fill.assets.random_models import build, config_for, save
+    from mlx_fill.core.plan import DispatchPlan, config_key
+
+    model_dir = save(*build(config_for("qwen3"), dtype=mx.float32), tmp_path / "tiny")
+    monkeypatch.setenv("MLX_FILL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("MLX_FILL_PLAN", raising=False)
+    monkeypatch.chdir(tmp_path)
+
+    def measured(model, **kw):
+        return DispatchPlan(key=config_key(model), max_chunk=4, qualified=True,
+                            cost={1: 1.0, 2: 1.5, 4: 2.5}), []
+
+    monkeypatch.setattr(qualify, "qualify", measured)
+    assert main(["qualify", "--model", str(model_dir)]) == 0
+    wrote = capsys.readouterr().out.splitlines()[-1]
+    assert wrote.startswith(f"wrote {tmp_path / 'cache'}") and not (tmp_path / "plan.json").exists()
+    assert main(["plan", "--model", str(model_dir), "--no-qualify"]) == 0
+    assert f"source: cached {wrote.removeprefix('wrote ')}" in capsys.readouterr().out
+
+
+def _curves(*curves):
+    """A ``measure_cost`` stand-in answering ``curves`` in turn."""
+    answers = iter(curves)
+    calls = []
+
+    def measure(model, cache, sizes, vocab, repeats):
+        calls.append(1)
+        return dict(next(answers))
+    return measure, calls
+
+
+def test_cost_below_one_is_measured_again(monkeypatch):
+    measure, calls = _curves({1: 1.0, 2: 0.84, 4: 2.0}, {1: 1.0, 2: 1.46, 4: 2.1})
+    monkeypatch.setattr(qualify, "measure_cost", measure)
+    assert qualify.measure_plausible_cost(None, [], (1, 2, 4), 8, 1) == {1: 1.0, 2: 1.46, 4: 2.1}
+    assert len(calls) == 2
+
+
+def test_cost_within_noise_of_one_is_stored_as_one(monkeypatch):
+    near = {1: 1.0, 2: 0.97, 4: 1.5}
+    measure, calls = _curves(near, near, near)
+    monkeypatch.setattr(qualify, "measure_cost", measure)
+    assert qualify.measure_plausible_cost(None, [], (1, 2, 4), 8, 1) == {1: 1.0, 2: 1.0, 4: 1.5}
+    assert len(calls) == qualify.COST_TRIES
+
+
+def test_cost_clearly_below_one_every_time_is_refused_with_what_was_measured(monkeypatch):
+    measure, _ = _curves({1: 1.0, 2: 0.84}, {1: 1.0, 2: 0.9}, {1: 1.0, 2: 0.8})
+    monkeypatch.setattr(qualify, "measure_cost", measure)
+    with pytest.raises(qualify.ImplausibleCost, match=r"c\(2\)=0.84; c\(2\)=0.90; c\(2\)=0.80"):
+        qualify.measure_plausible_cost(None, [], (1, 2), 8, 1)
+
+
+def test_ranks_measure_again_together(monkeypatch):
+    """With ``agree``, one rank's low reading makes every rank measure again."""
+    measure, calls = _curves({1: 1.0, 2: 1.2}, {1: 1.0, 2: 1.3})
+    monkeypatch.setattr(qualify, "measure_cost", measure)
+    verdicts = iter([False, True])  # another rank measured below 1 the first time
+    assert qualify.measure_plausible_cost(None, [], (1, 2), 8, 1,
+                                          agree=lambda ok: next(verdicts)) == {1: 1.0, 2: 1.3}
+    assert len(calls) == 2
+
+
+def test_audit_summary_separates_determined_from_likely(tmp_path, capsys):
+    corpus = tmp_path / "corpus"
+    (corpus / "tools").mkdir(parents=True)
+    (corpus / "qwen3").mkdir()
+    (corpus / "tools" / "default.json").write_text(json.dumps([{"type": "function", "function": {
+        "name": "ls", "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                                     "required": ["path"]}}}]))
+    (corpus / "qwen3" / "a.json").write_text(json.dumps({
+        "id": "a", "family": "qwen3", "messages": [{"role": "user", "content": "list /tmp"}],
+        "reply": {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "ls", "arguments": {"path": "/tmp"}}}]},
+        "expect": "fill"}))
+    assert main(["audit", "--family", "qwen3", "--corpus", str(corpus)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    determined = next(line for line in out if line.strip().startswith("determined "))
+    likely = next(line for line in out if line.strip().startswith("likely "))
+    assert "fails the audit" in determined
+    assert "allowed" in likely and "only ever verified" in likely and "never an emitted token" in likely
+
+
+def test_serve_port_in_use_or_out_of_range(tmp_path, capsys):
+    import socket
+
+    from mlx_fill.assets.fixtures import fixture_path
+
+    model = str(fixture_path("qwen3-json"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        _one_line(capsys, ["serve", "--model", model, "--port", str(port)],
+                  f"cannot listen on 127.0.0.1:{port}", "pick another --port")
+    _one_line(capsys, ["serve", "--model", model, "--port", "70000"], "cannot listen on 127.0.0.1:70000")
