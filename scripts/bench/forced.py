@@ -138,7 +138,8 @@ def _head_length(tok, history: list[dict], tools, tokens: Sequence[int]) -> int:
 def forced_turns(tok, sessions: list[dict], *, per_source: int | None, max_tokens: int | None,
                  max_context: int | None) -> tuple[list[ForcedTurn], Counter]:
     """The turns to replay: per source, ``per_source`` turns evenly spaced over all of its
-    sessions' turns (every turn when None), in session order. Returns the turns and the count
+    sessions' turns (the middles of ``per_source`` equal stretches; every turn when None), in
+    session order. Returns the turns and the count
     of sessions that could not be rendered, per reason."""
     mk = markers(tok)
     opener = tok.encode(mk.opener, add_special_tokens=False)
@@ -157,7 +158,7 @@ def forced_turns(tok, sessions: list[dict], *, per_source: int | None, max_token
     out: list[ForcedTurn] = []
     for source, cands in by_source.items():
         if per_source is not None and len(cands) > per_source:
-            cands = [cands[i * len(cands) // per_source] for i in range(per_source)]
+            cands = [cands[(2 * i + 1) * len(cands) // (2 * per_source)] for i in range(per_source)]
         heads: dict[int, int] = {}
         for rendered, turn in cands:
             key = id(rendered)
@@ -348,7 +349,8 @@ def run(turns: list[ForcedTurn], *, model, tok, plan: DispatchPlan, repeats: int
             if projection is not None:
                 o.projected += oracle_cost(available, projection)
         if progress is not None:
-            progress(t_index + 1, len(turns), turn)
+            progress(t_index + 1, len(turns), turn,
+                     {"identical": identical, "groups": dict(groups)})
     return {"identical": identical, "groups": dict(groups)}
 
 
@@ -500,34 +502,41 @@ def main(argv: list[str] | None = None) -> int:
           f"model {model_dir}, plan max_chunk {plan.max_chunk} overhead {plan.round_overhead}",
           file=sys.stderr)
 
-    def progress(i, total, turn):
+    t0 = time.perf_counter()
+
+    def finish(result: dict, done: int) -> dict:
+        report = {"identical": result["identical"], "wall": not args.surrogate,
+                  **summarize(result, projection is not None, wall=not args.surrogate)}
+        overall = report["rows"][OVERALL]
+        oracle_x = overall[ORACLE]["x_plain"]
+        report["all_over_oracle"] = (round(overall["all"]["x_plain"] / oracle_x, 3)
+                                     if "all" in overall else None)
+        report["all_over_oracle_priced"] = (round(overall["all"]["priced_x_plain"] / oracle_x, 3)
+                                            if "all" in overall else None)
+        report["projected_curve"] = args.curve
+        report["meta"] = {
+            "model": model_dir, "dtype": args.dtype, "turns": done, "repeats": args.repeats,
+            "per_source": args.per_source, "max_tokens": args.max_tokens,
+            "max_context": args.max_context, "surrogate": args.surrogate,
+            "transcripts": str(args.transcripts) if args.transcripts else "held-back split",
+            "plan": {"cost": plan.cost, "max_chunk": plan.max_chunk,
+                     "round_overhead": plan.round_overhead},
+            "machine": f"{platform.machine()} {platform.system()}, mlx {mx.__version__}",
+            "seconds": round(time.perf_counter() - t0, 1),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        if args.json:  # after every turn: a run cut short keeps what it measured
+            args.json.write_text(json.dumps(report, indent=2))
+        return report
+
+    def progress(i, total, turn, partial):
         print(f"  turn {i}/{total} {turn.source} {turn.tool} prompt {len(turn.prompt)} "
               f"out {len(turn.output)}", file=sys.stderr, flush=True)
+        finish(partial, i)
 
-    t0 = time.perf_counter()
     result = run(turns, model=model, tok=tok, plan=plan, repeats=args.repeats,
                  projection=projection, arms=arms, progress=progress)
-    report = {"identical": result["identical"], "wall": not args.surrogate,
-              **summarize(result, projection is not None, wall=not args.surrogate)}
-    overall = report["rows"][OVERALL]
-    oracle_x = overall[ORACLE]["x_plain"]
-    report["all_over_oracle"] = (round(overall["all"]["x_plain"] / oracle_x, 3)
-                                 if "all" in overall else None)
-    report["all_over_oracle_priced"] = (round(overall["all"]["priced_x_plain"] / oracle_x, 3)
-                                        if "all" in overall else None)
-    report["projected_curve"] = args.curve
-    report["meta"] = {"model": model_dir, "dtype": args.dtype, "turns": len(turns),
-                      "repeats": args.repeats, "per_source": args.per_source,
-                      "max_tokens": args.max_tokens, "max_context": args.max_context,
-                      "transcripts": str(args.transcripts) if args.transcripts else "held-back split",
-                      "plan": {"cost": plan.cost, "max_chunk": plan.max_chunk,
-                               "round_overhead": plan.round_overhead},
-                      "machine": f"{platform.machine()} {platform.system()}, mlx {mx.__version__}",
-                      "seconds": round(time.perf_counter() - t0, 1),
-                      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    report = finish(result, len(turns))
     print_tables(report, arms)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
     return 0 if report["identical"] else 1
 
 
