@@ -1,0 +1,544 @@
+"""Forced replay: every arm decodes what real agents wrote, on a real model, timed side by side.
+
+For every selected assistant turn of recorded sessions (``--transcripts``, any file in the
+repository's transcript format; default: the sessions no fixture trained on, the held-back split
+of ``scripts.bench.heldout_sessions`` plus every session of a source training never used) the
+conversation is rendered through the model's own chat template with the session's tools
+(:func:`mlx_fill.evidence.transcripts.render_recording`), the turn's prompt is prefilled once
+(untimed, shared by every arm: each arm decodes from that cache, trimmed back after it), and the
+RECORDED reply's ids are decoded under a forcing logits processor: the target's forward runs for
+every row as in a real decode (the forced logits are ``0 * logits`` plus the forcing mask, so
+MLX evaluates the forward), the sampler's argmax is the recorded id, and the fill loop's verify
+accepts exactly the recorded ids (its rows are processed through the same processor, with the
+history grown row by row: :mod:`mlx_fill.core.acceptance`).
+
+Arms, interleaved per turn (the order rotated by one every turn and every repeat, after one
+untimed decode of the first): ``plain`` (mlx-lm ``generate_step``), ``off`` (the fill loop with no
+source), ``strict``, ``echo``, ``suffix``, ``ngram``, ``all`` (the product's modes and roster
+members, cost-gated on the plan), and the peers as they ship, ungated: ``peer-lookup`` (prompt
+lookup with a fixed draft of 10, transformers' ``prompt_lookup_num_tokens=10``: the earliest
+occurrence of the longest trailing 2- or 1-gram) and ``peer-suffix`` (SuffixDecoding's span rule
+as Arctic Inference ships it: ``max_spec_factor = 1`` times the match length, ``min_token_prob =
+0.1``, depth 64, every non-empty draft proposed; the request's own tree, no cross-request store
+here since the repeats would otherwise find the reply itself). ``oracle`` is the bound
+(:mod:`scripts.bench.oracle`): per turn, the best span any source offered at every position,
+priced by the plan's c(M) and round overhead.
+
+Reported per transcript source, overall and per tool (the first call's name; ``(prose)`` for a
+structured turn without calls, ``(inline)`` for harnesses whose calls are text): decode wall time
+x plain (sum of plain's per-turn medians over the arm's), target forwards per token, the same
+decode priced by the plan's curve (``priced``), accepted ids per round, rejected rows per token
+and the bookkeeping share of a plain step. ``--curve`` prices the same rounds through another
+c(M) curve (M = 2, 3, ...), reported as "projected".
+
+    python -m scripts.bench.forced [--transcripts PATH] [--model DIR] [--per-source N]
+        [--max-tokens N] [--max-context N] [--repeats N] [--curve 1.1,1.4,...] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gzip
+import json
+import platform
+import statistics
+import sys
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import mlx.core as mx
+
+from mlx_fill.core.index import EchoIndex
+from mlx_fill.core.plan import DispatchPlan
+from mlx_fill.core.proposal import FillSession, Pace
+from mlx_fill.core.resolve import plan_for
+from mlx_fill.evidence.transcripts import markers, render_recording
+from mlx_fill.spec.base import DraftProposalSource
+from mlx_fill.spec.ngram import NgramDraft
+from mlx_fill.spec.suffix import SuffixDraft, SuffixParams
+from mlx_fill.sources.echo import EchoDraft
+
+from .__main__ import forcing_processor, timed_decode
+from .oracle import RoundRecord, accepted_prefix, curve_plan, oracle_cost, priced_cost
+
+ARMS = ("plain", "off", "strict", "echo", "suffix", "ngram", "all", "peer-lookup", "peer-suffix")
+OVERALL = "overall"
+ORACLE = "oracle"
+PEER_LOOKUP_TOKENS = 10  # transformers' prompt_lookup_num_tokens=10
+PEER_SUFFIX = SuffixParams(max_spec=64, alpha=1.0, offset=0.0, min_prob=0.1, max_depth=64)
+ORACLE_SPAN = 64  # the longest span the oracle's model-free drafts offer (the session's max_span)
+
+
+@dataclass
+class ForcedTurn:
+    """One recorded assistant turn: ``prompt`` (rendered, clipped to the context budget),
+    ``output`` (the recorded reply's ids, end-of-turn included, capped), the request's
+    ``messages``/``tools`` (for strict), its ``source`` and ``tool`` label."""
+
+    source: str
+    session_id: str
+    tool: str
+    prompt: list[int]
+    output: list[int]
+    messages: list[dict]
+    tools: list[dict] | None
+
+
+# ----------------------------------------------------------------------------- turns
+
+def default_sessions() -> list[dict]:
+    """Sessions no fixture trained on: the held-back split of the training sources plus every
+    session of a source that training never read."""
+    from scripts.training import fixture_data
+
+    from .heldout_sessions import heldout_rows
+    rows = heldout_rows(0)
+    path = fixture_data.transcripts_path() / "dev.jsonl.gz"
+    with gzip.open(path, "rt", encoding="utf-8") as fh:
+        others = [json.loads(line) for line in fh]
+    return rows + [r for r in others if r.get("source") not in fixture_data.SOURCES]
+
+
+def turn_tool(labels: Sequence[str], structured: bool) -> str:
+    """The tool a turn is reported under: its first call's name, ``(prose)`` for a structured
+    turn without one, ``(inline)`` for a harness whose calls are plain text."""
+    if not structured:
+        return "(inline)"
+    return next((t for t in labels if t != "(text)"), "(prose)")
+
+
+def clip_context(prompt: Sequence[int], head: int, max_context: int | None,
+                 boundary: int | None) -> list[int]:
+    """``prompt`` within ``max_context`` ids: its first ``head`` ids (the system prompt and
+    the tools; at most half the budget) and the latest ids, cut forward to the next
+    ``boundary`` id (a message start) when the tail holds one."""
+    if max_context is None or len(prompt) <= max_context:
+        return list(prompt)
+    head = min(head, max_context // 2)
+    tail = list(prompt[len(prompt) - (max_context - head):])
+    if boundary is not None and boundary in tail:
+        tail = tail[tail.index(boundary):]
+    return list(prompt[:head]) + tail
+
+
+def _head_length(tok, history: list[dict], tools, tokens: Sequence[int]) -> int:
+    """How many leading ids of the rendering are the system message and the tools block."""
+    if not history or history[0].get("role") != "system":
+        return 0
+    text = tok.apply_chat_template(history[:1], tools=tools, tokenize=False,
+                                   add_generation_prompt=False, enable_thinking=False)
+    ids = tok.encode(text, add_special_tokens=False)
+    return accepted_prefix(ids, tokens, 0)
+
+
+def forced_turns(tok, sessions: list[dict], *, per_source: int | None, max_tokens: int | None,
+                 max_context: int | None) -> tuple[list[ForcedTurn], Counter]:
+    """The turns to replay: per source, ``per_source`` turns evenly spaced over all of its
+    sessions' turns (the middles of ``per_source`` equal stretches; every turn when None), in
+    session order. Returns the turns and the count
+    of sessions that could not be rendered, per reason."""
+    mk = markers(tok)
+    opener = tok.encode(mk.opener, add_special_tokens=False)
+    boundary = opener[0] if opener else None
+    skipped: Counter = Counter()
+    by_source: dict[str, list[tuple[Any, Any]]] = defaultdict(list)
+    for session in sessions:
+        try:
+            rendered = render_recording(session, tok, mk)
+        except (ValueError, KeyError, TypeError) as e:
+            skipped[f"{session.get('source')}: {type(e).__name__}"] += 1
+            continue
+        for turn in rendered.turns:
+            if turn.end - turn.start >= 2:
+                by_source[rendered.source].append((rendered, turn))
+    out: list[ForcedTurn] = []
+    for source, cands in by_source.items():
+        if per_source is not None and len(cands) > per_source:
+            cands = [cands[(2 * i + 1) * len(cands) // (2 * per_source)] for i in range(per_source)]
+        heads: dict[int, int] = {}
+        for rendered, turn in cands:
+            key = id(rendered)
+            if key not in heads:
+                heads[key] = _head_length(tok, rendered.messages, rendered.tools, rendered.tokens)
+            prompt = rendered.tokens[:turn.start] + rendered.think_ids
+            output = rendered.tokens[turn.start:turn.end][:max_tokens]
+            out.append(ForcedTurn(
+                source, rendered.session_id,
+                turn_tool(turn.labels[:len(output)], rendered.tools is not None),
+                clip_context(prompt, heads[key], max_context, boundary), output,
+                rendered.messages[:turn.message_index], rendered.tools))
+    return out, skipped
+
+
+# ----------------------------------------------------------------------------- arms
+
+class RoundLog:
+    """Records every round of a session (wraps its ``propose``/``feedback``): whether the
+    proposal was asked for with the view's last token pending (a chained round), its policy,
+    length and outcome."""
+
+    def __init__(self, session: FillSession):
+        self.rounds: list[RoundRecord] = []
+        self.proposed: list[tuple[int, tuple[int, ...]]] = []  # (position, ids) of every round
+        self._pending = False
+        propose, feedback = session.propose, session.feedback
+
+        def logged_propose(view):
+            self._pending = view.pending
+            return propose(view)
+
+        def logged_feedback(proposal, accepted, position):
+            self.rounds.append(RoundRecord(self._pending, proposal.policy, len(proposal.ids),
+                                           accepted))
+            self.proposed.append((position, tuple(proposal.ids)))
+            return feedback(proposal, accepted, position)
+
+        session.propose = logged_propose
+        session.feedback = logged_feedback
+
+
+def peer_session(arm: str, turn: ForcedTurn, *, tok, plan: DispatchPlan) -> FillSession:
+    """A peer as it ships: no cost gate, every non-empty draft proposed."""
+    if arm == "peer-lookup":
+        src = NgramDraft(EchoIndex(), n_min=1, n_max=2, k=PEER_LOOKUP_TOKENS, occurrence="first")
+        length = PEER_LOOKUP_TOKENS
+    else:
+        src = SuffixDraft(EchoIndex(), name="suffix", params=PEER_SUFFIX)
+        length = PEER_SUFFIX.max_spec
+    return FillSession([DraftProposalSource(src, length=lambda: length)], prompt_ids=turn.prompt,
+                       eos_ids=tok.eos_token_ids, plan=plan)
+
+
+def arm_session(arm: str, turn: ForcedTurn, *, model, tok, plan: DispatchPlan,
+                acceptance: dict) -> FillSession | None:
+    """The arm's session for one turn (None: plain mlx-lm). ``acceptance`` carries the arm's
+    learned estimates across turns, as a server keeps them."""
+    from mlx_fill.session import build_session
+    from mlx_fill.spec.roster import make_sources
+    if arm == "plain":
+        return None
+    if arm == "off":
+        return FillSession([], prompt_ids=turn.prompt, eos_ids=tok.eos_token_ids, plan=plan)
+    if arm.startswith("peer-"):
+        return peer_session(arm, turn, tok=tok, plan=plan)
+    if arm in ("suffix", "ngram"):
+        pace = Pace(round_overhead=plan.round_overhead)  # as build_session sets it
+        sources = make_sources([arm], plan=plan, tokenizer=tok, prompt_ids=turn.prompt,
+                               acceptance=acceptance, pace=pace)
+        return FillSession(sources, prompt_ids=turn.prompt, eos_ids=tok.eos_token_ids,
+                           plan=plan, pace=pace)
+    return build_session(arm, model=model, tokenizer=tok, prompt_ids=turn.prompt,
+                         messages=turn.messages, tools=turn.tools, acceptance=acceptance)
+
+
+def offline_available(turn: ForcedTurn, proposals: Sequence[tuple[int, Sequence[int]]]) -> list[int]:
+    """``available[p]``: the longest accepted span any source offered for the slots after
+    output slot ``p``: the model-free drafts (echo, prompt lookup, suffix; ungated, up to
+    :data:`ORACLE_SPAN`) on the recorded prefix through ``p``, and every proposal an arm made
+    (strict's included) at ``p + 1``."""
+    out = turn.output
+    n = len(out)
+    index = EchoIndex()
+    drafters = [EchoDraft(index, max_span=ORACLE_SPAN),
+                NgramDraft(index, n_min=1, n_max=3, k=ORACLE_SPAN),
+                NgramDraft(index, n_min=1, n_max=2, k=ORACLE_SPAN, occurrence="first"),
+                SuffixDraft(index, params=SuffixParams(max_spec=ORACLE_SPAN))]
+    for d in drafters:
+        d.prefill(turn.prompt)
+    available = [0] * n
+    for p in range(n - 1):
+        for d in drafters:  # each keeps its own count of the shared index's fed ids
+            ids = d.draft([out[p]], ORACLE_SPAN)
+            available[p] = max(available[p], accepted_prefix(ids, out, p + 1))
+    for position, ids in proposals:
+        if 1 <= position < n:
+            available[position - 1] = max(available[position - 1],
+                                          accepted_prefix(ids, out, position))
+    return available
+
+
+# ----------------------------------------------------------------------------- run
+
+@dataclass
+class Tally:
+    """One arm's totals over a group of turns."""
+
+    seconds: float = 0.0  # sum of per-turn medians
+    tokens: int = 0
+    plain_cost: int = 0  # plain decoding's forwards (tokens + 1 per turn): the priced unit
+    forwards: float = 0.0  # per decode (median-run's counts are equal across repeats)
+    priced: float = 0.0
+    projected: float = 0.0
+    source_ms: float = 0.0
+    rejected: int = 0
+    accepted_hist: Counter = field(default_factory=Counter)
+    mismatched: int = 0
+
+
+def run(turns: list[ForcedTurn], *, model, tok, plan: DispatchPlan, repeats: int,
+        projection: DispatchPlan | None, arms: Sequence[str] = ARMS,
+        progress=None) -> dict:
+    """Every arm on every turn; returns the tallies per group (source, ``overall``, and
+    ``tool:<name>``) and whether every arm emitted exactly plain's ids."""
+    from mlx_lm.models.cache import trim_prompt_cache
+
+    from .__main__ import prefilled
+
+    groups: dict[str, dict[str, Tally]] = defaultdict(lambda: {a: Tally() for a in [*arms, ORACLE]})
+    learned: dict[str, dict] = {a: {} for a in arms}
+    identical = True
+    for t_index, turn in enumerate(turns):
+        cache = prefilled(model, turn.prompt)
+        force = [forcing_processor(1, turn.output)]
+        n = len(turn.output)
+
+        def run_arm(a: str, state: dict) -> tuple[list[int], float, FillSession | None, RoundLog | None]:
+            s = arm_session(a, turn, model=model, tok=tok, plan=plan, acceptance=state)
+            log = RoundLog(s) if s is not None else None
+            ids, dt = timed_decode(turn.prompt[-1:], model, s, max_tokens=n, eos=frozenset(),
+                                   processors=force, cache=cache)
+            trim_prompt_cache(cache, cache[0].offset - (len(turn.prompt) - 1))
+            return ids, dt, s, log
+
+        run_arm(arms[0], copy.deepcopy(learned[arms[0]]))  # the first decode after a prefill is slower
+        times: dict[str, list[float]] = {a: [] for a in arms}
+        last: dict[str, tuple] = {}
+        for r in range(repeats):
+            shift = (t_index + r) % len(arms)
+            for a in [*arms[shift:], *arms[:shift]]:
+                state = copy.deepcopy(learned[a])  # every repeat decides as the first did
+                ids, dt, s, log = run_arm(a, state)
+                times[a].append(dt)
+                last[a] = (ids, s, log, state)
+        proposals = []
+        for a in arms:
+            ids, s, log, state = last[a]
+            learned[a] = state
+            if log is not None:
+                proposals += log.proposed
+        available = offline_available(turn, proposals)
+        for key in (OVERALL, turn.source, f"tool:{turn.tool}"):
+            g = groups[key]
+            for a in arms:
+                ids, s, log, _ = last[a]
+                tally = g[a]
+                tally.seconds += statistics.median(times[a])
+                tally.tokens += n
+                tally.plain_cost += n + 1
+                forwards = s.stats.forwards if s is not None else n + 1  # see oracle
+                rounds = log.rounds if log is not None else []
+                tally.forwards += forwards
+                tally.priced += priced_cost(forwards, rounds, plan, plan)
+                if projection is not None:
+                    tally.projected += priced_cost(forwards, rounds, plan, projection)
+                tally.source_ms += s.stats.source_ms if s is not None else 0.0
+                tally.rejected += sum(r.proposed - r.accepted for r in rounds
+                                      if r.policy == "verify" and r.rows)
+                tally.accepted_hist.update(r.accepted for r in rounds if r.rows)
+                same = ids == last["plain"][0] and ids == turn.output
+                tally.mismatched += not same
+                identical &= same
+            o = g[ORACLE]
+            o.tokens += n
+            o.plain_cost += n + 1
+            o.priced += oracle_cost(available, plan)
+            if projection is not None:
+                o.projected += oracle_cost(available, projection)
+        if progress is not None:
+            progress(t_index + 1, len(turns), turn,
+                     {"identical": identical, "groups": dict(groups)})
+    return {"identical": identical, "groups": dict(groups)}
+
+
+def summarize(result: dict, projection: bool, wall: bool = True) -> dict:
+    """The JSON report's ``rows`` (sources and ``overall``) and ``by_tool``: per arm, wall x
+    plain, forwards per token, priced x plain (and projected), rejected rows per token,
+    bookkeeping share of a plain step, accepted ids per round. Without ``wall`` (a surrogate
+    decode) ``x_plain`` is the priced ratio."""
+    rows: dict[str, dict] = {}
+    by_tool: dict[str, dict] = {}
+    for key, g in result["groups"].items():
+        plain = g["plain"]
+        step_ms = 1e3 * plain.seconds / max(plain.tokens, 1)
+        table = {}
+        for arm, t in g.items():
+            tokens = max(t.tokens, 1)
+            priced = round(t.plain_cost / max(t.priced, 1e-9), 3)
+            if arm == ORACLE:
+                entry = {"x_plain": priced, "fwd_per_tok": None, "priced_x_plain": priced}
+            else:
+                entry = {"x_plain": round(plain.seconds / max(t.seconds, 1e-12), 3),
+                         "fwd_per_tok": round(t.forwards / tokens, 3),
+                         "priced_x_plain": priced,
+                         "rejected_per_tok": round(t.rejected / tokens, 3),
+                         "bookkeeping_share": round(t.source_ms / tokens / max(step_ms, 1e-9), 4),
+                         "accepted_per_round": {str(k): v for k, v in sorted(t.accepted_hist.items())},
+                         "mismatched_turns": t.mismatched}
+            if not wall:
+                entry["x_plain"] = priced
+            if projection:
+                entry["projected_x_plain"] = round(t.plain_cost / max(t.projected, 1e-9), 3)
+            table[arm] = entry
+        table["turns_tokens"] = plain.tokens
+        (by_tool if key.startswith("tool:") else rows)[key.removeprefix("tool:")] = table
+    return {"rows": rows, "by_tool": by_tool}
+
+
+def print_tables(report: dict, arms: Sequence[str]) -> None:
+    cols = [*arms, ORACLE]
+    head = f"{'':<28}{'tokens':>7} " + "".join(f"{a:>12}" for a in cols)
+
+    def block(title: str, table: dict, metric: str) -> None:
+        print(f"\n## {title}")
+        print(head)
+        for key, row in table.items():
+            cells = "".join(f"{'-' if row[a].get(metric) is None else format(row[a][metric], '.3f'):>12}"
+                            for a in cols)
+            print(f"{key[:28]:<28}{row['turns_tokens']:>7} {cells}")
+
+    rows = dict(sorted(report["rows"].items(), key=lambda kv: (kv[0] == OVERALL, kv[0])))
+    what = ("decode wall x plain (oracle: priced on the plan's c(M))" if report.get("wall", True)
+            else "SURROGATE decode: x plain priced on the plan's c(M) (no wall time)")
+    block(what, rows, "x_plain")
+    block("target forwards per token", rows, "fwd_per_tok")
+    block("priced x plain (the plan's c(M) and round overhead)", rows, "priced_x_plain")
+    if report.get("projected_curve"):
+        block(f"projected x plain (c(M) = {report['projected_curve']})", rows, "projected_x_plain")
+    block("per tool: decode wall x plain", report["by_tool"], "x_plain")
+    overall = report["rows"][OVERALL]
+    if "all" in overall:
+        a = overall["all"]
+        print(f"\nall / oracle: {report['all_over_oracle']:.3f} (wall x plain over the oracle's "
+              f"priced), {report['all_over_oracle_priced']:.3f} (both priced);  bookkeeping of "
+              f"all: {a['bookkeeping_share']:.2%} of a plain step;  rejected rows per token: "
+              f"{a['rejected_per_tok']:.3f}")
+        print(f"accepted ids per round (all): {a['accepted_per_round']}")
+    print(f"identical to plain: {report['identical']}")
+
+
+def surrogate(model, plan: DispatchPlan):
+    """A tiny random llama with ``model``'s vocabulary whose sessions use ``plan`` (forced ids
+    make the rounds independent of the weights; only their wall time would differ)."""
+    from mlx_fill.assets.random_models import build, config_for
+    from mlx_fill.core.resolve import SHARED_PLAN
+    vocab = int(model.model.embed_tokens.weight.shape[0])
+    tiny, _ = build(dict(config_for("llama"), vocab_size=vocab))
+    setattr(tiny, SHARED_PLAN, plan)
+    return tiny
+
+
+def load_model(path: str | None, dtype: str | None):
+    """(model, tokenizer, path): ``path`` (any mlx-lm model dir) or the real SmolLM2-135M."""
+    from mlx_lm import load
+
+    from mlx_fill.assets.fixtures import fixture_path
+    model_dir = str(path) if path else str(fixture_path("smollm2-135m"))
+    model, tok = load(model_dir)
+    if dtype is not None:
+        model.set_dtype(getattr(mx, dtype))
+    return model, tok, model_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--transcripts", type=Path, default=None,
+                    help="a transcripts JSONL(.gz) file (default: the held-back sessions)")
+    ap.add_argument("--model", default=None, help="an mlx-lm model dir (default: smollm2-135m)")
+    ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16", "none"))
+    ap.add_argument("--per-source", type=int, default=None, help="turns per source (default: all)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="recorded ids per turn (default: all)")
+    ap.add_argument("--max-context", type=int, default=None,
+                    help="prompt ids kept: the system prompt and tools, then the latest turns")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--curve", default=None, help="c(M) for M = 2, 3, ...: price the trace as 'projected'")
+    ap.add_argument("--curve-overhead", type=float, default=0.0,
+                    help="the projected curve's round overhead in one-row forwards")
+    ap.add_argument("--surrogate", action="store_true",
+                    help="decode with a tiny random llama of the model's vocabulary and price the "
+                         "rounds on the model's own plan: fast, priced columns only (no wall time)")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    def fail(msg: str) -> int:
+        print(f"forced: {msg}", file=sys.stderr)
+        return 2
+
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    if not arms or arms[0] != "plain" or any(a not in ARMS for a in arms):
+        return fail(f"--arms must start with plain and name arms of {','.join(ARMS)}")
+    if args.repeats < 1:
+        return fail("--repeats must be >= 1")
+    projection = None
+    if args.curve:
+        try:
+            projection = curve_plan([float(x) for x in args.curve.split(",")], args.curve_overhead)
+        except ValueError as e:
+            return fail(f"--curve: {e}")
+    if args.transcripts is not None:
+        from mlx_fill.evidence.replay import load_recordings
+        if not args.transcripts.is_file():
+            return fail(f"no transcripts file {args.transcripts}")
+        sessions, corrupt = load_recordings(args.transcripts)
+        if corrupt:
+            print(f"forced: skipped {len(corrupt)} corrupt lines", file=sys.stderr)
+    else:
+        sessions = default_sessions()
+    model, tok, model_dir = load_model(args.model, None if args.dtype == "none" else args.dtype)
+    plan = plan_for(model)
+    if args.surrogate:
+        model = surrogate(model, plan)
+    turns, skipped = forced_turns(tok, sessions, per_source=args.per_source,
+                                  max_tokens=args.max_tokens, max_context=args.max_context)
+    for reason, k in skipped.items():
+        print(f"forced: {k} sessions not rendered ({reason})", file=sys.stderr)
+    if not turns:
+        return fail("no assistant turn to replay")
+    print(f"forced replay: {len(turns)} turns, {sum(len(t.output) for t in turns)} recorded ids, "
+          f"model {model_dir}, plan max_chunk {plan.max_chunk} overhead {plan.round_overhead}",
+          file=sys.stderr)
+
+    t0 = time.perf_counter()
+
+    def finish(result: dict, done: int) -> dict:
+        report = {"identical": result["identical"], "wall": not args.surrogate,
+                  **summarize(result, projection is not None, wall=not args.surrogate)}
+        overall = report["rows"][OVERALL]
+        oracle_x = overall[ORACLE]["x_plain"]
+        report["all_over_oracle"] = (round(overall["all"]["x_plain"] / oracle_x, 3)
+                                     if "all" in overall else None)
+        report["all_over_oracle_priced"] = (round(overall["all"]["priced_x_plain"] / oracle_x, 3)
+                                            if "all" in overall else None)
+        report["projected_curve"] = args.curve
+        report["meta"] = {
+            "model": model_dir, "dtype": args.dtype, "turns": done, "repeats": args.repeats,
+            "per_source": args.per_source, "max_tokens": args.max_tokens,
+            "max_context": args.max_context, "surrogate": args.surrogate,
+            "transcripts": str(args.transcripts) if args.transcripts else "held-back split",
+            "plan": {"cost": plan.cost, "max_chunk": plan.max_chunk,
+                     "round_overhead": plan.round_overhead},
+            "machine": f"{platform.machine()} {platform.system()}, mlx {mx.__version__}",
+            "seconds": round(time.perf_counter() - t0, 1),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        if args.json:  # after every turn: a run cut short keeps what it measured
+            args.json.write_text(json.dumps(report, indent=2))
+        return report
+
+    def progress(i, total, turn, partial):
+        print(f"  turn {i}/{total} {turn.source} {turn.tool} prompt {len(turn.prompt)} "
+              f"out {len(turn.output)}", file=sys.stderr, flush=True)
+        finish(partial, i)
+
+    result = run(turns, model=model, tok=tok, plan=plan, repeats=args.repeats,
+                 projection=projection, arms=arms, progress=progress)
+    report = finish(result, len(turns))
+    print_tables(report, arms)
+    return 0 if report["identical"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Forced replay (``python -m scripts.bench.forced``): a short run on a tiny model, and the oracle."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import mlx.core as mx
+import pytest
+
+from mlx_fill.core.paths import TRANSCRIPTS
+from scripts.bench import forced
+from scripts.bench.__main__ import forcing_processor
+from scripts.bench.oracle import RoundRecord, curve_plan, oracle_cost, priced_cost
+
+FLAT = curve_plan([1.0] * 15)  # any chunk up to 16 rows costs one forward, no round overhead
+LINEAR = curve_plan([float(m) for m in range(2, 17)], overhead=0.1)
+
+
+def test_oracle_takes_the_span_when_rows_are_free():
+    # slot 0 pending; a 3-id span after it: one round emits slots 0..3, a step emits slot 4
+    assert oracle_cost([3, 0, 0, 0, 0], FLAT) == 1 + 1 + 1
+
+
+def test_oracle_is_plain_decoding_when_rounds_cost_their_rows():
+    assert oracle_cost([3, 2, 1, 0, 0], LINEAR) == 5 + 1
+    assert oracle_cost([0] * 7, FLAT) == 7 + 1
+
+
+def test_oracle_skips_a_short_span_for_a_longer_one_behind_it():
+    # greedy takes the 1-id span at slot 0 and loses the 4-id span at slot 1:
+    # 1 + 1.5 + 5 plain steps = 7.5; the optimum steps once, then one round of 4: 1 + 1 + 1.5 + 1
+    plan = curve_plan([1.5] * 15)
+    assert oracle_cost([1, 4, 0, 0, 0, 0, 0], plan) == pytest.approx(4.5)
+
+
+def test_priced_cost_counts_steps_rounds_and_overhead():
+    plan = curve_plan([1.5, 2.0, 2.5], overhead=0.25)  # c(2..4)
+    rounds = [RoundRecord(True, "verify", 3, 2),   # chained: 4 rows, one forward
+              RoundRecord(False, "verify", 2, 0)]  # first id rejected by the in-flight sample
+    # 10 forward calls: the round's one and 9 plain steps
+    assert priced_cost(10, rounds, plan, plan) == pytest.approx(9 + 2.5 + 0.25 + 0.25)
+    assert rounds[0].emitted == 3 and rounds[1].rows == 0
+
+
+def test_curve_plan_rejects_a_bad_curve():
+    with pytest.raises(ValueError):
+        curve_plan([])
+    with pytest.raises(ValueError):
+        curve_plan([1.2, 0.0])
+
+
+def test_forcing_depends_on_the_logits():
+    """A forced id that did not depend on the forward would let MLX skip the model."""
+    force = forcing_processor(1, [3, 5])
+    out = force(mx.array([7, 3]), mx.full((1, 8), float("nan")))
+    assert bool(mx.isnan(out).any())
+    ok = force(mx.array([7, 3]), mx.zeros((1, 8)))
+    assert int(mx.argmax(ok, axis=-1).item()) == 5
+
+
+def test_clip_context_keeps_head_and_latest_from_a_message_start():
+    prompt = [1, 2, 3] + [9, 10, 11, 0, 12, 13, 0, 14, 15]
+    # head of 3, budget 8: the last 5 ids are [13, 0, 14, 15]... cut to the message start 0
+    assert forced.clip_context(prompt, 3, 8, 0) == [1, 2, 3, 0, 14, 15]
+    assert forced.clip_context(prompt, 3, None, 0) == prompt
+    assert forced.clip_context(prompt, 10, 6, None) == [1, 2, 3, 0, 14, 15]
+
+
+@pytest.fixture(scope="module")
+def two_sessions(tmp_path_factory):
+    """One structured (tau-bench) and one inline-text session of the committed transcripts."""
+    with gzip.open(TRANSCRIPTS, "rt", encoding="utf-8") as fh:
+        rows = [json.loads(line) for line in fh]
+    picked = [next(r for r in rows if r["source"] == s)
+              for s in ("tau_bench_gpt4o_airline", "aider_examples")]
+    path = tmp_path_factory.mktemp("forced") / "two.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in picked))
+    return path
+
+
+def test_short_forced_replay_is_identical_and_reports_every_arm(two_sessions, tmp_path):
+    from mlx_fill.assets.fixtures import fixture_path
+    out = tmp_path / "forced.json"
+    rc = forced.main(["--transcripts", str(two_sessions), "--model", str(fixture_path("qwen3-json")),
+                      "--dtype", "none", "--per-source", "1", "--max-tokens", "16",
+                      "--max-context", "384", "--repeats", "1", "--curve", "1.1,1.4,1.7",
+                      "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["identical"] is True
+    assert set(report["rows"]) == {"overall", "tau_bench_gpt4o_airline", "aider_examples"}
+    for row in report["rows"].values():
+        assert set(forced.ARMS) | {"oracle"} <= set(row)
+        for arm in (*forced.ARMS, "oracle"):
+            assert isinstance(row[arm]["x_plain"], float) and row[arm]["x_plain"] > 0
+            assert "projected_x_plain" in row[arm]
+        for arm in forced.ARMS:
+            assert row[arm]["fwd_per_tok"] > 0 and row[arm]["mismatched_turns"] == 0
+    overall = report["rows"]["overall"]
+    # the ungated peers propose on these turns, and verify accepts recorded ids
+    assert sum(overall["peer-lookup"]["accepted_per_round"].values()) > 0
+    assert report["by_tool"] and report["all_over_oracle"] > 0
+
+
+def test_forced_turns_emit_the_recorded_ids_not_the_models_own(two_sessions):
+    """The tiny model's own greedy reply differs from what the agent wrote; forced, plain
+    decoding and the fill loop both emit the recorded ids."""
+    from mlx_fill.evidence.replay import load_recordings
+    from mlx_lm.generate import generate_step
+
+    from mlx_fill.assets.fixtures import fixture_path
+    model, tok, _ = forced.load_model(str(fixture_path("qwen3-json")), None)
+    sessions, _ = load_recordings(two_sessions)
+    turns, _ = forced.forced_turns(tok, sessions, per_source=1, max_tokens=12, max_context=384)
+    turn = next(t for t in turns if t.source == "aider_examples")
+    own = [int(t) for t, _ in generate_step(mx.array(turn.prompt), model, max_tokens=12)]
+    assert own != turn.output
+    plan = forced.plan_for(model)
+    result = forced.run([turn], model=model, tok=tok, plan=plan, repeats=1, projection=None,
+                        arms=("plain", "off", "all"))
+    assert result["identical"] is True
