@@ -77,9 +77,9 @@ ORACLE_SPAN = 64  # the longest span the oracle's model-free drafts offer (the s
 class ForcedTurn:
     """One recorded assistant turn: ``prompt`` (rendered, clipped to the context budget),
     ``output`` (the recorded reply's ids, end-of-turn included, capped), the request's
-    ``messages``/``tools`` (for strict), its ``source`` and ``tool`` label."""
+    ``messages``/``tools`` (for strict), its ``transcript_source`` and ``tool`` label."""
 
-    source: str
+    transcript_source: str
     session_id: str
     tool: str
     prompt: list[int]
@@ -154,7 +154,7 @@ def forced_turns(tok, sessions: list[dict], *, per_source: int | None, max_token
             continue
         for turn in rendered.turns:
             if turn.end - turn.start >= 2:
-                by_source[rendered.source].append((rendered, turn))
+                by_source[rendered.transcript_source].append((rendered, turn))
     out: list[ForcedTurn] = []
     for source, cands in by_source.items():
         if per_source is not None and len(cands) > per_source:
@@ -321,7 +321,7 @@ def run(turns: list[ForcedTurn], *, model, tok, plan: DispatchPlan, repeats: int
             if log is not None:
                 proposals += log.proposed
         available = offline_available(turn, proposals)
-        for key in (OVERALL, turn.source, f"tool:{turn.tool}"):
+        for key in (OVERALL, turn.transcript_source, f"tool:{turn.tool}"):
             g = groups[key]
             for a in arms:
                 ids, s, log, _ = last[a]
@@ -529,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         return report
 
     def progress(i, total, turn, partial):
-        print(f"  turn {i}/{total} {turn.source} {turn.tool} prompt {len(turn.prompt)} "
+        print(f"  turn {i}/{total} {turn.transcript_source} {turn.tool} prompt {len(turn.prompt)} "
               f"out {len(turn.output)}", file=sys.stderr, flush=True)
         finish(partial, i)
 

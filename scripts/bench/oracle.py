@@ -1,6 +1,6 @@
 """Pricing a forced decode in one-row forwards: the rounds an arm ran, and the oracle bound.
 
-Units and the decode model are those of :mod:`mlx_fill.spec.cost`: a plain step is one one-row
+Units and the decode model are those of :mod:`mlx_fill.core.cost`: a plain step is one one-row
 forward and emits one token; a round feeding ``r`` rows costs ``plan.rows_cost(r)`` plus the
 plan's ``round_overhead`` (its forward is synchronous, a plain step is pipelined). A forced decode
 of ``n`` recorded ids costs plain decoding ``n + 1`` forwards (the step on the prompt's last id

@@ -8,7 +8,7 @@ import json
 import mlx.core as mx
 import pytest
 
-from mlx_fill.core.paths import TRANSCRIPTS
+from mlx_fill.assets.checkout import TRANSCRIPTS
 from scripts.bench import forced
 from scripts.bench.__main__ import forcing_processor
 from scripts.bench.oracle import RoundRecord, curve_plan, oracle_cost, priced_cost
@@ -113,7 +113,7 @@ def test_forced_turns_emit_the_recorded_ids_not_the_models_own(two_sessions):
     model, tok, _ = forced.load_model(str(fixture_path("qwen3-json")), None)
     sessions, _ = load_recordings(two_sessions)
     turns, _ = forced.forced_turns(tok, sessions, per_source=1, max_tokens=12, max_context=384)
-    turn = next(t for t in turns if t.source == "aider_examples")
+    turn = next(t for t in turns if t.transcript_source == "aider_examples")
     own = [int(t) for t, _ in generate_step(mx.array(turn.prompt), model, max_tokens=12)]
     assert own != turn.output
     plan = forced.plan_for(model)
