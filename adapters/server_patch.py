@@ -70,6 +70,7 @@ from mlx_fill.session import (
     server_ledger,
     usage_extra,
 )
+from mlx_fill.adapters import stock_guard
 from mlx_fill.adapters.server import batch_fill
 from mlx_fill.adapters.server.batch_fill import SeqFill
 from mlx_fill.adapters.server.template_vars import template_variables
@@ -256,6 +257,8 @@ def apply(server: Any, mode: str) -> bool:
 
     def handle_completion_w(self, request, stop_words, *a, **kw):
         body = getattr(self, "body", None)
+        if stock_guard.refused(self):  # answered 400: the value would stop mlx-lm's generation thread
+            return None
         self.mlx_fill = FillRequest(mode, body) if wants_fill(body) else None
         if self.mlx_fill is not None:
             request.mlx_fill = self.mlx_fill
