@@ -129,13 +129,13 @@ def cases(classes: tuple[str, ...]) -> list[Case]:
             Case("long prompt", "20000-property schema", _body({"tools": [{"type": "function", "function": {
                 "name": "f", "parameters": {"type": "object", "properties": {
                     f"p{i}": {"type": "string"} for i in range(20000)}}}}]})),
-            Case("huge", "64 KiB tool description", _body({"tools": [{"type": "function", "function": {
-                "name": "f", "description": "word " * (13 << 10), "parameters": {"type": "object"}}}]})),
+            Case("huge", "8 KiB tool description", _body({"tools": [{"type": "function", "function": {
+                "name": "f", "description": "word " * ((8 << 10) // 5), "parameters": {"type": "object"}}}]})),
             Case("huge", "4 MiB escaped quotes", b'{"messages": "' + b'\\"' * (2 << 20)),
             Case("huge", "5 MiB body", _body({"user": "x" * (5 << 20)})),
             Case("huge", "400 stop words +tools", _body({"stop": [f"s{i}" for i in range(400)]}, tools=True)),
             Case("huge", "10000 logit_bias ids", _body({"logit_bias": {str(i): 0.0 for i in range(10000)}})),
-            Case("huge", "500 messages +tools", _body({"messages": USER * 500, "max_tokens": 2}, tools=True)),
+            Case("huge", "100 messages +tools", _body({"messages": USER * 100, "max_tokens": 2}, tools=True)),
             Case("huge", "50000-enum schema", _body({"tools": [{"type": "function", "function": {
                 "name": "f", "parameters": {"type": "object", "properties": {"a": {
                     "enum": [i if i % 2 else str(i) for i in range(50000)]}}}}}]})),
@@ -172,7 +172,7 @@ def cases(classes: tuple[str, ...]) -> list[Case]:
         texts = {"lone high surrogate": '"\\ud800"', "lone low surrogate": '"\\udfff"',
                  "reversed pair": '"\\udc00\\ud800"', "valid pair": '"\\ud83d\\ude00"',
                  "NUL": '"a\\u0000b"', "U+FFFF": '"\\uffff"', "BOM": '"\\ufeff"',
-                 "RTL override": '"\\u202e abc"', "10000 combining marks": '"a' + "\\u0301" * 10000 + '"'}
+                 "RTL override": '"\\u202e abc"', "1000 combining marks": '"a' + "\\u0301" * 1000 + '"'}
         spots = {
             "content": lambda t: f'"messages": [{{"role": "user", "content": {t}}}]',
             "role": lambda t: f'"messages": [{{"role": {t}, "content": "hi"}}]',
@@ -371,11 +371,11 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"model": model, "servers": {}}
     for name in args.servers.split(","):
         server = Server(name, *specs[name], log_dir)
-        server.start()
         rows: dict[str, dict[str, Counter]] = {"handled": defaultdict(Counter),
                                                "stock mlx-lm": defaultdict(Counter)}
         outcomes = []
         try:
+            server.start()
             for case in all_cases:
                 if time.monotonic() - start > args.budget_s:
                     print(f"[{name}] budget spent: stopped before {case.cls}/{case.name}", file=sys.stderr)
@@ -384,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
                 who = "handled" if handled(server, case) else "stock mlx-lm"
                 rows[who][case.cls][outcome] += 1
                 outcomes.append({"class": case.cls, "case": case.name, "outcome": outcome, "who": who})
+                if len(outcomes) % 100 == 0:
+                    print(f"[{name}] {len(outcomes)}/{len(all_cases)} cases", file=sys.stderr, flush=True)
         finally:
             server.stop()
         report["servers"][name] = {"outcomes": outcomes, "restarts": server.restarts}
