@@ -57,6 +57,8 @@ def refusal(body: Any, vocab_size: int | None = None) -> str | None:
     seed = body.get("seed")
     if isinstance(seed, int) and not 0 <= seed < UINT64:
         return "seed must be between 0 and 2**64 - 1"
+    if body.get("top_logprobs") is True:  # an int to mlx-lm's check, not an MLX slice index
+        return "top_logprobs must be an integer, got a boolean"
     top_k = body.get("top_k")
     if vocab_size is not None and isinstance(top_k, int) and top_k >= vocab_size:
         return f"top_k must be less than the vocabulary size ({vocab_size})"

@@ -30,6 +30,7 @@ REFUSED = [
     ("temperature past int64", f'"temperature": {2 ** 63}'),
     ("top_k at the vocabulary", f'"temperature": 1, "top_k": {VOCAB}'),
     ("min_p NaN", '"temperature": 1, "min_p": NaN'),
+    ("top_logprobs true", '"logprobs": true, "top_logprobs": true'),
     ("xtc_threshold over 0.5", '"temperature": 1, "xtc_probability": 0.5, "xtc_threshold": 0.7'),
     ("xtc_threshold NaN", '"temperature": 1, "xtc_probability": 0.5, "xtc_threshold": NaN'),
     ("repetition_penalty past int64", f'"repetition_penalty": {2 ** 63}'),
@@ -43,6 +44,7 @@ REFUSED = [
 ACCEPTED = [
     ("stop dict", '"stop": {"a": 1}'),
     ("stop falsy", '"stop": 0'),
+    ("top_logprobs false", '"logprobs": true, "top_logprobs": false'),
     ("seed at uint64 max", f'"seed": {2 ** 64 - 1}'),
     ("temperature int", '"temperature": 2, "top_k": 5'),
     ("top_k below the vocabulary", f'"temperature": 1, "top_k": {VOCAB - 1}'),
