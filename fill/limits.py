@@ -71,7 +71,7 @@ _QUOTE, _BACKSLASH, _COLON = ord('"'), ord("\\"), ord(":")
 class _Scan:
     """One pass over raw JSON bytes (n of them). ``quotes``: positions of the quotes that open
     or close a string (a quote after an odd run of backslashes is escaped); ``depth[i]``: the
-    bracket nesting after byte i, brackets inside strings not counted (int32, shape (n,))."""
+    bracket nesting after byte i, brackets inside strings not counted (shape (n,))."""
 
     bytes_: np.ndarray
     quotes: np.ndarray
