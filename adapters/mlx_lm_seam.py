@@ -21,6 +21,7 @@ the matchers in ``stop_matchers`` (0.32.x: ``_matchers``, one object per sequenc
 from __future__ import annotations
 
 import inspect
+import json
 from typing import Any
 
 import mlx.core as mx
@@ -164,6 +165,19 @@ def set_kv_end(bc: Any, end: int) -> None:
 def request_body(handler: Any) -> Any:
     """The parsed JSON body ``APIHandler`` holds while it handles a completion (None if absent)."""
     return getattr(handler, "body", None)
+
+
+def response_generator(handler: Any) -> Any:
+    """The ``ResponseGenerator`` an ``APIHandler`` hands its requests to (None if absent)."""
+    return getattr(handler, "response_generator", None)
+
+
+def send_error(handler: Any, status: int, payload: dict) -> None:
+    """Answer the request an ``APIHandler`` is handling with ``status`` and the JSON
+    ``payload``, headers as mlx-lm sends its own parameter errors."""
+    handler._set_completion_headers(status)
+    handler.end_headers()
+    handler.wfile.write(json.dumps(payload).encode())
 
 
 def model_provider(response_generator: Any) -> Any:

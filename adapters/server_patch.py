@@ -79,6 +79,7 @@ from mlx_fill.session import (
     usage_extra,
 )
 from mlx_fill.adapters import mlx_lm_seam as seam
+from mlx_fill.adapters import stock_guard
 from mlx_fill.adapters.server import batch_fill
 from mlx_fill.adapters.server.batch_fill import SeqFill
 from mlx_fill.adapters.server.template_vars import template_variables
@@ -303,6 +304,8 @@ def _add_usage(response: Any, fill_request: FillRequest | None) -> Any:
 def _handle_completion(state: ServerFill, original: Callable) -> Callable:
     """HTTP thread: mark a request fill may serve (on the handler and on the request)."""
     def handle_completion(self, request, stop_words, *a, **kw):
+        if stock_guard.refused(self):  # answered 400: the value would stop mlx-lm's generation thread
+            return None
         self.mlx_fill = state.receive(seam.request_body(self))
         if self.mlx_fill is not None:
             request.mlx_fill = self.mlx_fill

@@ -2,14 +2,13 @@
 
 :class:`Limits` is what an operator can set (``mlx-fill serve`` turns every field into a
 ``--flag``; the ``MLX_FILL`` hook uses the defaults). :func:`json_depth` measures the nesting
-of raw JSON bytes without recursion, so a body can be refused before a recursive parser sees
-it (:func:`deep_member` names where); :func:`value_depth` does the same for a decoded value.
+of raw JSON bytes in one linear pass without recursion, so a body can be refused before a
+recursive parser sees it (:func:`deep_member` names where); :func:`value_depth` does the same for a decoded value.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -60,44 +59,81 @@ class Limits:
 
 DEFAULT_LIMITS = Limits()
 
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-_COLON = re.compile(rb"\s*:")
 _DELTA = np.zeros(256, dtype=np.int8)
 _DELTA[[ord("["), ord("{")]] = 1
 _DELTA[[ord("]"), ord("}")]] = -1
+_SPACE = np.zeros(256, dtype=bool)
+_SPACE[[ord(" "), ord("\t"), ord("\n"), ord("\r")]] = True
+_QUOTE, _BACKSLASH, _COLON = ord('"'), ord("\\"), ord(":")
 
 
-def _steps(bare: bytes) -> np.ndarray:
-    return np.cumsum(_DELTA[np.frombuffer(bare, dtype=np.uint8)].astype(np.int32))
+@dataclass(frozen=True)
+class _Scan:
+    """One pass over raw JSON bytes (n of them). ``quotes``: positions of the quotes that open
+    or close a string (a quote after an odd run of backslashes is escaped); ``depth[i]``: the
+    bracket nesting after byte i, brackets inside strings not counted (shape (n,))."""
+
+    bytes_: np.ndarray
+    quotes: np.ndarray
+    depth: np.ndarray
+
+
+def _scan(raw: bytes) -> _Scan:
+    """The string/escape state machine as a fixed sequence of whole-array passes, each linear
+    in ``len(raw)``: no pass looks at a byte more than a constant number of times, whatever the
+    content (unterminated strings, runs of escaped quotes)."""
+    b = np.frombuffer(raw, dtype=np.uint8)
+    n = b.size
+    count = np.int32 if n < 2 ** 31 - 1 else np.int64
+    index = np.arange(n, dtype=count)
+    # the last byte at or before i that is not a backslash: i - that is the run ending at i
+    last_plain = np.maximum.accumulate(np.where(b == _BACKSLASH, -1, index))
+    escaped = np.zeros(n, dtype=bool)
+    escaped[1:] = ((index[:-1] - last_plain[:-1]) & 1).astype(bool)
+    quote = (b == _QUOTE) & ~escaped
+    before = np.cumsum(quote, dtype=count) - quote  # quotes before i
+    in_string = (before & 1).astype(bool)  # a quote itself is never a bracket
+    delta = np.where(in_string, 0, _DELTA[b])
+    return _Scan(b, np.flatnonzero(quote), np.cumsum(delta, dtype=count))
 
 
 def json_depth(raw: bytes) -> int:
     """The deepest bracket nesting of ``raw`` (brackets inside JSON strings do not count).
-    Linear time in C, no recursion; for text that is not JSON the result is only an estimate,
-    and the parser rejects such text anyway."""
-    bare = _STRING.sub(b"", bytes(raw))
-    return int(max(0, _steps(bare).max())) if bare else 0
+    One linear pass (:func:`_scan`), no recursion; for text that is not JSON the result is only
+    an estimate, and the parser rejects such text anyway."""
+    raw = bytes(raw)
+    return int(max(0, _scan(raw).depth.max())) if raw else 0
 
 
 def deep_member(raw: bytes, limit: int) -> str | None:
     """The top-level member of a JSON object ``raw`` in which the nesting first goes past
-    ``limit``; None when it is not inside a member (or never goes past ``limit``). Linear time;
-    meant for bodies :func:`json_depth` already refused."""
+    ``limit``; None when it is not inside a member (or never goes past ``limit``). Linear time
+    (one :func:`_scan` and array lookups); meant for bodies :func:`json_depth` already refused."""
     raw = bytes(raw)
-    strings = list(_STRING.finditer(raw))
-    blank = _STRING.sub(lambda m: b" " * len(m.group()), raw)  # positions kept
-    over = np.flatnonzero(_steps(blank) > limit) if blank else []
-    if not len(over):
+    if not raw:
         return None
-    depth = _steps(blank)
-    for m in reversed(strings):  # the last top-level key before the first level past the limit
-        if m.start() < over[0] and depth[m.start()] == 1 and _COLON.match(blank, m.end()):
-            try:
-                key = json.loads(m.group())
-            except ValueError:
-                return None
-            return key if isinstance(key, str) else None
-    return None
+    scan = _scan(raw)
+    over = np.flatnonzero(scan.depth > limit)
+    if not over.size:
+        return None
+    opens, closes = scan.quotes[0::2], scan.quotes[1::2]
+    opens = opens[:closes.size]  # strings that end
+    # a key: a string at depth 1, before the first level past the limit, followed by a colon
+    key = (scan.depth[opens] == 1) & (closes < over[0])
+    plain = np.flatnonzero(~_SPACE[scan.bytes_])
+    after = np.searchsorted(plain, closes + 1)
+    found = after < plain.size
+    key[found] &= scan.bytes_[plain[after[found]]] == _COLON
+    key[~found] = False
+    keys = np.flatnonzero(key)
+    if not keys.size:
+        return None
+    k = keys[-1]
+    try:
+        name = json.loads(raw[opens[k]:closes[k] + 1])
+    except ValueError:
+        return None
+    return name if isinstance(name, str) else None
 
 
 def value_depth(value: object) -> int:

@@ -23,15 +23,21 @@ from mlx_fill.strict.schema import tool_schemas
 MAX_STOP = 4
 
 
+def _encodable(text: str) -> str:
+    """``text`` with what UTF-8 cannot carry (lone surrogates) escaped as ``\\udXXX``."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class RequestError(ValueError):
     """A client error: ``status`` (4xx), ``param`` (the offending path), ``code`` (OpenAI's
-    error code where one applies, e.g. ``context_length_exceeded``)."""
+    error code where one applies, e.g. ``context_length_exceeded``). Message and param are
+    always UTF-8 encodable: a value echoed from the request is escaped where it is not."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
                  code: str | None = None):
-        super().__init__(message)
+        super().__init__(_encodable(message))
         self.status = status
-        self.param = param
+        self.param = None if param is None else _encodable(param)
         self.code = code
 
     def body(self) -> dict:

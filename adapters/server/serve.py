@@ -44,42 +44,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mlx_fill.core.errors import UserError, model_ref
-from mlx_fill.limits import Limits, deep_member, json_depth
+from mlx_fill.limits import Limits
+from .body import decode_body, error_response, read_body
 from .engine import (DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP, DEFAULT_PROMPT_CACHE_BYTES, Engine,
                      Outcome)
 from .openai_request import RequestError
 from .output import split_output
-
-def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(RequestError(status, message, param).body(), status_code=status)
-
-
-async def read_body(request: Request, limits: Limits) -> bytes:
-    """The raw body; 413 over ``max_request_bytes`` (read no further)."""
-    too_large = RequestError(413, f"request body exceeds {limits.max_request_bytes} bytes")
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limits.max_request_bytes:
-        raise too_large
-    raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > limits.max_request_bytes:
-            raise too_large
-    return bytes(raw)
-
-
-def decode_body(raw: bytes, limits: Limits) -> Any:
-    """The decoded JSON body; 400 for invalid JSON or nesting deeper than ``max_json_depth``
-    (measured on the bytes, before the recursive parser runs; ``param`` names the top-level
-    member)."""
-    if json_depth(raw) > limits.max_json_depth:
-        member = deep_member(raw, limits.max_json_depth)
-        raise RequestError(400, f"{member or 'request body'}: JSON nested deeper than "
-                                f"{limits.max_json_depth} levels", member)
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise RequestError(400, f"request body: invalid JSON ({e})") from None
 
 
 def create_app(engine: Engine):
@@ -167,7 +137,7 @@ async def _complete(engine: Engine, worker: ThreadPoolExecutor, request: Request
             cancelled.set()  # this handler was cancelled (shutdown past its grace)
     out = await future
     if out is None:
-        return _error(499, "client closed the request")
+        return error_response(499, "client closed the request")
     content, reasoning, calls = split_output(engine.tokenizer, out.text, req.tools)
     message: dict[str, Any] = {"role": "assistant", "content": content or None}
     if reasoning:
