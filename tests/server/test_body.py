@@ -28,7 +28,7 @@ BIG_INT = "9" * 5000  # past Python's int-string limit (4300 digits)
 
 @pytest.fixture(scope="module")
 def client():
-    engine = serve.Engine(str(random_qwen3_dir()), fill="all", max_tokens=2,
+    engine = serve.Engine(str(random_qwen3_dir()), mode="all", max_tokens=2,
                           limits=Limits(max_tokens_ceiling=4, max_prompt_tokens=2048))
     with TestClient(serve.create_app(engine), raise_server_exceptions=False) as c:
         yield c
