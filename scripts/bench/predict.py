@@ -65,6 +65,7 @@ class EditTask:
     instruction: str
     replacements: tuple[tuple[str, str], ...]
     prediction_path: str | None = None
+    max_tokens: int | None = None  # a cap below the run's (the useless task needs no whole file)
 
     def original(self) -> str:
         return (ROOT / self.path).read_text(encoding="utf-8")
@@ -115,9 +116,9 @@ TASKS: tuple[EditTask, ...] = (
                "def _with_telemetry(responses: Iterator[Any], fill: FillSession, label: str = \"fill\")"),)),
     EditTask("useless-prediction", "fill/modes.py",
              "Rename the function `check_mode` to `normalize_mode`.",
-             (("def check_mode(", "def normalize_mode("),), prediction_path="setup.py"),
+             (("def check_mode(", "def normalize_mode("),), prediction_path="setup.py", max_tokens=96),
 )
-DEFAULT_TASKS = ("rename-symbol", "change-constant", "delete-block", "insert-line", "useless-prediction")
+DEFAULT_TASKS = ("rename-symbol", "change-constant", "useless-prediction")
 
 
 def messages_for(task: EditTask) -> list[dict]:
@@ -191,6 +192,7 @@ def run_task(task: EditTask, *, model, tok, repeats: int, max_tokens: int, rate:
     from mlx_fill.sources.prediction import ORIGIN
 
     messages = messages_for(task)
+    max_tokens = min(max_tokens, task.max_tokens or max_tokens)
     ids = tok.apply_chat_template(messages, add_generation_prompt=True)
     prediction = {"type": "content", "content": task.prediction()}
     predicted = predicted_count(tok, prediction)
@@ -230,7 +232,8 @@ def run_task(task: EditTask, *, model, tok, repeats: int, max_tokens: int, rate:
     text = tok.decode(off)
     result = {"task": task.name, "file": task.path, "prompt_tokens": len(ids),
               "predicted_tokens": predicted, "output_tokens": len(off),
-              "edit_correct": edited_file(text).rstrip() == task.expected().rstrip(),
+              "edit_correct": (edited_file(text).rstrip() == task.expected().rstrip()
+                               if len(off) < max_tokens else None),
               "coverage": round(coverage(off, tok.encode(task.prediction(), add_special_tokens=False)), 3),
               "prefill_s": round(prefill_s, 2), "arms": {}}
     result["bound"] = round(bound_for(result["coverage"], rate), 2)
