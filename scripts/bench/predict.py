@@ -289,7 +289,7 @@ def run(fixture: str, task_names: list[str], repeats: int, dtype: str | None,
     for name in task_names:
         results.append(run_task(by_name[name], model=model, tok=tok, repeats=repeats,
                                 max_tokens=max_tokens, rate=rate))
-        print(f"done {name}: {json.dumps(results[-1]['arms'])}", file=sys.stderr, flush=True)
+        print(f"done {name}: {json.dumps(results[-1])}", file=sys.stderr, flush=True)
     return {"fixture": fixture, "dtype": dtype, "repeats": repeats,
             "machine": f"{platform.machine()} {platform.system()}, mlx {mx.__version__}",
             "plan": {"max_chunk": plan.max_chunk, "cost": plan.cost,
