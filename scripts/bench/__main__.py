@@ -1,6 +1,6 @@
 """Benchmarks (not tests): fill and speculation vs plain mlx-lm decoding, side by side, one run.
 
-Two parts, both interleaved (every repeat runs every arm on the same prompt back to back, the
+Parts, all interleaved (every repeat runs every arm on the same prompt back to back, the
 order reversed every other repeat after one untimed run of the first arm, so machine drift hits
 all arms) and reported as medians:
 
@@ -18,7 +18,10 @@ all arms) and reported as medians:
    arm emits the recorded tokens: what fill and speculation save at a realistic forward cost on
    the real workload shape.
 
-    python -m scripts.bench [--quick] [--parts e2e,prose,mechanism] [--fixtures a,b] [--json out.json]
+3. ``predict`` (only when named in ``--parts``) — Predicted Outputs on file edits with
+   ``qwen25-coder-0.5b`` (:mod:`scripts.bench.predict`, also runnable alone with its own options).
+
+    python -m scripts.bench [--quick] [--parts e2e,prose,mechanism,predict] [--fixtures a,b] [--json out.json]
 """
 
 from __future__ import annotations
@@ -440,8 +443,17 @@ def main() -> int:
         report["mechanism"] = run_mechanism(args.quick, repeats)
         for name, table in report["mechanism"].items():
             print_table(f"mechanism qwen3-0.5b-shaped {name}", table)
+    if "predict" in parts:
+        from scripts.bench import predict
+        report["predict"] = predict.run("qwen25-coder-0.5b", list(predict.DEFAULT_TASKS), repeats,
+                                        args.dtype, 1024)
+        predict.print_table(report["predict"]["tasks"])
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
+    if any(not e["identical"] for t in report.get("predict", {}).get("tasks", [])
+           for e in t["arms"].values()):
+        print("\nMISMATCHED OUTPUTS: predict", file=sys.stderr)
+        return 1
     bad = [(p, n, a) for p in ("e2e", "prose", "mechanism") for n, t in report.get(p, {}).items()
            for a, r in t.items() if isinstance(r, dict) and r.get("mismatched_prompts")]
     if bad:

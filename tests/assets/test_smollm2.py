@@ -143,7 +143,7 @@ def test_tokenizer_ids_equal_transformers_gguf_conversion(loaded, metadata):
     reference, _ = mapping.convert_gguf_tokenizer("llama", {
         "tokenizer_type": metadata["tokenizer.ggml.model"], "pre_tokenizer_type": metadata["tokenizer.ggml.pre"],
         "tokens": metadata["tokenizer.ggml.tokens"], "merges": metadata["tokenizer.ggml.merges"],
-        "token_type": metadata["tokenizer.ggml.token_type"].tolist(),
+        "token_type": list(metadata["tokenizer.ggml.token_type"]),
     })
     for text in _texts() + ["<|im_start|>user\n12 apples, 3.14159<|im_end|>"]:
         assert tokenizer.encode(text, add_special_tokens=False) == _reference_ids(reference, text), text[:200]

@@ -1,0 +1,324 @@
+"""Predicted Outputs on file edits: fill with the original file as ``prediction`` vs plain decoding.
+
+Each task is a real file of this repository and a real edit instruction (rename a symbol, change
+a constant, delete a block, insert a line, add a parameter); the model is asked to reply with the
+whole edited file, and the request's OpenAI ``prediction`` is the original file, as an editor's
+"apply edit" sends it. One task gives the prediction of another file (useless: what the flag
+costs where nothing matches). Arms, in one run, interleaved on the same prefilled prompt (every
+repeat runs every arm back to back, the order reversed every other repeat), all through the
+mlx-lm drop-in ``mlx_fill.adapters.mlx_lm.stream_generate``:
+
+* ``off``: plain mlx-lm (``fill=None`` is the stock call);
+* ``prediction``: a session with the prediction alone (``build_session("strict", prediction=...)``
+  without messages: no strict source);
+* ``prediction+all``: the prediction with every context source (``build_session("all", ...)``).
+
+The prompt is prefilled once per task and every arm decodes from that cache, so ``decode x
+plain`` compares decoding alone (session build included); ``request x plain`` adds the one
+prefill's time to every arm (the whole request's wall). Per task and arm: output ids, identity
+to ``off``, the prediction's accepted/rejected tokens as ``usage.completion_tokens_details``
+reports them (and whether the trace's accepted ids of origin ``prediction`` sum to the same),
+target forwards per token, and whether the model made the requested edit (compared with the
+expected file; reported, not gated). ``coverage`` is the share of the output ids inside blocks
+shared with the prediction (``difflib`` on ids); ``bound`` is the decode ratio the dispatch plan
+allows for that coverage: covered ids at the best rate of one verify round
+(``max n / plan.rows_cost(n)``, the largest exact chunk at its measured cost), the rest one per
+forward.
+
+    python -m scripts.bench.predict [--fixture qwen25-coder-0.5b] [--tasks a,b] [--repeats 1]
+        [--dtype bfloat16] [--json out.json]
+
+Exits 1 when any arm's ids differ from ``off`` or the usage counts differ from the trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import platform
+import re
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+ROOT = Path(__file__).resolve().parents[2]
+ARMS = ("off", "prediction", "prediction+all")
+SYSTEM = ("You are a coding assistant that edits files. Apply exactly the requested change and "
+          "reply with the complete edited file in one code block, nothing else.")
+_FENCE = re.compile(r"```[\w+-]*\n(.*?)```", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class EditTask:
+    """One edit: ``path`` (relative to the repository root), the instruction, and the edit as
+    ``(old, new)`` replacements of the original text (each ``old`` must occur in it), from which
+    the expected file follows. ``prediction_path``: predict another file instead (useless)."""
+
+    name: str
+    path: str
+    instruction: str
+    replacements: tuple[tuple[str, str], ...]
+    prediction_path: str | None = None
+    max_tokens: int | None = None  # a cap below the run's (the useless task needs no whole file)
+
+    def original(self) -> str:
+        return (ROOT / self.path).read_text(encoding="utf-8")
+
+    def expected(self) -> str:
+        text = self.original()
+        for old, new in self.replacements:
+            if old not in text:
+                raise ValueError(f"task {self.name}: {old!r} is not in {self.path}")
+            text = text.replace(old, new)
+        return text
+
+    def prediction(self) -> str:
+        return (ROOT / (self.prediction_path or self.path)).read_text(encoding="utf-8")
+
+
+_MODEL_REF = '''
+
+def model_ref(value: str) -> str:
+    """argparse ``type=``: a local mlx-lm model directory, or a Hugging Face repo id
+    (``owner/name``, which mlx-lm downloads) when no such path exists."""
+    path = Path(value)
+    looks_like_repo = value.count("/") == 1 and not value.startswith((".", "/", "~"))
+    if path.exists() or not looks_like_repo:
+        model_dir(value)
+    return value
+'''
+
+TASKS: tuple[EditTask, ...] = (
+    EditTask("rename-symbol", "fill/modes.py",
+             "Rename the function `check_mode` to `normalize_mode`.",
+             (("def check_mode(", "def normalize_mode("),)),
+    EditTask("change-constant", "setup.py",
+             'In the HOOKS constant, change the folder name "hooks" to "startup".',
+             (('/ "adapters" / "hooks" /', '/ "adapters" / "startup" /'),)),
+    EditTask("delete-block", "fill/core/errors.py",
+             "Delete the function `model_ref` (its definition and body).",
+             ((_MODEL_REF, ""),)),
+    EditTask("insert-line", "fill/__init__.py",
+             'In _EXPORTS, add the entry `"predicted_count": "mlx_fill.session",` right after the '
+             '`"usage_extra"` entry.',
+             (('    "usage_extra": "mlx_fill.session",\n',
+               '    "usage_extra": "mlx_fill.session",\n    "predicted_count": "mlx_fill.session",\n'),)),
+    EditTask("add-parameter", "adapters/mlx_lm.py",
+             "Add a keyword parameter `label: str = \"fill\"` to `_with_telemetry` (after `fill`) "
+             "and do not use it anywhere.",
+             (("def _with_telemetry(responses: Iterator[Any], fill: FillSession)",
+               "def _with_telemetry(responses: Iterator[Any], fill: FillSession, label: str = \"fill\")"),)),
+    EditTask("useless-prediction", "fill/modes.py",
+             "Rename the function `check_mode` to `normalize_mode`.",
+             (("def check_mode(", "def normalize_mode("),), prediction_path="setup.py", max_tokens=96),
+)
+DEFAULT_TASKS = ("rename-symbol", "change-constant", "useless-prediction")
+
+
+def messages_for(task: EditTask) -> list[dict]:
+    lang = {".py": "python", ".sh": "bash", ".toml": "toml"}.get(Path(task.path).suffix, "")
+    return [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"{task.instruction}\n\n```{lang}\n{task.original()}```"}]
+
+
+def edited_file(text: str) -> str:
+    """The file in the model's reply: the first fenced block's body, else the whole reply."""
+    match = _FENCE.search(text)
+    return match.group(1) if match else text
+
+
+def coverage(out: list[int], predicted: list[int]) -> float:
+    """Share of ``out`` inside blocks it shares with ``predicted`` (``difflib`` on ids)."""
+    if not out:
+        return 0.0
+    matcher = difflib.SequenceMatcher(None, out, predicted, autojunk=False)
+    return sum(b.size for b in matcher.get_matching_blocks()) / len(out)
+
+
+def best_round_rate(plan, max_span: int) -> float:
+    """Tokens per one-row forward of a fully accepted verify round at its best length: ``max
+    n / plan.rows_cost(n)`` over ``n <= max_span + 1`` rows (the largest exact chunk at its
+    measured cost, for a concave cost curve)."""
+    return max(n / plan.rows_cost(n) for n in range(1, max_span + 2))
+
+
+def bound_for(share: float, rate: float) -> float:
+    """The decode ratio to plain when a ``share`` of the output is emitted at ``rate`` tokens per
+    forward and the rest one per forward."""
+    return 1.0 / ((1.0 - share) + share / rate)
+
+
+def decode(model, tok, prompt_tail: list[int], cache, session, max_tokens: int) -> list[int]:
+    """The ids ``stream_generate`` (the drop-in) yields, EOS excluded, from a prompt cache."""
+    from mlx_fill.adapters.mlx_lm import stream_generate
+
+    out = []
+    for r in stream_generate(model, tok, prompt_tail, fill=session, prompt_cache=cache,
+                             max_tokens=max_tokens):
+        if r.finish_reason is None or r.finish_reason == "length":
+            out.append(r.token)
+    return out
+
+
+def trace_accepted(path: Path, origin: str) -> int:
+    """Ids of proposals from ``origin`` the target accepted, summed over a fill trace file."""
+    events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return sum(e["accepted"] for e in events if e["origin"] == origin)
+
+
+def session_for(arm: str, *, model, tok, ids: list[int], messages: list[dict], prediction: dict,
+                trace: Path):
+    from mlx_fill.session import build_session
+
+    if arm == "off":
+        return None
+    mode, msgs = ("strict", None) if arm == "prediction" else ("all", messages)
+    return build_session(mode, model=model, tokenizer=tok, prompt_ids=ids, messages=msgs,
+                         prediction=prediction, trace_path=str(trace))
+
+
+def run_task(task: EditTask, *, model, tok, repeats: int, max_tokens: int, rate: float,
+             acceptance_check: bool = True) -> dict:
+    """Every arm on one task (see module docstring); one result row."""
+    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+    from mlx_fill.session import end_session, predicted_count, usage_extra
+    from mlx_fill.sources.prediction import ORIGIN
+
+    messages = messages_for(task)
+    max_tokens = min(max_tokens, task.max_tokens or max_tokens)
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+    prediction = {"type": "content", "content": task.prediction()}
+    predicted = predicted_count(tok, prediction)
+    cache = make_prompt_cache(model)
+    t0 = time.perf_counter()
+    for start in range(0, len(ids) - 1, 512):
+        model(mx.array(ids[start:min(start + 512, len(ids) - 1)])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    prefill_s = time.perf_counter() - t0
+    base = len(ids) - 1
+    decode(model, tok, ids[-1:], cache, None, 4)  # untimed: the first decode after a prefill
+    trim_prompt_cache(cache, cache[0].offset - base)
+
+    times: dict[str, list[float]] = {a: [] for a in ARMS}
+    rows: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="mlx-fill-predict-") as tmp:
+        for r in range(repeats):
+            for arm in (ARMS if r % 2 == 0 else ARMS[::-1]):
+                trace = Path(tmp) / f"{arm}-{r}.jsonl"
+                t0 = time.perf_counter()
+                session = session_for(arm, model=model, tok=tok, ids=ids, messages=messages,
+                                      prediction=prediction, trace=trace)
+                out = decode(model, tok, ids[-1:], cache, session, max_tokens)
+                times[arm].append(time.perf_counter() - t0)
+                end_session(session)
+                trim_prompt_cache(cache, cache[0].offset - base)
+                row = {"tokens": len(out), "ids": out}
+                if session is not None:
+                    stats = session.stats
+                    usage = usage_extra(session, predicted=predicted)["completion_tokens_details"]
+                    row.update(forwards=stats.forwards, **usage,
+                               trace_accepted=trace_accepted(trace, ORIGIN))
+                else:
+                    row["forwards"] = len(out)
+                rows[arm] = row
+    off = rows["off"]["ids"]
+    text = tok.decode(off)
+    result = {"task": task.name, "file": task.path, "prompt_tokens": len(ids),
+              "predicted_tokens": predicted, "output_tokens": len(off),
+              "edit_correct": (edited_file(text).rstrip() == task.expected().rstrip()
+                               if len(off) < max_tokens else None),
+              "coverage": round(coverage(off, tok.encode(task.prediction(), add_special_tokens=False)), 3),
+              "prefill_s": round(prefill_s, 2), "arms": {}}
+    result["bound"] = round(bound_for(result["coverage"], rate), 2)
+    off_s = statistics.median(times["off"])
+    for arm in ARMS:
+        row, seconds = rows[arm], statistics.median(times[arm])
+        entry = {"decode_s": round(seconds, 2), "decode_x_plain": round(off_s / seconds, 2),
+                 "request_x_plain": round((prefill_s + off_s) / (prefill_s + seconds), 2),
+                 "identical": row["ids"] == off,
+                 "forwards_per_token": round(row["forwards"] / max(len(row["ids"]), 1), 3)}
+        if arm != "off":
+            entry.update({k: row[k] for k in ("accepted_prediction_tokens",
+                                              "rejected_prediction_tokens", "trace_accepted")})
+            # usage caps accepted at the prediction's length (a re-anchored id may count twice)
+            entry["usage_matches_trace"] = row["accepted_prediction_tokens"] == min(row["trace_accepted"], predicted)
+            entry["of_bound"] = round(entry["decode_x_plain"] / result["bound"], 2)
+        result["arms"][arm] = entry
+    return result
+
+
+def print_table(results: list[dict]) -> None:
+    head = (f"{'task':<20}{'out':>5}{'cover':>7}{'edit ok':>8}  {'arm':<15}{'decode x':>9}{'request x':>10}"
+            f"{'fwd/tok':>8}{'acc/rej':>11}{'bound':>7}{'of bound':>9}{'ident':>7}")
+    print(head)
+    for res in results:
+        for arm, e in res["arms"].items():
+            acc = (f"{e['accepted_prediction_tokens']}/{e['rejected_prediction_tokens']}"
+                   if "accepted_prediction_tokens" in e else "-")
+            print(f"{res['task']:<20}{res['output_tokens']:>5}{res['coverage']:>7.2f}"
+                  f"{str(res['edit_correct']):>8}  {arm:<15}{e['decode_x_plain']:>9.2f}"
+                  f"{e['request_x_plain']:>10.2f}{e['forwards_per_token']:>8.3f}{acc:>11}"
+                  f"{res['bound']:>7.2f}{e.get('of_bound', float('nan')):>9.2f}{str(e['identical']):>7}")
+
+
+def run(fixture: str, task_names: list[str], repeats: int, dtype: str | None,
+        max_tokens: int) -> dict:
+    from mlx_lm import load
+
+    from mlx_fill.assets.fixtures import fixture_path
+    from mlx_fill.core.resolve import plan_for
+    from mlx_fill.session import env_max_span
+
+    model, tok = load(str(fixture_path(fixture)))
+    if dtype is not None:
+        model.set_dtype(getattr(mx, dtype))
+    plan = plan_for(model)
+    rate = best_round_rate(plan, env_max_span())
+    by_name = {t.name: t for t in TASKS}
+    unknown = [n for n in task_names if n not in by_name]
+    if unknown:
+        raise SystemExit(f"unknown tasks {unknown}; known: {', '.join(by_name)}")
+    results = []
+    for name in task_names:
+        results.append(run_task(by_name[name], model=model, tok=tok, repeats=repeats,
+                                max_tokens=max_tokens, rate=rate))
+        print(f"done {name}: {json.dumps(results[-1])}", file=sys.stderr, flush=True)
+    return {"fixture": fixture, "dtype": dtype, "repeats": repeats,
+            "machine": f"{platform.machine()} {platform.system()}, mlx {mx.__version__}",
+            "plan": {"max_chunk": plan.max_chunk, "cost": plan.cost,
+                     "round_overhead": plan.round_overhead, "best_round_rate": round(rate, 2)},
+            "date": time.strftime("%Y-%m-%d %H:%M"), "tasks": results}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--fixture", default="qwen25-coder-0.5b")
+    ap.add_argument("--tasks", default=",".join(DEFAULT_TASKS),
+                    help=f"comma-separated, of {', '.join(t.name for t in TASKS)}")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--max-tokens", type=int, default=1024)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    report = run(args.fixture, args.tasks.split(","), args.repeats, args.dtype, args.max_tokens)
+    print(f"plan: {report['plan']}")
+    print_table(report["tasks"])
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    bad = [(t["task"], a) for t in report["tasks"] for a, e in t["arms"].items()
+           if not e["identical"] or not e.get("usage_matches_trace", True)]
+    if bad:
+        print(f"\nMISMATCHES (ids or usage counts): {bad}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
