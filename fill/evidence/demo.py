@@ -9,7 +9,7 @@ tool result and continues. Exits 1 if any turn's ids differ.
 model (``qwen25-coder-0.5b`` unless ``--fixture`` names another) is asked to rename a function in
 a small embedded file and reply with the whole file; the request's ``prediction`` is the original
 file. The prompt is prefilled once; decoding then runs with fill off and with the prediction
-(``build_session(..., prediction=...)`` through the ``stream_generate`` drop-in), and the demo
+(``build_session(..., prediction=...)`` through the fill loop's ``generate_step``), and the demo
 prints whether the ids are identical, the accepted/rejected prediction tokens
 (``usage.completion_tokens_details``) and the decoding wall-clock ratio. Exits 1 if the ids differ.
 """
@@ -94,13 +94,18 @@ EDIT_SYSTEM = ("You are a coding assistant that edits files. Apply exactly the r
 TOOL_RESULT = "<returncode>0</returncode>\n<output>\nlib/matplotlib/cm.py\nlib/matplotlib/colors.py\n</output>"
 
 
-def _decode(model, tok, ids: list[int], session, max_tokens: int) -> tuple[list[int], float]:
+def _decode(model, tok, ids: list[int], session, max_tokens: int,
+            prompt_cache: list | None = None) -> tuple[list[int], float]:
+    """(the ids decoded after ``ids``, EOS excluded; seconds): mlx-lm's ``generate_step`` without
+    a session, the fill loop with one; ``prompt_cache`` holds what came before ``ids``."""
     from mlx_lm.generate import generate_step as stock_generate_step
 
     from mlx_fill.core.loop import generate_step
     t0 = time.perf_counter()
-    gen = (stock_generate_step(mx.array(ids), model, max_tokens=max_tokens) if session is None
-           else generate_step(mx.array(ids), model, max_tokens=max_tokens, fill=session))
+    gen = (stock_generate_step(mx.array(ids), model, max_tokens=max_tokens,
+                               prompt_cache=prompt_cache) if session is None
+           else generate_step(mx.array(ids), model, max_tokens=max_tokens, fill=session,
+                              prompt_cache=prompt_cache))
     out = []
     for t, _ in gen:
         if t in tok.eos_token_ids:
@@ -214,15 +219,6 @@ def _print_speed(totals: dict, plan, model) -> None:
           f"real sessions) and `python -m scripts.bench --parts predict` (Predicted Outputs).")
 
 
-def _stream_ids(model, tok, prompt_tail: list[int], cache, session, max_tokens: int) -> list[int]:
-    """The ids the ``stream_generate`` drop-in yields from a prompt cache, EOS excluded."""
-    from mlx_fill.adapters.mlx_lm import stream_generate
-
-    return [r.token for r in stream_generate(model, tok, prompt_tail, fill=session, prompt_cache=cache,
-                                             max_tokens=max_tokens)
-            if r.finish_reason in (None, "length")]
-
-
 def run_predict(args: argparse.Namespace) -> int:
     """One edit with a prediction, fill off vs on (see module docstring)."""
     from mlx_lm import load
@@ -249,13 +245,11 @@ def run_predict(args: argparse.Namespace) -> int:
     mx.eval([c.state for c in cache])
     base = cache[0].offset
     max_tokens = max(args.max_tokens, 2 * predicted)
-    t0 = time.perf_counter()
-    plain = _stream_ids(model, tok, ids[-1:], cache, None, max_tokens)
-    t_off = time.perf_counter() - t0
+    plain, t_off = _decode(model, tok, ids[-1:], None, max_tokens, prompt_cache=cache)
     trim_prompt_cache(cache, cache[0].offset - base)
-    t0 = time.perf_counter()
+    t0 = time.perf_counter()  # the session's set-up (the prediction tokenized) counts
     session = build_session("strict", model=model, tokenizer=tok, prompt_ids=ids, prediction=prediction)
-    filled = _stream_ids(model, tok, ids[-1:], cache, session, max_tokens)
+    filled, _ = _decode(model, tok, ids[-1:], session, max_tokens, prompt_cache=cache)
     t_on = time.perf_counter() - t0
     end_session(session)
     usage = usage_extra(session, predicted=predicted)
