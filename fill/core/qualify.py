@@ -28,7 +28,7 @@ from .errors import model_dir
 from .exactness import arrays_equal, cache_content
 from .plan import DispatchPlan, PlanKey, config_key, format_key, save_plan
 from .primitive import (Unsupported, append, cache_offset, check_supported, checkpoint,
-                        restore, rewind)
+                        restore, rewind, ring_window)
 
 FULL_SIZES = tuple(range(1, 17)) + (32,)
 QUICK_SIZES = (1, 2, 3, 4, 8, 16)
@@ -49,22 +49,40 @@ def _alone(verdict: bool) -> bool:
 
 @dataclass
 class Check:
+    """One chunk of ``size`` rows appended at KV length ``start`` (``kv``: the length the check
+    is about; ``start < kv`` crosses it). ``ring``: a sliding-window check, the chunk crossing
+    the end of a rotating layer's ring (which recurs every window, so no KV boundary avoids it)."""
+
     size: int
     kv: int
     start: int
     exact: bool
+    ring: bool = False
 
 
 def _random_ids(n: int, vocab: int, seed: int) -> list[int]:
     return mx.random.randint(0, vocab, (n,), key=mx.random.key(seed)).tolist()
 
 
-def _grow(model: Any, cache: list[Any], length: int, vocab: int) -> None:
-    """Extend ``cache`` to ``length`` tokens with one prompt forward of seeded random ids."""
+def _grow(model: Any, cache: list[Any], length: int, vocab: int, decode: bool = False) -> None:
+    """Extend ``cache`` to ``length`` tokens of seeded random ids: with one prompt forward, or
+    with ``decode`` as decoding does, in appends of a few ids (a rotating layer's write index
+    then runs around its ring as in serial decoding, instead of restarting after a prefill)."""
     have = cache_offset(cache) if cache else 0
-    if length > have:
-        model(mx.array(_random_ids(length - have, vocab, length))[None], cache=cache)
-        mx.eval([c.state for c in cache])
+    if length <= have:
+        return
+    ids = _random_ids(length - have, vocab, length)
+    if not decode:
+        model(mx.array(ids)[None], cache=cache)
+    else:
+        steps = DispatchPlan(key=None, max_chunk=8, qualified=True)
+        append(model, cache, ids, plan=steps, logits="none")
+    mx.eval([c.state for c in cache])
+
+
+def ring_lengths(window: int | None) -> tuple[int, ...]:
+    """KV lengths where a chunk crosses a ring's end: the first wrap and a later one."""
+    return () if window is None else (window, 2 * window)
 
 
 def _exact(model: Any, cache: list[Any], ids: list[int], plan: DispatchPlan) -> bool:
@@ -90,62 +108,77 @@ def _exact(model: Any, cache: list[Any], ids: list[int], plan: DispatchPlan) -> 
 
 def check_exactness(model: Any, sizes: tuple[int, ...], kv_lengths: tuple[int, ...],
                     vocab: int, progress: Any = None, *, stop_after_failure: bool = False,
-                    agree: Agree = _alone) -> list[Check]:
-    """Run every (M, L) check: a chunk starting at L and one crossing L (start L - M//2).
-    ``stop_after_failure`` (where any failure makes a size inexact, see :func:`derive_plan`):
-    once a size fails, that size and larger ones are not checked again. ``agree`` turns this
-    rank's verdict into the verdict of every rank (a sharded model: exact only where every rank
-    is), so every rank runs the same checks in lockstep."""
+                    agree: Agree = _alone, rings: tuple[int, ...] = (),
+                    deadline: float | None = None) -> tuple[list[Check], tuple[int, ...]]:
+    """Run the (M, L) checks size by size, smallest first: a plan's ``max_chunk`` is the
+    largest size exact together with every smaller one, so each finished size is usable
+    evidence on its own. For every L, a chunk starting at L and one crossing L (start
+    L - M//2). ``rings``: more KV lengths, reached by decoding (:func:`ring_lengths`), whose
+    checks are ``ring`` checks. ``stop_after_failure`` (where any failure makes a size inexact,
+    see :func:`derive_plan`): no larger size is checked after a failing one. ``deadline``
+    (``time.monotonic()``): sizes not started by then are left. ``agree`` turns this rank's
+    verdict into the verdict of every rank (a sharded model: exact only where every rank is),
+    so every rank runs the same checks in lockstep. Returns the checks and the sizes left."""
     checks: list[Check] = []
-    failed = max(sizes) + 1  # smallest size found inexact so far
-    for kv in kv_lengths:
-        cache = make_prompt_cache(model)
-        for start in sorted({s for m in sizes if m > 1 for s in (kv, max(0, kv - m // 2))}):
-            _grow(model, cache, start, vocab)
-            for m in sizes:
-                if m == 1 or start not in (kv, max(0, kv - m // 2)):
-                    continue
+    todo = sorted(m for m in sizes if m > 1)
+    lengths = [(kv, False) for kv in kv_lengths] + [(kv, True) for kv in rings]
+    bases: dict[tuple[int, bool], list[Any]] = {}  # grown once, to the earliest start
+    earliest = max(todo, default=2) // 2
+    for i, m in enumerate(todo):
+        if deadline is not None and time.monotonic() >= deadline:
+            return checks, tuple(todo[i:])
+        plan = DispatchPlan(key=None, max_chunk=m, qualified=True)
+        for kv, ring in lengths:
+            if (kv, ring) not in bases:
+                bases[kv, ring] = make_prompt_cache(model)
+                _grow(model, bases[kv, ring], max(0, kv - earliest), vocab, decode=ring)
+            cache = bases[kv, ring]
+            for start in sorted({kv, max(0, kv - m // 2)}):
                 if progress:
                     progress.update(1)
-                if stop_after_failure and m >= failed:
-                    continue
-                plan = DispatchPlan(key=None, max_chunk=m, qualified=True)
-                ids = _random_ids(m, vocab, 7 * m + start)
-                checks.append(Check(m, kv, start, agree(_exact(model, cache, ids, plan))))
-                if not checks[-1].exact:
-                    failed = min(failed, m)
-    return checks
+                cp = checkpoint(model, cache, plan)
+                _grow(model, cache, start, vocab, decode=ring)
+                exact = agree(_exact(model, cache, _random_ids(m, vocab, 7 * m + start), plan))
+                restore(cp)
+                checks.append(Check(m, kv, start, exact, ring))
+        if stop_after_failure and not all(c.exact for c in checks if c.size == m):
+            return checks, ()
+    return checks, ()
 
 
-def derive_plan(key: PlanKey, checks: list[Check], sizes: tuple[int, ...]) -> DispatchPlan:
-    """Largest M exact at every start that does not cross a KV length; KV lengths crossed by a
-    failing chunk become boundaries. On the CPU backend, where no kernel switches at a KV
-    length, any failing check makes M inexact: a BLAS that rounds M rows differently at one
-    tested length does so wherever the data brings it out, also at untested lengths (OpenBLAS
-    does; see the CHANGELOG), which a list of boundaries cannot describe."""
-    boundaries: set[int] = set()
-    max_chunk = 1
+def derive_plan(key: PlanKey, checks: list[Check], sizes: tuple[int, ...], *, floor: int = 1,
+                boundaries: tuple[int, ...] = ()) -> DispatchPlan:
+    """Largest M exact at every start that does not cross a KV length and at every ring check;
+    KV lengths crossed by a failing chunk become boundaries. On the CPU backend, where no
+    kernel switches at a KV length, any failing check makes M inexact: a BLAS that rounds M
+    rows differently at one tested length does so wherever the data brings it out, also at
+    untested lengths (OpenBLAS does; see the CHANGELOG), which a list of boundaries cannot
+    describe. ``floor`` / ``boundaries``: what an earlier, budgeted run established (sizes up
+    to ``floor`` exact with those cuts); a size without checks ends the plan (not measured)."""
+    found: set[int] = set(boundaries)
+    max_chunk = max(1, floor)
     on_cpu = key is not None and key.backend == "cpu"
-    for m in sorted(s for s in sizes if s > 1):
+    for m in sorted(s for s in sizes if s > max_chunk):
         mine = [c for c in checks if c.size == m]
-        if not all(c.exact for c in mine if c.start == c.kv or on_cpu):
+        if not mine or not all(c.exact for c in mine if c.start == c.kv or c.ring or on_cpu):
             break
-        crossing_failures = {c.kv for c in mine if not c.exact and c.start < c.kv}
-        boundaries |= crossing_failures
+        found |= {c.kv for c in mine if not c.exact and c.start < c.kv}
         max_chunk = m
     return DispatchPlan(key=key, mode="exact", max_chunk=max_chunk,
-                        kv_boundaries=tuple(sorted(boundaries)), qualified=True)
+                        kv_boundaries=tuple(sorted(found)), qualified=True)
 
 
 def confirm_plan(model: Any, plan: DispatchPlan, kv_lengths: tuple[int, ...], vocab: int,
-                 agree: Agree = _alone) -> bool:
-    """Re-check the derived plan (with its cuts) on chunks crossing every tested KV length."""
+                 agree: Agree = _alone, rings: tuple[int, ...] = ()) -> bool:
+    """Re-check the derived plan (with its cuts) on chunks crossing every tested KV length and
+    every ring length (reached by decoding)."""
     m = plan.max_chunk
-    cache = make_prompt_cache(model)
-    for kv in kv_lengths:
-        _grow(model, cache, max(0, kv - m // 2), vocab)
-        if not agree(_exact(model, cache, _random_ids(m, vocab, 31 * m + kv), plan)):
-            return False
+    for lengths, decode in ((kv_lengths, False), (rings, True)):
+        cache = make_prompt_cache(model)
+        for kv in lengths:
+            _grow(model, cache, max(0, kv - m // 2), vocab, decode)
+            if not agree(_exact(model, cache, _random_ids(m, vocab, 31 * m + kv), plan)):
+                return False
     return True
 
 
@@ -169,12 +202,14 @@ def measure_cost(model: Any, cache: list[Any], sizes: tuple[int, ...], vocab: in
     return {m: round(statistics.median(t) / one, 3) for m, t in times.items()}
 
 
-def measure_round_overhead(model: Any, cache: list[Any], repeats: int, steps: int = 8) -> float:
+def measure_round_overhead(model: Any, cache: list[Any], repeats: int, steps: int = 8,
+                           stream: Any = None) -> float:
     """What a fill round costs beyond its rows, in plain steps: the median over repeats of
     time(synchronous 1-row append, its sample read, as a round does) / time(pipelined greedy
     step, as mlx-lm's ``generate_step`` decodes: the next forward is built while the current
-    one computes) - 1, at least 0. Both on mlx-lm's generation stream, on ``cache``, restored
-    after every run."""
+    one computes) - 1, at least 0. Both on ``stream`` (default: mlx-lm's generation stream),
+    on ``cache``, restored after every run."""
+    stream = generation_stream if stream is None else stream
     plan = DispatchPlan(key=None, max_chunk=1, qualified=True)
 
     def step(y: mx.array) -> mx.array:
@@ -183,7 +218,7 @@ def measure_round_overhead(model: Any, cache: list[Any], repeats: int, steps: in
 
     def pipelined() -> float:
         cp = checkpoint(model, cache, plan)
-        with mx.stream(generation_stream):
+        with mx.stream(stream):
             nxt = step(mx.array([1]))
             mx.async_eval(nxt)
             t0 = time.perf_counter()
@@ -199,7 +234,7 @@ def measure_round_overhead(model: Any, cache: list[Any], repeats: int, steps: in
     def synchronous() -> float:
         cp = checkpoint(model, cache, plan)
         token = 1
-        with mx.stream(generation_stream):
+        with mx.stream(stream):
             t0 = time.perf_counter()
             for _ in range(steps):
                 rows = append(model, cache, [token], plan=plan, logits="all", record=cp)
@@ -228,54 +263,96 @@ def vocab_of(model: Any) -> int:
 
 def qualify(model: Any, *, quick: bool, vocab: int | None = None, repeats: int | None = None,
             bar: bool = True, note: str = "", agree: Agree = _alone,
-            ) -> tuple[DispatchPlan, list[Check]]:
+            budget_s: float | None = None, prior: DispatchPlan | None = None,
+            stream: Any = None) -> tuple[DispatchPlan, list[Check]]:
     """Measure exactness and cost for ``model`` on the default device; return the plan, keyed
     by :func:`~mlx_fill.core.plan.config_key` as measured here. ``bar``: a tqdm bar on stderr (when
     it is a terminal); ``note`` is stored in the plan with the date. ``agree``: see
     :func:`check_exactness`; with it every rank of a sharded model runs the same forwards (the
     cost curve is each rank's own timing; :func:`~mlx_fill.core.shared.share_plan` keeps rank
-    0's)."""
+    0's). ``budget_s``: stop starting new chunk sizes after that many seconds; the plan then
+    lists the rest as ``pending``, and a later call with it as ``prior`` measures only those
+    (keeping its cost curve, ``max_chunk`` and cuts). ``stream``: where the round overhead is
+    timed (default: mlx-lm's generation stream; a background measurement passes its own).
+
+    Never raises on a model or cache it cannot measure: it prints one line on stderr and
+    returns a plan with ``max_chunk=1`` and the ``reason`` (serial decoding, always exact)."""
+    stamp = f"{'quick' if quick else 'full'} qualify, {date.today().isoformat()}"
+    note = f"{note}; {stamp}" if note else stamp
+    key = None
+    try:
+        key = config_key(model)
+        return _measure(model, key, quick=quick, vocab=vocab, repeats=repeats, bar=bar,
+                        note=note, agree=agree, budget_s=budget_s, prior=prior, stream=stream)
+    except Exception as e:  # noqa: BLE001 -- a model qualify cannot measure gets serial decoding
+        reason = str(e) if isinstance(e, Unsupported) else f"{type(e).__name__}: {e}"
+        print(f"mlx-fill qualify: cannot measure chunked appends ({reason}); the plan is "
+              "max_chunk=1, one token per forward", file=sys.stderr, flush=True)
+        return DispatchPlan(key=key, max_chunk=1, qualified=key is not None, reason=reason,
+                            note=note), []
+
+
+def _measure(model: Any, key: PlanKey, *, quick: bool, vocab: int | None, repeats: int | None,
+             bar: bool, note: str, agree: Agree, budget_s: float | None,
+             prior: DispatchPlan | None, stream: Any) -> tuple[DispatchPlan, list[Check]]:
+    """:func:`qualify`'s measurement: the cost curve (unless ``prior`` has one), then the
+    exactness checks of the sizes left, size by size until ``budget_s`` is spent."""
+    deadline = None if budget_s is None else time.monotonic() + budget_s
+    check_supported(make_prompt_cache(model))
     sizes = QUICK_SIZES if quick else FULL_SIZES
     kv_lengths = QUICK_KV if quick else FULL_KV
     vocab = vocab or vocab_of(model)
-    key = config_key(model)
+    rings = ring_lengths(ring_window(make_prompt_cache(model)))
+    if prior is not None and prior.cost:
+        cost, overhead = prior.cost, prior.round_overhead
+    else:
+        repeats = repeats or (3 if quick else 7)
+        cache = make_prompt_cache(model)  # grown once: both measures run at KV length COST_KV
+        _grow(model, cache, COST_KV, vocab)
+        cost = measure_cost(model, cache, sizes, vocab, repeats)
+        overhead = measure_round_overhead(model, cache, repeats, stream=stream)
+        del cache
+    todo = prior.pending if prior is not None else sizes
+    floor = prior.max_chunk if prior is not None else 1
+    bounds = prior.kv_boundaries if prior is not None else ()
     from tqdm import tqdm
-    with tqdm(total=len(kv_lengths) * (len(sizes) - 1) * 2, desc="exactness", file=sys.stderr,
-              disable=None if bar else True) as progress:
-        checks = check_exactness(model, sizes, kv_lengths, vocab, progress,
-                                 stop_after_failure=key.backend == "cpu", agree=agree)
-    plan = derive_plan(key, checks, sizes)
-    if plan.max_chunk > 1 and not confirm_plan(model, plan, kv_lengths, vocab, agree):
-        plan = replace(plan, max_chunk=1, kv_boundaries=())
-    repeats = repeats or (3 if quick else 7)
-    cache = make_prompt_cache(model)  # grown once: both measures run at KV length COST_KV
-    _grow(model, cache, COST_KV, vocab)
-    cost = measure_cost(model, cache, sizes, vocab, repeats)
-    overhead = measure_round_overhead(model, cache, repeats)
-    stamp = f"{'quick' if quick else 'full'} qualify, {date.today().isoformat()}"
-    plan = replace(plan, cost=cost, round_overhead=overhead,
-                   note=f"{note}; {stamp}" if note else stamp)
-    return plan, checks
+    with tqdm(total=(len(kv_lengths) + len(rings)) * (len(todo) - 1) * 2, desc="exactness",
+              file=sys.stderr, disable=None if bar else True) as progress:
+        checks, pending = check_exactness(model, todo, kv_lengths, vocab, progress,
+                                          stop_after_failure=key.backend == "cpu", agree=agree,
+                                          rings=rings, deadline=deadline)
+    plan = derive_plan(key, checks, todo, floor=floor, boundaries=bounds)
+    if plan.max_chunk > floor and not confirm_plan(model, plan, kv_lengths, vocab, agree, rings):
+        plan = replace(plan, max_chunk=floor, kv_boundaries=bounds)
+    measured = max((c.size for c in checks), default=floor)
+    return replace(plan, cost=cost, round_overhead=overhead, note=note,
+                   pending=pending if plan.max_chunk == max(measured, floor) else ()), checks
 
 
 def format_table(plan: DispatchPlan, checks: list[Check]) -> str:
     sizes = sorted({c.size for c in checks} | {m for m in plan.cost if m > 1})
-    kvs = sorted({c.kv for c in checks})
+    kvs = sorted({(c.ring, c.kv) for c in checks})
     head = "KV \\ M " + " ".join(f"{m:>4}" for m in sizes)
     lines = [*format_key(plan.key), "exact (chunk crossing / starting at the KV length):",
              head]
-    for kv in kvs:
+    for ring, kv in kvs:
         cells = []
         for m in sizes:
-            mine = [c for c in checks if c.size == m and c.kv == kv]
+            mine = [c for c in checks if c.size == m and c.kv == kv and c.ring == ring]
             cells.append(f"{''.join('y' if c.exact else 'N' for c in mine):>4}")
-        lines.append(f"{kv:>6} " + " ".join(cells))
-    lines.append("(blank: not checked, a smaller size had failed)")
+        lines.append(f"{kv:>5}{'r' if ring else ' '} " + " ".join(cells))
+    lines.append("(blank: not checked, a smaller size had failed; r: reached by decoding, the "
+                 "chunk crossing a sliding-window ring's end)")
     lines.append("cost c(M) = time(M-row forward) / time(1-row forward):")
     lines.append("  " + "  ".join(f"c({m})={c:.2f}" for m, c in sorted(plan.cost.items()))
                  + f"  round overhead={plan.round_overhead:.2f}")
     lines.append(f"plan: mode=exact max_chunk={plan.max_chunk} "
                  f"kv_boundaries={list(plan.kv_boundaries)}")
+    if plan.pending:
+        lines.append(f"pending (budget spent; measured by a later qualify): sizes "
+                     f"{list(plan.pending)}")
+    if plan.reason:
+        lines.append(f"not measured: {plan.reason}")
     return "\n".join(lines)
 
 
@@ -296,13 +373,9 @@ def run(args: argparse.Namespace) -> int:
     model, config = load_model(args.model)
     if args.dtype is not None:
         model.set_dtype(getattr(mx, args.dtype))
-    try:
-        check_supported(make_prompt_cache(model))
-    except Unsupported as e:
-        print(f"mlx-fill qualify: unsupported cache for fill: {e}", file=sys.stderr)
-        return 2
-    vocab = int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size"))
-    plan, checks = qualify(model, quick=args.quick, vocab=vocab, repeats=args.repeats,
+    vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    plan, checks = qualify(model, quick=args.quick, vocab=int(vocab) if vocab else None,
+                           repeats=args.repeats,
                            note=f"mlx-fill qualify on {Path(args.model).name}"
                                 + (f" cast to {args.dtype}" if args.dtype else ""))
     print(format_table(plan, checks))
