@@ -17,7 +17,7 @@ import mlx.nn as nn
 from mlx_lm.utils import quantize_model, save_model
 
 ARCHS = ("llama", "qwen3", "qwen3_5", "llama_swa", "gpt_oss", "gemma3_text", "qwen3_moe",
-         "glm4_moe", "qwen3_5_moe")
+         "glm4_moe", "qwen3_5_moe", "falcon_h1", "llama4")
 # Architectures whose sliding-window layers use a ``RotatingKVCache`` of ``sliding_window``.
 SLIDING = ("llama_swa", "gpt_oss", "gemma3_text")
 _MOE = dict(num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
@@ -69,6 +69,16 @@ def config_for(arch: str, size: str = "tiny", sliding_window: int = 64) -> dict[
                    n_routed_experts=4, routed_scaling_factor=1.0, first_k_dense_replace=1,
                    use_qk_norm=True, attention_bias=False, partial_rotary_factor=0.5,
                    rope_scaling=None)
+    elif arch == "falcon_h1":  # every layer a CacheList(ArraysCache, KVCache): Mamba-2 + attention
+        cfg.update(model_type=arch, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
+                   mamba_d_state=16, mamba_chunk_size=8, mamba_expand=1,
+                   tie_word_embeddings=True)
+    elif arch == "llama4":  # ChunkedKVCache layers (chunked attention of ``sliding_window``)
+        text = dict(cfg, model_type="llama4_text", attention_bias=False,
+                    attention_chunk_size=sliding_window, interleave_moe_layer_step=2,
+                    intermediate_size_mlp=cfg["intermediate_size"], num_experts_per_tok=1,
+                    num_local_experts=4, rope_scaling=None, use_qk_norm=True)
+        cfg = dict(model_type=arch, text_config=text)
     else:
         cfg["model_type"] = arch
     return cfg

@@ -6,12 +6,14 @@
 forwarding only the first ``keep`` appended ids would have produced, and a failure inside
 ``append`` leaves the cache exactly at its pre-append state.
 
-Supported per-layer caches (mlx-lm 0.32): ``KVCache``, ``QuantizedKVCache``, ``ChunkedKVCache``
-(trim), ``RotatingKVCache`` (chunks written and attended as serial steps, rewound from a
+Supported per-layer caches (mlx-lm 0.32): ``KVCache``, ``QuantizedKVCache`` (trim),
+``RotatingKVCache`` (chunks written and attended as serial steps, rewound from a
 snapshot of the ring, wrapped or not: :mod:`.ring`), ``ArraysCache`` (recurrent state: snapshot
 by reference, restore, replay the kept prefix) and ``CacheList`` (composition). Anything else is
 refused with :class:`Unsupported`, as is a model whose rotating layers differ in window or
-``keep`` (they share one attention mask per forward).
+``keep`` (they share one attention mask per forward), and ``ChunkedKVCache`` (llama4's chunked
+attention: a chunk appended after the cache has dropped its first attention chunk does not
+reproduce serial steps' logits, measured on a random-weight replica).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from mlx_lm.models import cache as C
 
 from .plan import DispatchPlan
 from .ring import RingRefused, RingSnapshot, chunk_writes
+from .shapes import append_shape
 
 LogitRows = Literal["none", "last", "all"]
 
@@ -49,8 +52,9 @@ def _leaves(cache: Sequence[Any]) -> list[Any]:
     for c in cache:
         if isinstance(c, C.CacheList):
             out.extend(_leaves(c.caches))
-        elif isinstance(c, (C.KVCache, C.QuantizedKVCache, C.ChunkedKVCache, C.RotatingKVCache,
-                            C.ArraysCache)):
+        elif isinstance(c, C.ChunkedKVCache):
+            raise Unsupported("chunked_kv", "chunked attention cache (llama4)")
+        elif isinstance(c, (C.KVCache, C.QuantizedKVCache, C.RotatingKVCache, C.ArraysCache)):
             out.append(c)
         else:
             raise Unsupported("cache_type", type(c).__name__)
@@ -208,7 +212,8 @@ def append(
 ) -> mx.array | None:
     """Forward known ``ids`` into ``cache`` in plan-sized chunks.
 
-    ``ids`` must not include the token whose KV the previous step already wrote. Returns
+    ``ids`` must not include the token whose KV the previous step already wrote. Each chunk
+    runs in the append shape the plan gives its size (:mod:`.shapes`). Returns
     logits of shape ``[1, V]`` for ``"last"``, ``[len(ids), V]`` for ``"all"``, or None; the
     vocabulary projection runs only on those rows. The returned arrays are lazy.
     On any exception (including cancellation) the cache is restored to its entry state.
@@ -231,7 +236,8 @@ def append(
             pos += size
             last_chunk = pos == len(ids)
             want = logits == "all" or (logits == "last" and last_chunk)
-            with chunk_writes(leaves, size):  # logits, or hidden states with a split head
+            with chunk_writes(leaves, size), append_shape(model, plan.shape_for(size)):
+                # logits, or hidden states with a split head
                 out = model(x, cache=cache) if split is None else split[0](x, cache=cache)
             if want:
                 out = out if logits == "all" else out[:, -1:]

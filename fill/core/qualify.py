@@ -27,6 +27,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from .errors import model_dir
 from .exactness import arrays_equal, cache_content
 from .plan import DispatchPlan, PlanKey, config_key, format_key, save_plan
+from .shapes import SHAPES
 from .primitive import (Unsupported, append, cache_offset, check_supported, checkpoint,
                         restore, rewind, ring_window)
 
@@ -51,13 +52,15 @@ def _alone(verdict: bool) -> bool:
 class Check:
     """One chunk of ``size`` rows appended at KV length ``start`` (``kv``: the length the check
     is about; ``start < kv`` crosses it). ``ring``: a sliding-window check, the chunk crossing
-    the end of a rotating layer's ring (which recurs every window, so no KV boundary avoids it)."""
+    the end of a rotating layer's ring (which recurs every window, so no KV boundary avoids it).
+    ``shape``: the append shape the chunk ran with (:mod:`.shapes`)."""
 
     size: int
     kv: int
     start: int
     exact: bool
     ring: bool = False
+    shape: str = "native"
 
 
 def _random_ids(n: int, vocab: int, seed: int) -> list[int]:
@@ -109,13 +112,15 @@ def _exact(model: Any, cache: list[Any], ids: list[int], plan: DispatchPlan) -> 
 def check_exactness(model: Any, sizes: tuple[int, ...], kv_lengths: tuple[int, ...],
                     vocab: int, progress: Any = None, *, stop_after_failure: bool = False,
                     agree: Agree = _alone, rings: tuple[int, ...] = (),
-                    deadline: float | None = None) -> tuple[list[Check], tuple[int, ...]]:
+                    deadline: float | None = None,
+                    shapes: tuple[str, ...] = ("native",)) -> tuple[list[Check], tuple[int, ...]]:
     """Run the (M, L) checks size by size, smallest first: a plan's ``max_chunk`` is the
     largest size exact together with every smaller one, so each finished size is usable
     evidence on its own. For every L, a chunk starting at L and one crossing L (start
     L - M//2). ``rings``: more KV lengths, reached by decoding (:func:`ring_lengths`), whose
-    checks are ``ring`` checks. ``stop_after_failure`` (where any failure makes a size inexact,
-    see :func:`derive_plan`): no larger size is checked after a failing one. ``deadline``
+    checks are ``ring`` checks. Every check runs in each of the append ``shapes``.
+    ``stop_after_failure`` (where any failure makes a shape inexact, see :func:`derive_plan`):
+    no larger size is checked after one no shape of which is exact. ``deadline``
     (``time.monotonic()``): sizes not started by then are left. ``agree`` turns this rank's
     verdict into the verdict of every rank (a sharded model: exact only where every rank is),
     so every rank runs the same checks in lockstep. Returns the checks and the sizes left."""
@@ -127,7 +132,6 @@ def check_exactness(model: Any, sizes: tuple[int, ...], kv_lengths: tuple[int, .
     for i, m in enumerate(todo):
         if deadline is not None and time.monotonic() >= deadline:
             return checks, tuple(todo[i:])
-        plan = DispatchPlan(key=None, max_chunk=m, qualified=True)
         for kv, ring in lengths:
             if (kv, ring) not in bases:
                 bases[kv, ring] = make_prompt_cache(model)
@@ -136,36 +140,52 @@ def check_exactness(model: Any, sizes: tuple[int, ...], kv_lengths: tuple[int, .
             for start in sorted({kv, max(0, kv - m // 2)}):
                 if progress:
                     progress.update(1)
-                cp = checkpoint(model, cache, plan)
+                cp = checkpoint(model, cache, DispatchPlan(key=None))
                 _grow(model, cache, start, vocab, decode=ring)
-                exact = agree(_exact(model, cache, _random_ids(m, vocab, 7 * m + start), plan))
+                for shape in shapes:
+                    plan = DispatchPlan(key=None, max_chunk=m, qualified=True,
+                                        shapes={m: shape})
+                    ids = _random_ids(m, vocab, 7 * m + start)
+                    exact = agree(_exact(model, cache, ids, plan))
+                    checks.append(Check(m, kv, start, exact, ring, shape))
                 restore(cp)
-                checks.append(Check(m, kv, start, exact, ring))
-        if stop_after_failure and not all(c.exact for c in checks if c.size == m):
+        if stop_after_failure and not any(
+                all(c.exact for c in checks if c.size == m and c.shape == shape)
+                for shape in shapes):
             return checks, ()
     return checks, ()
 
 
 def derive_plan(key: PlanKey, checks: list[Check], sizes: tuple[int, ...], *, floor: int = 1,
-                boundaries: tuple[int, ...] = ()) -> DispatchPlan:
+                boundaries: tuple[int, ...] = (), shapes: dict[int, str] | None = None,
+                cost: dict[str, dict[int, float]] | None = None) -> DispatchPlan:
     """Largest M exact at every start that does not cross a KV length and at every ring check;
     KV lengths crossed by a failing chunk become boundaries. On the CPU backend, where no
     kernel switches at a KV length, any failing check makes M inexact: a BLAS that rounds M
     rows differently at one tested length does so wherever the data brings it out, also at
     untested lengths (OpenBLAS does; see the CHANGELOG), which a list of boundaries cannot
-    describe. ``floor`` / ``boundaries``: what an earlier, budgeted run established (sizes up
-    to ``floor`` exact with those cuts); a size without checks ends the plan (not measured)."""
+    describe. Each size keeps the append shape that is exact by that rule and cheaper by
+    ``cost`` (``native`` on a tie or without costs). ``floor`` / ``boundaries`` / ``shapes``:
+    what an earlier, budgeted run established (sizes up to ``floor`` exact with those cuts and
+    shapes); a size without checks ends the plan (not measured)."""
     found: set[int] = set(boundaries)
+    chosen: dict[int, str] = dict(shapes or {})
     max_chunk = max(1, floor)
     on_cpu = key is not None and key.backend == "cpu"
     for m in sorted(s for s in sizes if s > max_chunk):
-        mine = [c for c in checks if c.size == m]
-        if not mine or not all(c.exact for c in mine if c.start == c.kv or c.ring or on_cpu):
+        exact = {}
+        for shape in dict.fromkeys(c.shape for c in checks if c.size == m):
+            mine = [c for c in checks if c.size == m and c.shape == shape]
+            if all(c.exact for c in mine if c.start == c.kv or c.ring or on_cpu):
+                exact[shape] = mine
+        if not exact:
             break
-        found |= {c.kv for c in mine if not c.exact and c.start < c.kv}
+        best = min(exact, key=lambda s: ((cost or {}).get(s, {}).get(m, 0.0), s != "native"))
+        found |= {c.kv for c in exact[best] if not c.exact and c.start < c.kv}
+        chosen[m] = best
         max_chunk = m
     return DispatchPlan(key=key, mode="exact", max_chunk=max_chunk,
-                        kv_boundaries=tuple(sorted(found)), qualified=True)
+                        kv_boundaries=tuple(sorted(found)), qualified=True, shapes=chosen)
 
 
 def confirm_plan(model: Any, plan: DispatchPlan, kv_lengths: tuple[int, ...], vocab: int,
@@ -183,10 +203,11 @@ def confirm_plan(model: Any, plan: DispatchPlan, kv_lengths: tuple[int, ...], vo
 
 
 def measure_cost(model: Any, cache: list[Any], sizes: tuple[int, ...], vocab: int,
-                 repeats: int) -> dict[int, float]:
+                 repeats: int, shape: str = "native") -> dict[int, float]:
     """c(M): median over interleaved repeats of time(M-row verify forward) / time(1-row), on
-    ``cache`` (left as it was)."""
-    plan = DispatchPlan(key=None, max_chunk=max(sizes), qualified=True)
+    ``cache`` (left as it was), every chunk in append ``shape``."""
+    plan = DispatchPlan(key=None, max_chunk=max(sizes), qualified=True,
+                        shapes={max(sizes): shape})
     times: dict[int, list[float]] = {m: [] for m in sizes}
     ids = _random_ids(max(sizes), vocab, 3)
     for r in range(repeats + 1):
@@ -303,15 +324,12 @@ def _measure(model: Any, key: PlanKey, *, quick: bool, vocab: int | None, repeat
     kv_lengths = QUICK_KV if quick else FULL_KV
     vocab = vocab or vocab_of(model)
     rings = ring_lengths(ring_window(make_prompt_cache(model)))
-    if prior is not None and prior.cost:
-        cost, overhead = prior.cost, prior.round_overhead
-    else:
-        repeats = repeats or (3 if quick else 7)
-        cache = make_prompt_cache(model)  # grown once: both measures run at KV length COST_KV
-        _grow(model, cache, COST_KV, vocab)
-        cost = measure_cost(model, cache, sizes, vocab, repeats)
-        overhead = measure_round_overhead(model, cache, repeats, stream=stream)
-        del cache
+    repeats = repeats or (3 if quick else 7)
+    cache = make_prompt_cache(model)  # grown once: both measures run at KV length COST_KV
+    _grow(model, cache, COST_KV, vocab)
+    costs = {shape: measure_cost(model, cache, sizes, vocab, repeats, shape) for shape in SHAPES}
+    overhead = measure_round_overhead(model, cache, repeats, stream=stream)
+    del cache
     todo = prior.pending if prior is not None else sizes
     floor = prior.max_chunk if prior is not None else 1
     bounds = prior.kv_boundaries if prior is not None else ()
@@ -320,11 +338,14 @@ def _measure(model: Any, key: PlanKey, *, quick: bool, vocab: int | None, repeat
               file=sys.stderr, disable=None if bar else True) as progress:
         checks, pending = check_exactness(model, todo, kv_lengths, vocab, progress,
                                           stop_after_failure=key.backend == "cpu", agree=agree,
-                                          rings=rings, deadline=deadline)
-    plan = derive_plan(key, checks, todo, floor=floor, boundaries=bounds)
+                                          rings=rings, deadline=deadline, shapes=SHAPES)
+    earlier = prior.shapes if prior is not None else {}
+    plan = derive_plan(key, checks, todo, floor=floor, boundaries=bounds, shapes=earlier,
+                       cost=costs)
     if plan.max_chunk > floor and not confirm_plan(model, plan, kv_lengths, vocab, agree, rings):
-        plan = replace(plan, max_chunk=floor, kv_boundaries=bounds)
+        plan = replace(plan, max_chunk=floor, kv_boundaries=bounds, shapes=earlier)
     measured = max((c.size for c in checks), default=floor)
+    cost = {m: costs[plan.shape_for(m)][m] for m in costs["native"]}
     return replace(plan, cost=cost, round_overhead=overhead, note=note,
                    pending=pending if plan.max_chunk == max(measured, floor) else ()), checks
 
@@ -333,8 +354,8 @@ def format_table(plan: DispatchPlan, checks: list[Check]) -> str:
     sizes = sorted({c.size for c in checks} | {m for m in plan.cost if m > 1})
     kvs = sorted({(c.ring, c.kv) for c in checks})
     head = "KV \\ M " + " ".join(f"{m:>4}" for m in sizes)
-    lines = [*format_key(plan.key), "exact (chunk crossing / starting at the KV length):",
-             head]
+    lines = [*format_key(plan.key), "exact (chunk crossing / starting at the KV length; "
+             "per start native then batched-m1):", head]
     for ring, kv in kvs:
         cells = []
         for m in sizes:
@@ -348,6 +369,9 @@ def format_table(plan: DispatchPlan, checks: list[Check]) -> str:
                  + f"  round overhead={plan.round_overhead:.2f}")
     lines.append(f"plan: mode=exact max_chunk={plan.max_chunk} "
                  f"kv_boundaries={list(plan.kv_boundaries)}")
+    if plan.shapes:
+        lines.append("append shapes: " + "  ".join(f"{m}={s}" for m, s in
+                                                    sorted(plan.shapes.items())))
     if plan.pending:
         lines.append(f"pending (budget spent; measured by a later qualify): sizes "
                      f"{list(plan.pending)}")

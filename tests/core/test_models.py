@@ -134,3 +134,32 @@ def test_quick_qualify_of_a_quantized_moe():
 def test_quick_qualify(name):
     plan, _ = qualify(model_of(name), quick=True, bar=False)
     assert plan.max_chunk > 1 and not plan.reason and plan.complete
+
+
+def test_chunked_attention_cache_is_served_without_fill():
+    """llama4's ChunkedKVCache: refused (``chunked_kv``), qualify writes a max_chunk=1 plan
+    with the reason, and the request decodes exactly as stock mlx-lm."""
+    model, _ = build(config_for("llama4", sliding_window=16))
+    plan, _ = qualify(model, quick=True, bar=False)
+    assert plan.max_chunk == 1 and plan.reason.startswith("chunked_kv")
+    prompt = ids_of(20, 6)
+    ref = [t for t, _ in stock_generate_step(mx.array(prompt), model, max_tokens=24)]
+    session = FillSession([Oracle(ref, corrupt=0.0)], prompt_ids=prompt, plan=plan)
+    out = [t for t, _ in generate_step(mx.array(prompt), model, fill=session, max_tokens=24)]
+    assert out == ref and session.stats.refusals == {"chunked_kv": 1}
+
+
+def test_cache_list_of_a_mamba_hybrid_is_measured_inexact_and_served_serially():
+    """falcon_h1 (every layer a CacheList of Mamba-2 state and attention): a multi-token
+    forward runs the chunked SSD scan, which rounds differently from one-token steps; qualify's
+    checks find it, the plan keeps max_chunk=1, and verify rounds stay token-identical."""
+    model, _ = build(config_for("falcon_h1"))
+    checks, _ = check_exactness(model, (1, 2, 4), (0, 33), 512, stop_after_failure=True)
+    assert not all(c.exact for c in checks if c.size == 2)
+    assert derive_plan(None, checks, (1, 2, 4)).max_chunk == 1
+    prompt = ids_of(12, 7)
+    ref = [t for t, _ in stock_generate_step(mx.array(prompt), model, max_tokens=16)]
+    session = FillSession([Oracle(ref, corrupt=0.5)], prompt_ids=prompt,
+                          plan=DispatchPlan(key=None, max_chunk=1, qualified=True))
+    out = [t for t, _ in generate_step(mx.array(prompt), model, fill=session, max_tokens=16)]
+    assert out == ref and session.stats.refusals == {}

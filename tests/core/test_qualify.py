@@ -143,7 +143,7 @@ def test_a_spent_budget_leaves_sizes_pending_and_a_later_run_measures_them():
     assert not first.complete and set(first.cost) == {1, 2, 3, 4, 8, 16}
     assert DispatchPlan.from_json(first.to_json()).pending == first.pending
     done, checks = qualify(model, quick=True, bar=False, prior=first)
-    assert done.complete and done.cost == first.cost and done.max_chunk == 16
+    assert done.complete and set(done.cost) == set(first.cost) and done.max_chunk == 16
     assert {c.size for c in checks} == {2, 3, 4, 8, 16}
 
 
