@@ -113,12 +113,16 @@ def check_exactness(model: Any, sizes: tuple[int, ...], kv_lengths: tuple[int, .
                     vocab: int, progress: Any = None, *, stop_after_failure: bool = False,
                     agree: Agree = _alone, rings: tuple[int, ...] = (),
                     deadline: float | None = None,
-                    shapes: tuple[str, ...] = ("native",)) -> tuple[list[Check], tuple[int, ...]]:
+                    shapes: tuple[str, ...] = ("native",),
+                    costs: dict[str, dict[int, float]] | None = None,
+                    ) -> tuple[list[Check], tuple[int, ...]]:
     """Run the (M, L) checks size by size, smallest first: a plan's ``max_chunk`` is the
     largest size exact together with every smaller one, so each finished size is usable
     evidence on its own. For every L, a chunk starting at L and one crossing L (start
     L - M//2). ``rings``: more KV lengths, reached by decoding (:func:`ring_lengths`), whose
-    checks are ``ring`` checks. Every check runs in each of the append ``shapes``.
+    checks are ``ring`` checks. Every check runs in the first of the append ``shapes``, and in
+    each other one unless the first is exact at that size and the other no cheaper by
+    ``costs`` (``{shape: c(M)}``; None: every shape is checked).
     ``stop_after_failure`` (where any failure makes a shape inexact, see :func:`derive_plan`):
     no larger size is checked after one no shape of which is exact. ``deadline``
     (``time.monotonic()``): sizes not started by then are left. ``agree`` turns this rank's
@@ -132,28 +136,40 @@ def check_exactness(model: Any, sizes: tuple[int, ...], kv_lengths: tuple[int, .
     for i, m in enumerate(todo):
         if deadline is not None and time.monotonic() >= deadline:
             return checks, tuple(todo[i:])
-        for kv, ring in lengths:
-            if (kv, ring) not in bases:
-                bases[kv, ring] = make_prompt_cache(model)
-                _grow(model, bases[kv, ring], max(0, kv - earliest), vocab, decode=ring)
-            cache = bases[kv, ring]
-            for start in sorted({kv, max(0, kv - m // 2)}):
-                if progress:
-                    progress.update(1)
-                cp = checkpoint(model, cache, DispatchPlan(key=None))
-                _grow(model, cache, start, vocab, decode=ring)
-                for shape in shapes:
-                    plan = DispatchPlan(key=None, max_chunk=m, qualified=True,
-                                        shapes={m: shape})
-                    ids = _random_ids(m, vocab, 7 * m + start)
-                    exact = agree(_exact(model, cache, ids, plan))
-                    checks.append(Check(m, kv, start, exact, ring, shape))
-                restore(cp)
-        if stop_after_failure and not any(
-                all(c.exact for c in checks if c.size == m and c.shape == shape)
-                for shape in shapes):
+        mine: list[Check] = []
+        for shape in shapes:
+            first = [c for c in mine if c.shape == shapes[0]]
+            if shape != shapes[0] and costs is not None and all(c.exact for c in first) \
+                    and costs[shape][m] >= costs[shapes[0]][m]:
+                continue  # the first shape is exact and no dearer: nothing to gain
+            for kv, ring in lengths:
+                if (kv, ring) not in bases:
+                    bases[kv, ring] = make_prompt_cache(model)
+                    _grow(model, bases[kv, ring], max(0, kv - earliest), vocab, decode=ring)
+                mine += _check_at(model, bases[kv, ring], m, shape, kv, ring, vocab, agree,
+                                  progress)
+        checks += mine
+        if stop_after_failure and not any(all(c.exact for c in mine if c.shape == shape)
+                                          for shape in {c.shape for c in mine}):
             return checks, ()
     return checks, ()
+
+
+def _check_at(model: Any, cache: list[Any], m: int, shape: str, kv: int, ring: bool,
+              vocab: int, agree: Agree, progress: Any) -> list[Check]:
+    """The checks of ``m``-row chunks in ``shape`` starting at and crossing ``kv``, each from
+    ``cache`` grown to its start (``cache`` is left as it was)."""
+    found = []
+    plan = DispatchPlan(key=None, max_chunk=m, qualified=True, shapes={m: shape})
+    for start in sorted({kv, max(0, kv - m // 2)}):
+        if progress:
+            progress.update(1)
+        cp = checkpoint(model, cache, plan)
+        _grow(model, cache, start, vocab, decode=ring)
+        exact = agree(_exact(model, cache, _random_ids(m, vocab, 7 * m + start), plan))
+        found.append(Check(m, kv, start, exact, ring, shape))
+        restore(cp)
+    return found
 
 
 def derive_plan(key: PlanKey, checks: list[Check], sizes: tuple[int, ...], *, floor: int = 1,
@@ -338,7 +354,8 @@ def _measure(model: Any, key: PlanKey, *, quick: bool, vocab: int | None, repeat
               file=sys.stderr, disable=None if bar else True) as progress:
         checks, pending = check_exactness(model, todo, kv_lengths, vocab, progress,
                                           stop_after_failure=key.backend == "cpu", agree=agree,
-                                          rings=rings, deadline=deadline, shapes=SHAPES)
+                                          rings=rings, deadline=deadline, shapes=SHAPES,
+                                          costs=costs if agree is _alone else None)
     earlier = prior.shapes if prior is not None else {}
     plan = derive_plan(key, checks, todo, floor=floor, boundaries=bounds, shapes=earlier,
                        cost=costs)

@@ -52,9 +52,12 @@ def signature(c: RotatingKVCache) -> Signature:
     return length, int(c.offset), int(c._idx), int(c.keep), int(c.max_size)
 
 
+@functools.lru_cache(maxsize=256)
 def _simulate(sig: Signature, steps: int) -> tuple[list[np.ndarray], np.ndarray]:
     """Run ``steps`` stock one-token updates on an id buffer in state ``sig``: the readable
-    slots' ids after each step (what that serial step attends) and the final buffer's ids."""
+    slots' ids after each step (what that serial step attends) and the final buffer's ids.
+    Memoised (every rotating layer of a model is in the same state); the arrays are shared,
+    read only."""
     length, offset, idx, keep, max_size = sig
     sim = RotatingKVCache(max_size, keep)
     with mx.stream(mx.cpu):

@@ -18,7 +18,7 @@ from mlx_fill.core import shapes
 from mlx_fill.core.exactness import arrays_equal, caches_equal
 from mlx_fill.core.plan import DispatchPlan, PlanKey, shipped_dir
 from mlx_fill.core.primitive import append
-from mlx_fill.core.qualify import Check, derive_plan, qualify
+from mlx_fill.core.qualify import Check, check_exactness, derive_plan, qualify
 
 from conftest import tiny_model
 
@@ -127,9 +127,21 @@ def test_a_plans_shape_is_honoured(batched_rows):
     assert batched_rows and {s[-2] for s in batched_rows} == {4}
 
 
-def test_qualify_measures_both_shapes():
+def test_qualify_checks_the_other_shape_only_where_it_could_win():
+    model = tiny_model("qwen3")
+    cheaper = {"native": {2: 1.5, 4: 2.0}, "batched-m1": {2: 1.2, 4: 2.5}}
+    found, _ = check_exactness(model, (1, 2, 4), (0, 33), 512, shapes=shapes.SHAPES,
+                               costs=cheaper)
+    assert {(c.size, c.shape) for c in found} == {(2, "native"), (2, "batched-m1"),
+                                                   (4, "native")}
+    assert all(c.exact for c in found)
+    found, _ = check_exactness(model, (1, 2), (0,), 512, shapes=shapes.SHAPES)
+    assert {c.shape for c in found} == set(shapes.SHAPES)  # no costs: every shape
+
+
+def test_qualify_records_a_shape_per_size():
     model, _ = build(config_for("qwen3"), seed=8)
     plan, found = qualify(model, quick=True, bar=False)
-    assert {c.shape for c in found} == set(shapes.SHAPES)
+    assert {c.shape for c in found} >= {"native"}
     assert set(plan.shapes) == {2, 3, 4, 8, 16} and plan.max_chunk == 16
     assert set(plan.shapes.values()) <= set(shapes.SHAPES)
