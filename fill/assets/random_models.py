@@ -16,7 +16,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import quantize_model, save_model
 
-ARCHS = ("llama", "qwen3", "qwen3_5", "llama_swa")
+ARCHS = ("llama", "qwen3", "qwen3_5", "llama_swa", "gpt_oss", "gemma3_text", "qwen3_moe",
+         "glm4_moe", "qwen3_5_moe", "falcon_h1", "llama4")
+# Architectures whose sliding-window layers use a ``RotatingKVCache`` of ``sliding_window``.
+SLIDING = ("llama_swa", "gpt_oss", "gemma3_text")
+_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
 
 _TINY: dict[str, Any] = dict(
     hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
@@ -42,12 +46,39 @@ def config_for(arch: str, size: str = "tiny", sliding_window: int = 64) -> dict[
         cfg.update(model_type="llama", sliding_window=sliding_window,
                    layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
                                 for i in range(n)])
-    elif arch == "qwen3_5":
-        cfg.update(model_type="qwen3_5", full_attention_interval=2, linear_num_value_heads=4,
+    elif arch in ("qwen3_5", "qwen3_5_moe"):
+        cfg.update(model_type=arch, full_attention_interval=2, linear_num_value_heads=4,
                    linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
                    linear_conv_kernel_dim=4, rope_parameters={
                        "type": "default", "rope_theta": cfg["rope_theta"],
                        "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1]})
+        if arch == "qwen3_5_moe":
+            cfg.update(_MOE, num_experts=4, shared_expert_intermediate_size=64)
+    elif arch == "gpt_oss":  # alternating sliding / full layers, attention sinks, 4 experts
+        cfg.update(model_type=arch, sliding_window=sliding_window, num_local_experts=4,
+                   num_experts_per_tok=2, rope_scaling=None)
+    elif arch == "gemma3_text":  # tied embeddings; every second layer global
+        cfg.update(model_type=arch, sliding_window=sliding_window, sliding_window_pattern=2,
+                   query_pre_attn_scalar=cfg["head_dim"], rope_local_base_freq=10000.0,
+                   tie_word_embeddings=True)
+    elif arch == "qwen3_moe":
+        cfg.update(_MOE, model_type=arch, num_experts=4, decoder_sparse_step=1,
+                   mlp_only_layers=[])
+    elif arch == "glm4_moe":  # one dense layer first, then routed + shared experts
+        cfg.update(_MOE, model_type=arch, n_group=1, topk_group=1, n_shared_experts=1,
+                   n_routed_experts=4, routed_scaling_factor=1.0, first_k_dense_replace=1,
+                   use_qk_norm=True, attention_bias=False, partial_rotary_factor=0.5,
+                   rope_scaling=None)
+    elif arch == "falcon_h1":  # every layer a CacheList(ArraysCache, KVCache): Mamba-2 + attention
+        cfg.update(model_type=arch, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
+                   mamba_d_state=16, mamba_chunk_size=8, mamba_expand=1,
+                   tie_word_embeddings=True)
+    elif arch == "llama4":  # ChunkedKVCache layers (chunked attention of ``sliding_window``)
+        text = dict(cfg, model_type="llama4_text", attention_bias=False,
+                    attention_chunk_size=sliding_window, interleave_moe_layer_step=2,
+                    intermediate_size_mlp=cfg["intermediate_size"], num_experts_per_tok=1,
+                    num_local_experts=4, rope_scaling=None, use_qk_norm=True)
+        cfg = dict(model_type=arch, text_config=text)
     else:
         cfg["model_type"] = arch
     return cfg

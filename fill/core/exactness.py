@@ -1,8 +1,9 @@
 """Bit-exact comparison of caches and logits: the yardstick of every exactness claim.
 
 A cache's *content* is what serial decoding would read back: attention layers up to their
-offset (slots past it are stale and always overwritten before they are read), the ring of a
-rotating layer in its stored order, and every recurrent array. Two caches are equal when their
+offset (slots past it are stale and always overwritten before they are read), the readable
+slots of a rotating layer in their stored order with its ``offset`` and write index (a wrapped
+ring is compared whole, whatever ``since`` says), and every recurrent array. Two caches are equal when their
 contents are equal bit for bit (same dtype, shape and bytes)."""
 
 from __future__ import annotations
@@ -37,14 +38,23 @@ def cache_content(cache: Sequence[Any], since: int = 0) -> list[mx.array]:
         elif isinstance(c, C.ArraysCache):
             out.extend(_as_list(c.cache))
         elif isinstance(c, C.RotatingKVCache):
-            n = min(int(c.offset), c.max_size)
-            out.extend(a[..., min(since, n):n, :] for a in _as_list((c.keys, c.values)))
+            out.extend(_ring_content(c))
         elif isinstance(c, (C.KVCache, C.QuantizedKVCache, C.ChunkedKVCache)):
             n = int(c.offset)
             out.extend(a[..., since:n, :] for a in _as_list((c.keys, c.values)))
         else:
             raise TypeError(f"unsupported cache type {type(c).__name__}")
     return out
+
+
+def _ring_content(c: C.RotatingKVCache) -> list[mx.array]:
+    """The slots a rotating layer's next step reads (mlx-lm's ``keys_and_values``), in stored
+    order, and its bookkeeping: where the next write goes depends on ``offset`` and ``_idx``."""
+    state = [mx.array([int(c.offset), int(c._idx)])]
+    if c.keys is None:
+        return state
+    n = min(int(c.offset), int(c.keys.shape[2]))
+    return state + [a[..., :n, :] for a in _as_list((c.keys, c.values))]
 
 
 _BITS = {mx.float32: mx.uint32, mx.float16: mx.uint16, mx.bfloat16: mx.uint16}

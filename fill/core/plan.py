@@ -73,7 +73,16 @@ class DispatchPlan:
     ``round_overhead``: what a fill round costs beyond its rows, in one-row forwards. A round's
     forward is synchronous (its samples are read before decoding goes on), while a plain
     step overlaps building the next forward with the current one's compute; measured by
-    ``qualify`` as time(synchronous 1-row append) / time(pipelined step) - 1."""
+    ``qualify`` as time(synchronous 1-row append) / time(pipelined step) - 1.
+
+    ``pending``: chunk sizes a budgeted ``qualify`` has not measured yet (``max_chunk`` is the
+    largest size measured exact together with every smaller one; a later ``qualify`` with this
+    plan as ``prior`` measures the rest). ``reason``: why ``max_chunk`` is 1 when ``qualify``
+    could not measure the model at all (an unsupported cache, a failed forward).
+
+    ``shapes[m]``: the append shape (:mod:`~mlx_fill.core.shapes`) qualified for chunks of
+    ``m`` rows, ``native`` or ``batched-m1``; a size without an entry takes the entry of the
+    next larger measured size (whose checks covered it), else ``native``."""
 
     key: PlanKey | None
     mode: PlanMode = "exact"
@@ -83,6 +92,16 @@ class DispatchPlan:
     qualified: bool = False
     round_overhead: float = 0.0
     note: str = ""  # how and on what it was measured (free text, shown by ``mlx-fill plan``)
+    pending: tuple[int, ...] = ()
+    reason: str = ""
+    shapes: dict[int, str] = field(default_factory=dict)
+
+    def shape_for(self, m: int) -> str:
+        """The append shape a chunk of ``m`` rows runs with under this plan."""
+        if m in self.shapes:
+            return self.shapes[m]
+        larger = [s for s in self.shapes if s > m]
+        return self.shapes[min(larger)] if larger else "native"
 
     def chunks(self, start: int, n: int) -> list[int]:
         """Sizes of consecutive chunks covering ``n`` ids appended at KV length ``start``.
@@ -134,7 +153,13 @@ class DispatchPlan:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["cost"] = {str(k): v for k, v in self.cost.items()}
+        d["shapes"] = {str(k): v for k, v in self.shapes.items()}
         return d
+
+    @property
+    def complete(self) -> bool:
+        """Whether every chunk size ``qualify`` meant to measure was measured."""
+        return not self.pending
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "DispatchPlan":
@@ -143,7 +168,10 @@ class DispatchPlan:
                    kv_boundaries=tuple(int(b) for b in d.get("kv_boundaries", ())),
                    cost={int(k): float(v) for k, v in d.get("cost", {}).items()},
                    qualified=bool(d.get("qualified", False)),
-                   round_overhead=float(d.get("round_overhead", 0.0)), note=str(d.get("note", "")))
+                   round_overhead=float(d.get("round_overhead", 0.0)), note=str(d.get("note", "")),
+                   pending=tuple(int(m) for m in d.get("pending", ())),
+                   reason=str(d.get("reason", "")),
+                   shapes={int(k): str(v) for k, v in d.get("shapes", {}).items()})
 
 
 def unqualified(key: PlanKey | None = None) -> DispatchPlan:

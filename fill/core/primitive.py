@@ -6,10 +6,14 @@
 forwarding only the first ``keep`` appended ids would have produced, and a failure inside
 ``append`` leaves the cache exactly at its pre-append state.
 
-Supported per-layer caches (mlx-lm 0.32): ``KVCache``, ``QuantizedKVCache``, ``ChunkedKVCache``
-(trim), ``RotatingKVCache`` (trim while not wrapped; appends refused once they would wrap),
-``ArraysCache`` (recurrent state: snapshot by reference, restore, replay the kept prefix) and
-``CacheList`` (composition). Anything else is refused with :class:`Unsupported`.
+Supported per-layer caches (mlx-lm 0.32): ``KVCache``, ``QuantizedKVCache`` (trim),
+``RotatingKVCache`` (chunks written and attended as serial steps, rewound from a
+snapshot of the ring, wrapped or not: :mod:`.ring`), ``ArraysCache`` (recurrent state: snapshot
+by reference, restore, replay the kept prefix) and ``CacheList`` (composition). Anything else is
+refused with :class:`Unsupported`, as is a model whose rotating layers differ in window or
+``keep`` (they share one attention mask per forward), and ``ChunkedKVCache`` (llama4's chunked
+attention: a chunk appended after the cache has dropped its first attention chunk does not
+reproduce serial steps' logits, measured on a random-weight replica).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import mlx.core as mx
 from mlx_lm.models import cache as C
 
 from .plan import DispatchPlan
+from .ring import RingRefused, RingSnapshot, chunk_writes
+from .shapes import append_shape
 
 LogitRows = Literal["none", "last", "all"]
 
@@ -46,8 +52,9 @@ def _leaves(cache: Sequence[Any]) -> list[Any]:
     for c in cache:
         if isinstance(c, C.CacheList):
             out.extend(_leaves(c.caches))
-        elif isinstance(c, (C.KVCache, C.QuantizedKVCache, C.ChunkedKVCache, C.RotatingKVCache,
-                            C.ArraysCache)):
+        elif isinstance(c, C.ChunkedKVCache):
+            raise Unsupported("chunked_kv", "chunked attention cache (llama4)")
+        elif isinstance(c, (C.KVCache, C.QuantizedKVCache, C.RotatingKVCache, C.ArraysCache)):
             out.append(c)
         else:
             raise Unsupported("cache_type", type(c).__name__)
@@ -55,8 +62,17 @@ def _leaves(cache: Sequence[Any]) -> list[Any]:
 
 
 def check_supported(cache: Sequence[Any]) -> None:
-    """Raise :class:`Unsupported` when any layer cache is of a type the primitive cannot rewind."""
-    _leaves(cache)
+    """Raise :class:`Unsupported` when any layer cache is of a type the primitive cannot rewind,
+    or when rotating layers differ in ``(max_size, keep)``."""
+    rings = {(c.max_size, c.keep) for c in _leaves(cache) if isinstance(c, C.RotatingKVCache)}
+    if len(rings) > 1:
+        raise Unsupported("rotating_mixed", f"rotating layers of (window, keep) {sorted(rings)}")
+
+
+def ring_window(cache: Sequence[Any]) -> int | None:
+    """The smallest window of the cache's rotating (sliding-window) layers; None without."""
+    windows = [c.max_size for c in _leaves(cache) if isinstance(c, C.RotatingKVCache)]
+    return min(windows) if windows else None
 
 
 def cache_offset(cache: Sequence[Any]) -> int:
@@ -76,6 +92,7 @@ class Checkpoint:
     plan: DispatchPlan
     offsets: list[int | None]
     snapshots: list[tuple | None]
+    rings: list[RingSnapshot | None]
     appended: list[int] = field(default_factory=list)
     replay: bool = False  # rewind by restore-and-replay even without recurrent layers
 
@@ -100,36 +117,39 @@ def checkpoint(model: Any, cache: list[Any], plan: DispatchPlan) -> Checkpoint:
     """Record the state a later :func:`rewind` returns to. O(layers), no array copies.
 
     KV layers record their offset (trim moves it back; stale slots are overwritten later).
-    Recurrent layers record their arrays by reference: mlx-lm rebinds ``cache[i]`` on every
-    update and never mutates those arrays in place, so the references stay exact.
+    Rotating layers also keep their ring by alias (:class:`~.ring.RingSnapshot`): a wrapped
+    ring's slots are overwritten in place. Recurrent layers record their arrays by reference:
+    mlx-lm rebinds ``cache[i]`` on every update and never mutates those arrays in place, so the
+    references stay exact.
     """
     offsets: list[int | None] = []
     snaps: list[tuple | None] = []
+    rings: list[RingSnapshot | None] = []
     for c in _leaves(cache):
+        rings.append(RingSnapshot.of(c) if isinstance(c, C.RotatingKVCache) else None)
         if isinstance(c, C.ArraysCache):
             offsets.append(None)
             snaps.append((list(c.cache), c.left_padding, c.lengths))
         else:
             offsets.append(int(c.offset))
             snaps.append(None)
-    return Checkpoint(model, cache, plan, offsets, snaps)
+    return Checkpoint(model, cache, plan, offsets, snaps, rings)
 
 
 def restore(cp: Checkpoint) -> None:
     """Put every layer back at the checkpoint (KV trim, recurrent restore), whatever was
     forwarded since, recorded or not."""
-    for c, off, snap in zip(_leaves(cp.cache), cp.offsets, cp.snapshots):
+    for c, off, snap, ring in zip(_leaves(cp.cache), cp.offsets, cp.snapshots, cp.rings):
         if snap is not None:
             c.cache, c.left_padding, c.lengths = list(snap[0]), snap[1], snap[2]
             continue
         extra = int(c.offset) - off
         if extra < 0:
             raise Unsupported("rewind_forward", "cache is behind its checkpoint")
-        if extra == 0:
-            continue
-        if isinstance(c, C.RotatingKVCache) and not c.is_trimmable():
-            raise Unsupported("rotating_wrapped", "rotating cache wrapped; cannot rewind")
-        c.trim(extra)
+        if ring is not None:
+            ring.restore(c)
+        elif extra:
+            c.trim(extra)
 
 
 def rewind(cp: Checkpoint, keep: int) -> None:
@@ -145,18 +165,21 @@ def rewind(cp: Checkpoint, keep: int) -> None:
     if keep == n:
         return
     kept = cp.appended[:keep]
-    if cp.has_recurrent:
+    leaves = _leaves(cp.cache)
+    rings = {i: ring.kept_slots(leaves[i], keep) for i, ring in enumerate(cp.rings)
+             if ring is not None and not leaves[i].is_trimmable()}
+    if cp.has_recurrent or any(slots is None for slots in rings.values()):
         restore(cp)
         cp.appended = []
         if kept:
             append(cp.model, cp.cache, kept, plan=cp.plan, logits="none", record=cp)
         return
-    for c, off in zip(_leaves(cp.cache), cp.offsets):
-        target = off + keep
-        extra = int(c.offset) - target
+    for i, (c, off) in enumerate(zip(leaves, cp.offsets)):
+        if i in rings:
+            cp.rings[i].unwind(c, rings[i])
+            continue
+        extra = int(c.offset) - (off + keep)
         if extra > 0:
-            if isinstance(c, C.RotatingKVCache) and not c.is_trimmable():
-                raise Unsupported("rotating_wrapped", "rotating cache wrapped; cannot rewind")
             c.trim(extra)
     cp.appended = kept
 
@@ -177,16 +200,6 @@ def _split_head(model: Any) -> tuple[Any, Any] | None:
     return body, m.lm_head
 
 
-def _room_before_wrap(cache: Sequence[Any]) -> int | None:
-    """Tokens a rotating layer can take before it wraps (None when no rotating layer)."""
-    room = None
-    for c in _leaves(cache):
-        if isinstance(c, C.RotatingKVCache):
-            r = c.max_size - int(c.offset)
-            room = r if room is None else min(room, r)
-    return room
-
-
 def append(
     model: Any,
     cache: list[Any],
@@ -199,7 +212,8 @@ def append(
 ) -> mx.array | None:
     """Forward known ``ids`` into ``cache`` in plan-sized chunks.
 
-    ``ids`` must not include the token whose KV the previous step already wrote. Returns
+    ``ids`` must not include the token whose KV the previous step already wrote. Each chunk
+    runs in the append shape the plan gives its size (:mod:`.shapes`). Returns
     logits of shape ``[1, V]`` for ``"last"``, ``[len(ids), V]`` for ``"all"``, or None; the
     vocabulary projection runs only on those rows. The returned arrays are lazy.
     On any exception (including cancellation) the cache is restored to its entry state.
@@ -210,9 +224,7 @@ def append(
     ids = [int(t) for t in ids]
     if not ids:
         raise ValueError("append needs at least one id")
-    room = _room_before_wrap(cache)
-    if room is not None and len(ids) > room - 1:
-        raise Unsupported("rotating_would_wrap", f"{len(ids)} ids, {room} slots before wrap")
+    leaves = _leaves(cache)
     entry = checkpoint(model, cache, plan)
     split = _split_head(model)
     try:
@@ -224,23 +236,24 @@ def append(
             pos += size
             last_chunk = pos == len(ids)
             want = logits == "all" or (logits == "last" and last_chunk)
-            if split is None:
-                out = model(x, cache=cache)
-                if want:
-                    rows.append(out[0] if logits == "all" else out[0, -1:])
-            else:
-                body, head = split
-                h = body(x, cache=cache)
-                if want:
-                    rows.append(head(h)[0] if logits == "all" else head(h[:, -1:])[0])
+            with chunk_writes(leaves, size), append_shape(model, plan.shape_for(size)):
+                # logits, or hidden states with a split head
+                out = model(x, cache=cache) if split is None else split[0](x, cache=cache)
+            if want:
+                out = out if logits == "all" else out[:, -1:]
+                rows.append((out if split is None else split[1](out))[0])
             if after_chunk is not None:
                 after_chunk(cache)
-            mx.eval([c.state for c in _leaves(cache)] if not last_chunk else [])
+                leaves = _leaves(cache)
+            mx.eval([c.state for c in leaves] if not last_chunk else [])
         if record is not None:
             record.appended.extend(ids)
         if not rows:
             return None
         return rows[0] if len(rows) == 1 else mx.concatenate(rows, axis=0)
+    except RingRefused as e:
+        restore(entry)
+        raise Unsupported(e.reason, str(e)) from e
     except BaseException:
         restore(entry)
         raise

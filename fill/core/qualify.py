@@ -27,8 +27,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from .errors import UserError, model_dir, positive_int
 from .exactness import arrays_equal, cache_content
 from .plan import DispatchPlan, PlanKey, config_key, format_key, save_plan
+from .shapes import SHAPES
 from .primitive import (Unsupported, append, cache_offset, check_supported, checkpoint,
-                        restore, rewind)
+                        restore, rewind, ring_window)
 
 FULL_SIZES = tuple(range(1, 17)) + (32,)
 QUICK_SIZES = (1, 2, 3, 4, 8, 16)
@@ -49,22 +50,42 @@ def _alone(verdict: bool) -> bool:
 
 @dataclass
 class Check:
+    """One chunk of ``size`` rows appended at KV length ``start`` (``kv``: the length the check
+    is about; ``start < kv`` crosses it). ``ring``: a sliding-window check, the chunk crossing
+    the end of a rotating layer's ring (which recurs every window, so no KV boundary avoids it).
+    ``shape``: the append shape the chunk ran with (:mod:`.shapes`)."""
+
     size: int
     kv: int
     start: int
     exact: bool
+    ring: bool = False
+    shape: str = "native"
 
 
 def _random_ids(n: int, vocab: int, seed: int) -> list[int]:
     return mx.random.randint(0, vocab, (n,), key=mx.random.key(seed)).tolist()
 
 
-def _grow(model: Any, cache: list[Any], length: int, vocab: int) -> None:
-    """Extend ``cache`` to ``length`` tokens with one prompt forward of seeded random ids."""
+def _grow(model: Any, cache: list[Any], length: int, vocab: int, decode: bool = False) -> None:
+    """Extend ``cache`` to ``length`` tokens of seeded random ids: with one prompt forward, or
+    with ``decode`` as decoding does, in appends of a few ids (a rotating layer's write index
+    then runs around its ring as in serial decoding, instead of restarting after a prefill)."""
     have = cache_offset(cache) if cache else 0
-    if length > have:
-        model(mx.array(_random_ids(length - have, vocab, length))[None], cache=cache)
-        mx.eval([c.state for c in cache])
+    if length <= have:
+        return
+    ids = _random_ids(length - have, vocab, length)
+    if not decode:
+        model(mx.array(ids)[None], cache=cache)
+    else:
+        steps = DispatchPlan(key=None, max_chunk=8, qualified=True)
+        append(model, cache, ids, plan=steps, logits="none")
+    mx.eval([c.state for c in cache])
+
+
+def ring_lengths(window: int | None) -> tuple[int, ...]:
+    """KV lengths where a chunk crosses a ring's end: the first wrap and a later one."""
+    return () if window is None else (window, 2 * window)
 
 
 def _exact(model: Any, cache: list[Any], ids: list[int], plan: DispatchPlan) -> bool:
@@ -90,70 +111,119 @@ def _exact(model: Any, cache: list[Any], ids: list[int], plan: DispatchPlan) -> 
 
 def check_exactness(model: Any, sizes: tuple[int, ...], kv_lengths: tuple[int, ...],
                     vocab: int, progress: Any = None, *, stop_after_failure: bool = False,
-                    agree: Agree = _alone) -> list[Check]:
-    """Run every (M, L) check: a chunk starting at L and one crossing L (start L - M//2).
-    ``stop_after_failure`` (where any failure makes a size inexact, see :func:`derive_plan`):
-    once a size fails, that size and larger ones are not checked again. ``agree`` turns this
-    rank's verdict into the verdict of every rank (a sharded model: exact only where every rank
-    is), so every rank runs the same checks in lockstep."""
+                    agree: Agree = _alone, rings: tuple[int, ...] = (),
+                    deadline: float | None = None,
+                    shapes: tuple[str, ...] = ("native",),
+                    costs: dict[str, dict[int, float]] | None = None,
+                    ) -> tuple[list[Check], tuple[int, ...]]:
+    """Run the (M, L) checks size by size, smallest first: a plan's ``max_chunk`` is the
+    largest size exact together with every smaller one, so each finished size is usable
+    evidence on its own. For every L, a chunk starting at L and one crossing L (start
+    L - M//2). ``rings``: more KV lengths, reached by decoding (:func:`ring_lengths`), whose
+    checks are ``ring`` checks. Every check runs in the first of the append ``shapes``, and in
+    each other one unless the first is exact at that size and the other no cheaper by
+    ``costs`` (``{shape: c(M)}``; None: every shape is checked).
+    ``stop_after_failure`` (where any failure makes a shape inexact, see :func:`derive_plan`):
+    no larger size is checked after one no shape of which is exact. ``deadline``
+    (``time.monotonic()``): sizes not started by then are left. ``agree`` turns this rank's
+    verdict into the verdict of every rank (a sharded model: exact only where every rank is),
+    so every rank runs the same checks in lockstep. Returns the checks and the sizes left."""
     checks: list[Check] = []
-    failed = max(sizes) + 1  # smallest size found inexact so far
-    for kv in kv_lengths:
-        cache = make_prompt_cache(model)
-        for start in sorted({s for m in sizes if m > 1 for s in (kv, max(0, kv - m // 2))}):
-            _grow(model, cache, start, vocab)
-            for m in sizes:
-                if m == 1 or start not in (kv, max(0, kv - m // 2)):
-                    continue
-                if progress:
-                    progress.update(1)
-                if stop_after_failure and m >= failed:
-                    continue
-                plan = DispatchPlan(key=None, max_chunk=m, qualified=True)
-                ids = _random_ids(m, vocab, 7 * m + start)
-                checks.append(Check(m, kv, start, agree(_exact(model, cache, ids, plan))))
-                if not checks[-1].exact:
-                    failed = min(failed, m)
-    return checks
+    todo = sorted(m for m in sizes if m > 1)
+    lengths = [(kv, False) for kv in kv_lengths] + [(kv, True) for kv in rings]
+    bases: dict[tuple[int, bool], list[Any]] = {}  # grown once, to the earliest start
+    earliest = max(todo, default=2) // 2
+    for i, m in enumerate(todo):
+        if deadline is not None and time.monotonic() >= deadline:
+            return checks, tuple(todo[i:])
+        mine: list[Check] = []
+        for shape in shapes:
+            first = [c for c in mine if c.shape == shapes[0]]
+            if shape != shapes[0] and costs is not None and all(c.exact for c in first) \
+                    and costs[shape][m] >= costs[shapes[0]][m]:
+                continue  # the first shape is exact and no dearer: nothing to gain
+            for kv, ring in lengths:
+                if (kv, ring) not in bases:
+                    bases[kv, ring] = make_prompt_cache(model)
+                    _grow(model, bases[kv, ring], max(0, kv - earliest), vocab, decode=ring)
+                mine += _check_at(model, bases[kv, ring], m, shape, kv, ring, vocab, agree,
+                                  progress)
+        checks += mine
+        if stop_after_failure and not any(all(c.exact for c in mine if c.shape == shape)
+                                          for shape in {c.shape for c in mine}):
+            return checks, ()
+    return checks, ()
 
 
-def derive_plan(key: PlanKey, checks: list[Check], sizes: tuple[int, ...]) -> DispatchPlan:
-    """Largest M exact at every start that does not cross a KV length; KV lengths crossed by a
-    failing chunk become boundaries. On the CPU backend, where no kernel switches at a KV
-    length, any failing check makes M inexact: a BLAS that rounds M rows differently at one
-    tested length does so wherever the data brings it out, also at untested lengths (OpenBLAS
-    does; see the CHANGELOG), which a list of boundaries cannot describe."""
-    boundaries: set[int] = set()
-    max_chunk = 1
+def _check_at(model: Any, cache: list[Any], m: int, shape: str, kv: int, ring: bool,
+              vocab: int, agree: Agree, progress: Any) -> list[Check]:
+    """The checks of ``m``-row chunks in ``shape`` starting at and crossing ``kv``, each from
+    ``cache`` grown to its start (``cache`` is left as it was)."""
+    found = []
+    plan = DispatchPlan(key=None, max_chunk=m, qualified=True, shapes={m: shape})
+    for start in sorted({kv, max(0, kv - m // 2)}):
+        if progress:
+            progress.update(1)
+        cp = checkpoint(model, cache, plan)
+        _grow(model, cache, start, vocab, decode=ring)
+        exact = agree(_exact(model, cache, _random_ids(m, vocab, 7 * m + start), plan))
+        found.append(Check(m, kv, start, exact, ring, shape))
+        restore(cp)
+    return found
+
+
+def derive_plan(key: PlanKey, checks: list[Check], sizes: tuple[int, ...], *, floor: int = 1,
+                boundaries: tuple[int, ...] = (), shapes: dict[int, str] | None = None,
+                cost: dict[str, dict[int, float]] | None = None) -> DispatchPlan:
+    """Largest M exact at every start that does not cross a KV length and at every ring check;
+    KV lengths crossed by a failing chunk become boundaries. On the CPU backend, where no
+    kernel switches at a KV length, any failing check makes M inexact: a BLAS that rounds M
+    rows differently at one tested length does so wherever the data brings it out, also at
+    untested lengths (OpenBLAS does; see the CHANGELOG), which a list of boundaries cannot
+    describe. Each size keeps the append shape that is exact by that rule and cheaper by
+    ``cost`` (``native`` on a tie or without costs). ``floor`` / ``boundaries`` / ``shapes``:
+    what an earlier, budgeted run established (sizes up to ``floor`` exact with those cuts and
+    shapes); a size without checks ends the plan (not measured)."""
+    found: set[int] = set(boundaries)
+    chosen: dict[int, str] = dict(shapes or {})
+    max_chunk = max(1, floor)
     on_cpu = key is not None and key.backend == "cpu"
-    for m in sorted(s for s in sizes if s > 1):
-        mine = [c for c in checks if c.size == m]
-        if not all(c.exact for c in mine if c.start == c.kv or on_cpu):
+    for m in sorted(s for s in sizes if s > max_chunk):
+        exact = {}
+        for shape in dict.fromkeys(c.shape for c in checks if c.size == m):
+            mine = [c for c in checks if c.size == m and c.shape == shape]
+            if all(c.exact for c in mine if c.start == c.kv or c.ring or on_cpu):
+                exact[shape] = mine
+        if not exact:
             break
-        crossing_failures = {c.kv for c in mine if not c.exact and c.start < c.kv}
-        boundaries |= crossing_failures
+        best = min(exact, key=lambda s: ((cost or {}).get(s, {}).get(m, 0.0), s != "native"))
+        found |= {c.kv for c in exact[best] if not c.exact and c.start < c.kv}
+        chosen[m] = best
         max_chunk = m
     return DispatchPlan(key=key, mode="exact", max_chunk=max_chunk,
-                        kv_boundaries=tuple(sorted(boundaries)), qualified=True)
+                        kv_boundaries=tuple(sorted(found)), qualified=True, shapes=chosen)
 
 
 def confirm_plan(model: Any, plan: DispatchPlan, kv_lengths: tuple[int, ...], vocab: int,
-                 agree: Agree = _alone) -> bool:
-    """Re-check the derived plan (with its cuts) on chunks crossing every tested KV length."""
+                 agree: Agree = _alone, rings: tuple[int, ...] = ()) -> bool:
+    """Re-check the derived plan (with its cuts) on chunks crossing every tested KV length and
+    every ring length (reached by decoding)."""
     m = plan.max_chunk
-    cache = make_prompt_cache(model)
-    for kv in kv_lengths:
-        _grow(model, cache, max(0, kv - m // 2), vocab)
-        if not agree(_exact(model, cache, _random_ids(m, vocab, 31 * m + kv), plan)):
-            return False
+    for lengths, decode in ((kv_lengths, False), (rings, True)):
+        cache = make_prompt_cache(model)
+        for kv in lengths:
+            _grow(model, cache, max(0, kv - m // 2), vocab, decode)
+            if not agree(_exact(model, cache, _random_ids(m, vocab, 31 * m + kv), plan)):
+                return False
     return True
 
 
 def measure_cost(model: Any, cache: list[Any], sizes: tuple[int, ...], vocab: int,
-                 repeats: int) -> dict[int, float]:
+                 repeats: int, shape: str = "native") -> dict[int, float]:
     """c(M): median over interleaved repeats of time(M-row verify forward) / time(1-row), on
-    ``cache`` (left as it was)."""
-    plan = DispatchPlan(key=None, max_chunk=max(sizes), qualified=True)
+    ``cache`` (left as it was), every chunk in append ``shape``."""
+    plan = DispatchPlan(key=None, max_chunk=max(sizes), qualified=True,
+                        shapes={max(sizes): shape})
     times: dict[int, list[float]] = {m: [] for m in sizes}
     ids = _random_ids(max(sizes), vocab, 3)
     for r in range(repeats + 1):
@@ -180,15 +250,16 @@ class ImplausibleCost(UserError):
 
 
 def measure_plausible_cost(model: Any, cache: list[Any], sizes: tuple[int, ...], vocab: int,
-                           repeats: int, agree: Agree = _alone) -> dict[int, float]:
-    """:func:`measure_cost`, measured again while some c(M) < 1 for M >= 2 (an M-row forward
+                           repeats: int, shape: str = "native",
+                           agree: Agree = _alone) -> dict[int, float]:
+    """:func:`measure_cost` in append ``shape``, measured again while some c(M) < 1 for M >= 2 (an M-row forward
     costs at least a one-row forward), at most ``COST_TRIES`` times. The last measurement is
     kept with values within ``COST_NOISE`` below 1 raised to 1; one further below raises
     :class:`ImplausibleCost` naming what was measured. ``agree`` makes every rank re-measure
     (and refuse) together."""
     tries = []
     for _ in range(COST_TRIES):
-        cost = measure_cost(model, cache, sizes, vocab, repeats)
+        cost = measure_cost(model, cache, sizes, vocab, repeats, shape)
         tries.append(cost)
         if agree(all(c >= 1.0 for m, c in cost.items() if m >= 2)):
             return cost
@@ -201,12 +272,14 @@ def measure_plausible_cost(model: Any, cache: list[Any], sizes: tuple[int, ...],
                           f"qualify again on a quieter machine")
 
 
-def measure_round_overhead(model: Any, cache: list[Any], repeats: int, steps: int = 8) -> float:
+def measure_round_overhead(model: Any, cache: list[Any], repeats: int, steps: int = 8,
+                           stream: Any = None) -> float:
     """What a fill round costs beyond its rows, in plain steps: the median over repeats of
     time(synchronous 1-row append, its sample read, as a round does) / time(pipelined greedy
     step, as mlx-lm's ``generate_step`` decodes: the next forward is built while the current
-    one computes) - 1, at least 0. Both on mlx-lm's generation stream, on ``cache``, restored
-    after every run."""
+    one computes) - 1, at least 0. Both on ``stream`` (default: mlx-lm's generation stream),
+    on ``cache``, restored after every run."""
+    stream = generation_stream if stream is None else stream
     plan = DispatchPlan(key=None, max_chunk=1, qualified=True)
 
     def step(y: mx.array) -> mx.array:
@@ -215,7 +288,7 @@ def measure_round_overhead(model: Any, cache: list[Any], repeats: int, steps: in
 
     def pipelined() -> float:
         cp = checkpoint(model, cache, plan)
-        with mx.stream(generation_stream):
+        with mx.stream(stream):
             nxt = step(mx.array([1]))
             mx.async_eval(nxt)
             t0 = time.perf_counter()
@@ -231,7 +304,7 @@ def measure_round_overhead(model: Any, cache: list[Any], repeats: int, steps: in
     def synchronous() -> float:
         cp = checkpoint(model, cache, plan)
         token = 1
-        with mx.stream(generation_stream):
+        with mx.stream(stream):
             t0 = time.perf_counter()
             for _ in range(steps):
                 rows = append(model, cache, [token], plan=plan, logits="all", record=cp)
@@ -260,54 +333,101 @@ def vocab_of(model: Any) -> int:
 
 def qualify(model: Any, *, quick: bool, vocab: int | None = None, repeats: int | None = None,
             bar: bool = True, note: str = "", agree: Agree = _alone,
-            ) -> tuple[DispatchPlan, list[Check]]:
+            budget_s: float | None = None, prior: DispatchPlan | None = None,
+            stream: Any = None) -> tuple[DispatchPlan, list[Check]]:
     """Measure exactness and cost for ``model`` on the default device; return the plan, keyed
     by :func:`~mlx_fill.core.plan.config_key` as measured here. ``bar``: a tqdm bar on stderr (when
     it is a terminal); ``note`` is stored in the plan with the date. ``agree``: see
     :func:`check_exactness`; with it every rank of a sharded model runs the same forwards (the
     cost curve is each rank's own timing; :func:`~mlx_fill.core.shared.share_plan` keeps rank
-    0's)."""
+    0's). ``budget_s``: stop starting new chunk sizes after that many seconds; the plan then
+    lists the rest as ``pending``, and a later call with it as ``prior`` measures only those
+    (keeping its cost curve, ``max_chunk`` and cuts). ``stream``: where the round overhead is
+    timed (default: mlx-lm's generation stream; a background measurement passes its own).
+
+    Never raises on a model or cache it cannot measure: it prints one line on stderr and
+    returns a plan with ``max_chunk=1`` and the ``reason`` (serial decoding, always exact)."""
+    stamp = f"{'quick' if quick else 'full'} qualify, {date.today().isoformat()}"
+    note = f"{note}; {stamp}" if note else stamp
+    key = None
+    try:
+        key = config_key(model)
+        return _measure(model, key, quick=quick, vocab=vocab, repeats=repeats, bar=bar,
+                        note=note, agree=agree, budget_s=budget_s, prior=prior, stream=stream)
+    except Exception as e:  # noqa: BLE001 -- a model qualify cannot measure gets serial decoding
+        reason = str(e) if isinstance(e, Unsupported) else f"{type(e).__name__}: {e}"
+        print(f"mlx-fill qualify: cannot measure chunked appends ({reason}); the plan is "
+              "max_chunk=1, one token per forward", file=sys.stderr, flush=True)
+        return DispatchPlan(key=key, max_chunk=1, qualified=key is not None, reason=reason,
+                            note=note), []
+
+
+def _measure(model: Any, key: PlanKey, *, quick: bool, vocab: int | None, repeats: int | None,
+             bar: bool, note: str, agree: Agree, budget_s: float | None,
+             prior: DispatchPlan | None, stream: Any) -> tuple[DispatchPlan, list[Check]]:
+    """:func:`qualify`'s measurement: the cost curve (unless ``prior`` has one), then the
+    exactness checks of the sizes left, size by size until ``budget_s`` is spent."""
+    deadline = None if budget_s is None else time.monotonic() + budget_s
+    check_supported(make_prompt_cache(model))
     sizes = QUICK_SIZES if quick else FULL_SIZES
     kv_lengths = QUICK_KV if quick else FULL_KV
     vocab = vocab or vocab_of(model)
-    key = config_key(model)
-    from tqdm import tqdm
-    with tqdm(total=len(kv_lengths) * (len(sizes) - 1) * 2, desc="exactness", file=sys.stderr,
-              disable=None if bar else True) as progress:
-        checks = check_exactness(model, sizes, kv_lengths, vocab, progress,
-                                 stop_after_failure=key.backend == "cpu", agree=agree)
-    plan = derive_plan(key, checks, sizes)
-    if plan.max_chunk > 1 and not confirm_plan(model, plan, kv_lengths, vocab, agree):
-        plan = replace(plan, max_chunk=1, kv_boundaries=())
+    rings = ring_lengths(ring_window(make_prompt_cache(model)))
     repeats = repeats or (3 if quick else 7)
     cache = make_prompt_cache(model)  # grown once: both measures run at KV length COST_KV
     _grow(model, cache, COST_KV, vocab)
-    cost = measure_plausible_cost(model, cache, sizes, vocab, repeats, agree)
-    overhead = measure_round_overhead(model, cache, repeats)
-    stamp = f"{'quick' if quick else 'full'} qualify, {date.today().isoformat()}"
-    plan = replace(plan, cost=cost, round_overhead=overhead,
-                   note=f"{note}; {stamp}" if note else stamp)
-    return plan, checks
+    costs = {shape: measure_plausible_cost(model, cache, sizes, vocab, repeats, shape, agree)
+             for shape in SHAPES}
+    overhead = measure_round_overhead(model, cache, repeats, stream=stream)
+    del cache
+    todo = prior.pending if prior is not None else sizes
+    floor = prior.max_chunk if prior is not None else 1
+    bounds = prior.kv_boundaries if prior is not None else ()
+    from tqdm import tqdm
+    with tqdm(total=(len(kv_lengths) + len(rings)) * (len(todo) - 1) * 2, desc="exactness",
+              file=sys.stderr, disable=None if bar else True) as progress:
+        checks, pending = check_exactness(model, todo, kv_lengths, vocab, progress,
+                                          stop_after_failure=key.backend == "cpu", agree=agree,
+                                          rings=rings, deadline=deadline, shapes=SHAPES,
+                                          costs=costs if agree is _alone else None)
+    earlier = prior.shapes if prior is not None else {}
+    plan = derive_plan(key, checks, todo, floor=floor, boundaries=bounds, shapes=earlier,
+                       cost=costs)
+    if plan.max_chunk > floor and not confirm_plan(model, plan, kv_lengths, vocab, agree, rings):
+        plan = replace(plan, max_chunk=floor, kv_boundaries=bounds, shapes=earlier)
+    measured = max((c.size for c in checks), default=floor)
+    cost = {m: costs[plan.shape_for(m)][m] for m in costs["native"]}
+    return replace(plan, cost=cost, round_overhead=overhead, note=note,
+                   pending=pending if plan.max_chunk == max(measured, floor) else ()), checks
 
 
 def format_table(plan: DispatchPlan, checks: list[Check]) -> str:
     sizes = sorted({c.size for c in checks} | {m for m in plan.cost if m > 1})
-    kvs = sorted({c.kv for c in checks})
+    kvs = sorted({(c.ring, c.kv) for c in checks})
     head = "KV \\ M " + " ".join(f"{m:>4}" for m in sizes)
-    lines = [*format_key(plan.key), "exact (chunk crossing / starting at the KV length):",
-             head]
-    for kv in kvs:
+    lines = [*format_key(plan.key), "exact (chunk crossing / starting at the KV length; "
+             "per start native then batched-m1):", head]
+    for ring, kv in kvs:
         cells = []
         for m in sizes:
-            mine = [c for c in checks if c.size == m and c.kv == kv]
+            mine = [c for c in checks if c.size == m and c.kv == kv and c.ring == ring]
             cells.append(f"{''.join('y' if c.exact else 'N' for c in mine):>4}")
-        lines.append(f"{kv:>6} " + " ".join(cells))
-    lines.append("(blank: not checked, a smaller size had failed)")
+        lines.append(f"{kv:>5}{'r' if ring else ' '} " + " ".join(cells))
+    lines.append("(blank: not checked, a smaller size had failed; r: reached by decoding, the "
+                 "chunk crossing a sliding-window ring's end)")
     lines.append("cost c(M) = time(M-row forward) / time(1-row forward):")
     lines.append("  " + "  ".join(f"c({m})={c:.2f}" for m, c in sorted(plan.cost.items()))
                  + f"  round overhead={plan.round_overhead:.2f}")
     lines.append(f"plan: mode=exact max_chunk={plan.max_chunk} "
                  f"kv_boundaries={list(plan.kv_boundaries)}")
+    if plan.shapes:
+        lines.append("append shapes: " + "  ".join(f"{m}={s}" for m, s in
+                                                    sorted(plan.shapes.items())))
+    if plan.pending:
+        lines.append(f"pending (budget spent; measured by a later qualify): sizes "
+                     f"{list(plan.pending)}")
+    if plan.reason:
+        lines.append(f"not measured: {plan.reason}")
     return "\n".join(lines)
 
 
@@ -329,13 +449,9 @@ def run(args: argparse.Namespace) -> int:
     model, config = load_model(args.model)
     if args.dtype is not None:
         model.set_dtype(getattr(mx, args.dtype))
-    try:
-        check_supported(make_prompt_cache(model))
-    except Unsupported as e:
-        print(f"mlx-fill qualify: unsupported cache for fill: {e}", file=sys.stderr)
-        return 2
-    vocab = int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size"))
-    plan, checks = qualify(model, quick=args.quick, vocab=vocab, repeats=args.repeats,
+    vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    plan, checks = qualify(model, quick=args.quick, vocab=int(vocab) if vocab else None,
+                           repeats=args.repeats,
                            note=f"mlx-fill qualify on {Path(args.model).name}"
                                 + (f" cast to {args.dtype}" if args.dtype else ""))
     print(format_table(plan, checks))

@@ -1,16 +1,22 @@
 """Which dispatch plan a model gets, qualifying it on first use; ``mlx-fill plan`` shows why.
 
 :func:`resolve` looks the model's full :class:`~mlx_fill.core.plan.PlanKey` up (``$MLX_FILL_PLAN``,
-the user cache, the plans shipped in the package). When none applies, it runs a quick
-``qualify`` on the loaded model (one progress line on stderr), writes the plan to the user cache
-under the full key and uses it. The outcome is kept for the life of the process, so a
-configuration is looked up once per process and qualified once per machine. Until a plan
-exists (qualifying disabled, an unsupported cache type, or a failed measurement), appends go
-one token per forward (:func:`~mlx_fill.core.plan.unqualified`): serial decoding itself.
+the user cache, the plans shipped in the package). When none applies, or the one that applies
+has sizes ``pending``, it starts a quick ``qualify`` of the loaded model in a background thread,
+bounded by a budget (``$MLX_FILL_QUALIFY_BUDGET_S``, default 120 s: chunk sizes are measured
+smallest first until it is spent, the rest by a later process), with one stderr line saying
+what it does and for how long, and one when it is done; the plan is written to the user cache
+under the full key. Requests are served meanwhile: with the partial plan's sizes, else one
+token per forward (:func:`~mlx_fill.core.plan.unqualified`, serial decoding itself). The
+outcome is kept for the life of the process, so a configuration is looked up once per process
+and qualified once per machine. A model ``qualify`` cannot measure gets a plan with
+``max_chunk=1`` and the reason.
 
+The measurement runs on its own MLX stream and, one model at a time, beside the requests being
+served (MLX 0.32 evaluates from several threads; each thread's default stream is its own).
 Entry points resolve once: ``build_session`` per request (the session carries the plan to the
 decode loop), ``mlx-fill serve`` and the ``MLX_FILL`` hook in ``mlx_lm.server`` when the model
-is loaded, so a server qualifies before its first fill request.
+is loaded, so a server starts qualifying before its first request.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import mlx.core as mx
 
 from .errors import model_dir
 from .plan import (
@@ -44,8 +52,9 @@ log = logging.getLogger("mlx_fill")
 @dataclass(frozen=True)
 class Resolution:
     """The plan a model gets and where it came from: ``source`` is ``MLX_FILL_PLAN``,
-    ``cached`` or ``shipped`` (found at ``path``), ``qualified now`` (measured by this call,
-    saved at ``path``, in ``seconds``), or ``unqualified`` (``reason`` says why)."""
+    ``cached`` or ``shipped`` (found at ``path``), ``qualified now`` (measured in this process,
+    saved at ``path``, in ``seconds``), ``qualifying`` (measuring in the background; one token
+    per forward meanwhile) or ``unqualified`` (``reason`` says why)."""
 
     plan: DispatchPlan
     source: str
@@ -57,58 +66,120 @@ class Resolution:
 
 _resolved: dict[tuple[Any, ...], Resolution] = {}
 _lock = threading.Lock()
+_measuring: dict[tuple[Any, ...], threading.Thread] = {}  # memo -> its running measurement
+_one_at_a_time = threading.Lock()  # a process measures one model at a time
+DEFAULT_BUDGET_S = 120.0
 
 
-def _qualify_now(model: Any, lookup: Lookup) -> Resolution:
-    """Quick-qualify ``model``, save the plan under its key, say so on one stderr line."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from .primitive import Unsupported, check_supported
-    from .qualify import qualify
+def budget_s() -> float:
+    """Seconds a first-use ``qualify`` may measure before it saves what it has
+    (``$MLX_FILL_QUALIFY_BUDGET_S``, default 120); the sizes left are measured on a later
+    first use (another process), each time with the same budget."""
     try:
-        check_supported(make_prompt_cache(model))
-    except Unsupported as e:
-        return Resolution(unqualified(lookup.key), "unqualified", None, lookup,
-                          reason=f"fill does not support this cache ({e.reason})")
-    key = lookup.key
-    print(f"mlx-fill: no dispatch plan for {key.backend} {key.dtype} {key.shape.split()[0]} "
-          f"(BLAS {key.blas} {key.blas_version} {key.blas_core}".rstrip() + "); qualifying "
-          "this model once (quick), one token per forward until done ...",
-          end="", file=sys.stderr, flush=True)
+        return max(0.0, float(os.environ.get("MLX_FILL_QUALIFY_BUDGET_S", DEFAULT_BUDGET_S)))
+    except ValueError:
+        return DEFAULT_BUDGET_S
+
+
+def _measure(model: Any, lookup: Lookup, prior: DispatchPlan | None, memo: tuple) -> None:
+    """The background measurement: a budgeted quick qualify (continuing ``prior`` when it has
+    sizes pending), saved under the full key, then the resolution every later call gets."""
+    from . import qualify as measure
     t0 = time.perf_counter()
+    outcome = Resolution(prior or unqualified(lookup.key), "unqualified", None, lookup,
+                         reason="the measurement failed")
     try:
-        plan, _ = qualify(model, quick=True, bar=False, note="qualified at first use")
-        path = save_plan(plan)
+        with _one_at_a_time:
+            stream = mx.new_stream(mx.default_device())
+            with mx.stream(stream):
+                plan, _ = measure.qualify(model, quick=True, bar=False, budget_s=budget_s(),
+                                          prior=prior, note="qualified at first use",
+                                          stream=stream)
+        seconds = time.perf_counter() - t0
+        path = save_plan(plan) if plan.key is not None else None
+        left = f", sizes {list(plan.pending)} left for a later run" if plan.pending else ""
+        print(f"mlx-fill: qualified in {seconds:.1f} s: max_chunk={plan.max_chunk}{left}"
+              + (f", saved to {path}" if path else ""), file=sys.stderr, flush=True)
+        outcome = Resolution(plan, "qualified now", path, lookup, seconds, reason=plan.reason)
     except Exception as e:  # noqa: BLE001 -- a failed measurement must not fail decoding
-        print(f" failed ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
-        return Resolution(unqualified(key), "unqualified", None, lookup,
-                          reason=f"qualify failed ({type(e).__name__}: {e})")
-    seconds = time.perf_counter() - t0
-    print(f" done in {seconds:.1f} s: max_chunk={plan.max_chunk}, saved to {path}",
+        print(f"mlx-fill: qualifying failed ({type(e).__name__}: {e}); "
+              + (f"max_chunk={prior.max_chunk}" if prior else "one token per forward"),
+              file=sys.stderr, flush=True)
+    finally:
+        with _lock:
+            _resolved[memo] = outcome
+            _measuring.pop(memo, None)
+
+
+def _start_measuring(model: Any, lookup: Lookup, prior: DispatchPlan | None,
+                     memo: tuple) -> Resolution:
+    """Start the background measurement (the caller holds ``_lock``); one stderr line says
+    what it does and for how long. Returns what requests get meanwhile: ``prior`` (its
+    measured sizes) or one token per forward."""
+    key = lookup.key
+    what = (f"measuring sizes {list(prior.pending)} left by an earlier run" if prior is not None
+            else "qualifying this model once (quick)")
+    print(f"mlx-fill: no complete dispatch plan for {key.backend} {key.dtype} "
+          f"{key.shape.split()[0]} (BLAS {key.blas} {key.blas_version} {key.blas_core}".rstrip()
+          + f"); {what} in the background for at most {budget_s():.0f} s "
+          "(MLX_FILL_QUALIFY_BUDGET_S); meanwhile "
+          + (f"max_chunk={prior.max_chunk}" if prior is not None else "one token per forward"),
           file=sys.stderr, flush=True)
-    return Resolution(plan, "qualified now", path, lookup, seconds)
+    thread = threading.Thread(target=_measure, args=(model, lookup, prior, memo), daemon=True,
+                              name="mlx-fill-qualify")
+    _measuring[memo] = thread
+    thread.start()
+    if prior is not None:
+        return Resolution(prior, "cached", None, lookup, reason="sizes pending")
+    return Resolution(unqualified(key), "qualifying", None, lookup,
+                      reason="qualifying in the background")
 
 
-def resolve(model: Any, *, qualify: bool = True) -> Resolution:
+def wait_qualified(timeout: float | None = None) -> bool:
+    """Wait for every background measurement; False when one still runs at ``timeout``."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        with _lock:
+            threads = list(_measuring.values())
+        if not threads:
+            return True
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return False
+        threads[0].join(left)
+
+
+def resolve(model: Any, *, qualify: bool = True, wait: bool = False) -> Resolution:
     """The plan for ``model`` on the current device (see the module docstring). With
     ``qualify=False`` a missing plan is reported as ``unqualified`` and nothing is measured.
-    Thread-safe; the outcome is memoised per key and per plan locations."""
+    Otherwise a missing (or partly measured) plan is measured in a background thread and this
+    call returns at once with what applies meanwhile; ``wait`` blocks until that measurement
+    is done and returns its outcome. Thread-safe; the outcome is memoised per key and per plan
+    locations."""
     key = config_key(model)
     memo = (key, os.environ.get("MLX_FILL_PLAN", ""), str(cached_dir()), str(shipped_dir()))
     with _lock:
-        if memo in _resolved:
+        found = _resolved.get(memo)
+        if found is None:
+            lookup = find_plan(key)
+            chosen = lookup.chosen
+            prior = chosen.plan if chosen is not None else None
+            if prior is not None and prior.complete:
+                found = _resolved[memo] = Resolution(prior, chosen.origin, chosen.path, lookup)
+            elif not qualify and prior is None:
+                return Resolution(unqualified(key), "unqualified", None, lookup,
+                                  reason="no plan applies and qualifying was not asked for")
+            elif not qualify:
+                return Resolution(prior, chosen.origin, chosen.path, lookup,
+                                  reason="sizes pending")
+            else:
+                found = _resolved[memo] = _start_measuring(model, lookup, prior, memo)
+        running = _measuring.get(memo)
+    if wait and running is not None:
+        running.join()
+        with _lock:
             return _resolved[memo]
-        lookup = find_plan(key)
-        chosen = lookup.chosen
-        if chosen is not None and chosen.plan is not None:
-            found = Resolution(chosen.plan, chosen.origin, chosen.path, lookup)
-        elif not qualify:
-            return Resolution(unqualified(key), "unqualified", None, lookup,
-                              reason="no plan applies and qualifying was not asked for")
-        else:
-            found = _qualify_now(model, lookup)
-        _resolved[memo] = found
-        return found
+    return found
 
 
 SHARED_PLAN = "_mlx_fill_plan"  # the model attribute holding the plan its ranks share
@@ -187,7 +258,11 @@ def format_resolution(res: Resolution) -> str:
     elif res.path is not None:
         lines.append(f"source: {res.source} {res.path}")
     else:
-        lines.append(f"source: unqualified, one token per forward: {res.reason}")
+        lines.append(f"source: {res.source}, one token per forward: {res.reason}")
+    if plan.pending:
+        lines.append(f"pending: sizes {list(plan.pending)} not measured yet")
+    if plan.reason:
+        lines.append(f"not measured: {plan.reason}")
     if plan.note:
         lines.append(f"note: {plan.note}")
     lines += format_key(res.lookup.key)
@@ -212,5 +287,5 @@ def run(args: argparse.Namespace) -> int:
     from mlx_lm.utils import load_model
 
     model, _ = load_model(args.model)
-    print(format_resolution(resolve(model, qualify=not args.no_qualify)))
+    print(format_resolution(resolve(model, qualify=not args.no_qualify, wait=True)))
     return 0

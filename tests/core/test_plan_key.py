@@ -85,20 +85,25 @@ def test_shipped_plan_refused_under_another_blas_and_qualified_one_used(
     assert qualify_calls == []
 
     monkeypatch.setattr(kernels, "blas", lambda: FAKE_OPENBLAS)
-    res = resolve.resolve(model)
+    meanwhile = resolve.resolve(model)
+    assert meanwhile.source == "qualifying" and meanwhile.plan.max_chunk == 1
+    res = resolve.resolve(model, wait=True)
     assert res.source == "qualified now" and res.path.parent == plan_dirs.parent / "cache" / "plans"
     assert (res.plan.key.blas, res.plan.key.blas_core) == ("openblas", "SkylakeX")
     refused = next(c for c in res.lookup.candidates if c.origin == "shipped")
     assert refused.problem == "key differs in blas, blas_version, blas_core"
     assert session_for(model).plan == res.plan and len(qualify_calls) == 1
-    line = capsys.readouterr().err
-    assert line.count("\n") == 1 and "qualifying" in line and "openblas 0.3.21 SkylakeX" in line
+    started, done = capsys.readouterr().err.splitlines()
+    assert "qualifying" in started and "openblas 0.3.21 SkylakeX" in started
+    assert "in the background for at most 120 s" in started and "saved to" in done
     text = resolve.format_resolution(res)
     assert "source: qualified now" in text
     assert "blas_core: '' in the plan, 'SkylakeX' here" in text
 
 
 def test_auto_qualify_happens_once_and_is_cached(model, plan_dirs, qualify_calls, monkeypatch):
+    assert session_for(model).plan.max_chunk == 1  # served one token per forward meanwhile
+    assert resolve.wait_qualified(timeout=600)
     first = session_for(model)
     assert first.plan.qualified and first.plan.key == config_key(model)
     assert session_for(model).plan == first.plan and len(qualify_calls) == 1
@@ -196,6 +201,7 @@ def tiny_served_dir(tmp_path):
 def test_serve_engine_qualifies_at_start_up(tiny_served_dir, plan_dirs, qualify_calls):
     from mlx_fill.adapters.server.serve import Engine
     engine = Engine(str(tiny_served_dir), mode="strict")
+    assert resolve.wait_qualified(timeout=600)
     assert len(qualify_calls) == 1 and qualify_calls[0] == config_key(engine.model)
     assert list((plan_dirs.parent / "cache" / "plans").glob("*.json"))
 

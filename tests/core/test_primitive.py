@@ -6,7 +6,7 @@ import random
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from mlx_fill.core.exactness import arrays_equal, cache_content, caches_equal
 from mlx_fill.core.plan import DispatchPlan
@@ -50,11 +50,6 @@ def test_append_matches_serial(any_model, prefix_len, n):
     prefix, ids = ids_of(prefix_len, 1), ids_of(n, 2)
     ref = fresh_cache(any_model, prefix)
     got = fresh_cache(any_model, prefix)
-    window = min((c.max_size for c in ref if isinstance(c, RotatingKVCache)), default=None)
-    if window is not None and prefix_len + n >= window:
-        with pytest.raises(Unsupported):  # exact only while prefix + M stays inside the window
-            append(any_model, got, ids, plan=PLAN)
-        return
     ref_rows = serial(any_model, ref, ids)
     last = append(any_model, got, ids, plan=PLAN, logits="last")
     assert caches_equal(ref, got)
@@ -122,27 +117,6 @@ def test_exception_mid_append_leaves_cache_unchanged(arch):
         append(model, cache, ids_of(10, 11), plan=plan, after_chunk=explode)
     after = cache_content(cache)
     assert len(after) == len(before) and all(arrays_equal(a, b) for a, b in zip(before, after))
-
-
-def test_rotating_cache_refuses_to_wrap():
-    model = tiny_model("llama_swa")  # sliding window 64 on alternate layers
-    cache = fresh_cache(model, ids_of(60, 12))
-    with pytest.raises(Unsupported) as e:
-        append(model, cache, ids_of(8, 13), plan=PLAN)
-    assert e.value.reason == "rotating_would_wrap"
-    assert all(c.offset == 60 for c in cache)
-
-
-def test_rotating_cache_refuses_rewind_once_wrapped():
-    model = tiny_model("llama_swa")
-    cache = fresh_cache(model, ids_of(60, 14))
-    cp = checkpoint(model, cache, PLAN)
-    serial(model, cache, ids_of(10, 15))  # ordinary decode wraps the window
-    assert any(isinstance(c, RotatingKVCache) and not c.is_trimmable() for c in cache)
-    cp.appended = ids_of(10, 15)
-    with pytest.raises(Unsupported) as e:
-        rewind(cp, 2)
-    assert e.value.reason == "rotating_wrapped"
 
 
 def test_unknown_cache_type_is_refused():

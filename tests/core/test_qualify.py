@@ -12,9 +12,13 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ConcatenateKVCache
 
-from mlx_fill.core.plan import PlanKey, load_plan
+from mlx_lm.generate import generate_step as stock_generate_step
+
+from mlx_fill.core.loop import generate_step
+from mlx_fill.core.plan import DispatchPlan, PlanKey, load_plan
 from mlx_fill.core.primitive import Unsupported, check_supported
-from mlx_fill.core.qualify import Check, derive_plan
+from mlx_fill.core.proposal import FillSession
+from mlx_fill.core.qualify import Check, derive_plan, qualify
 from mlx_fill.assets.random_models import build, config_for, save
 
 KEY = PlanKey("cuda", "sm_90 NVIDIA H200", "0.32.4", "0.32.2", "none", "", "", "bfloat16", "none",
@@ -103,3 +107,60 @@ def test_on_cpu_a_crossing_failure_makes_the_size_inexact():
     spec[(4, 256, 254)] = False
     plan = derive_plan(CPU_KEY, checks(spec), (1, 2, 4, 8))
     assert plan.max_chunk == 2 and plan.kv_boundaries == ()
+
+
+def unknown_cache_model():
+    """A tiny qwen3 whose layers use a cache type fill does not know (mlx-lm runs it)."""
+    model, _ = build(config_for("qwen3"), seed=4)
+    model.make_cache = lambda: [ConcatenateKVCache() for _ in model.layers]
+    return model
+
+
+def test_qualify_never_raises_on_a_cache_it_does_not_know(capsys):
+    plan, checks = qualify(unknown_cache_model(), quick=True, bar=False)
+    assert plan.max_chunk == 1 and plan.qualified and checks == []
+    assert plan.reason == "cache_type: ConcatenateKVCache"
+    assert plan.key is not None and DispatchPlan.from_json(plan.to_json()) == plan
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cache_type: ConcatenateKVCache" in err and "max_chunk=1" in err
+
+
+def test_a_server_keeps_serving_a_model_qualify_cannot_measure(capsys):
+    """Served without fill, the refusal counted; the tokens are stock decoding's."""
+    model = unknown_cache_model()
+    prompt = mx.array([5, 9, 2, 7, 1, 3])
+    ref = [t for t, _ in stock_generate_step(prompt, model, max_tokens=12)]
+    session = FillSession([], prompt_ids=prompt.tolist(), plan=qualify(model, quick=True,
+                                                                       bar=False)[0])
+    out = [t for t, _ in generate_step(prompt, model, fill=session, max_tokens=12)]
+    assert out == ref and session.stats.refusals == {"cache_type": 1}
+
+
+def test_a_spent_budget_leaves_sizes_pending_and_a_later_run_measures_them():
+    model, _ = build(config_for("qwen3"), seed=6)
+    first, checks = qualify(model, quick=True, bar=False, budget_s=0)
+    assert checks == [] and first.max_chunk == 1 and first.pending == (2, 3, 4, 8, 16)
+    assert not first.complete and set(first.cost) == {1, 2, 3, 4, 8, 16}
+    assert DispatchPlan.from_json(first.to_json()).pending == first.pending
+    done, checks = qualify(model, quick=True, bar=False, prior=first)
+    assert done.complete and set(done.cost) == set(first.cost) and done.max_chunk == 16
+    assert {c.size for c in checks} == {2, 3, 4, 8, 16}
+
+
+def test_derive_plan_continues_from_an_earlier_run():
+    spec = {(m, kv, s): True for m in (8, 16) for kv in (0, 256)
+            for s in {kv, max(0, kv - m // 2)}}
+    plan = derive_plan(KEY, checks(spec), (8, 16), floor=4, boundaries=(512,))
+    assert plan.max_chunk == 16 and plan.kv_boundaries == (512,)
+    assert derive_plan(KEY, [], (8, 16), floor=4).max_chunk == 4  # nothing measured: floor
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "gemma3_text", "llama_swa"])
+def test_sliding_window_models_qualify_past_the_window(arch):
+    """The acceptance of issue 31: a window shorter than the prompt, chunks > 1 exact,
+    including the ring checks (chunks crossing the ring's end, reached by decoding)."""
+    model, _ = build(config_for(arch, sliding_window=16))
+    plan, checks = qualify(model, quick=True, bar=False)
+    assert plan.max_chunk > 1 and not plan.reason
+    rings = [c for c in checks if c.ring]
+    assert {c.kv for c in rings} == {16, 32} and all(c.exact for c in rings)
