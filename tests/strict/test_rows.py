@@ -169,8 +169,8 @@ def test_schema_check_is_memoized_yet_every_request_gets_its_error():
 
 def _template_roots() -> list[Path]:
     """The asset roots plus the developers' asset folder where one is at hand: families and
-    template revisions the pinned fetcher does not reproduce (llama3.x, extra revisions) live only
-    there. ``.ci/run`` names it in ``MLX_FILL_DEV_ASSETS``; a checkout may have it beside it."""
+    template revisions the pinned fetcher does not reproduce (the vendors' older revisions) live
+    only there. ``.ci/run`` names it in ``MLX_FILL_DEV_ASSETS``; a checkout may have it beside it."""
     dev = os.environ.get("MLX_FILL_DEV_ASSETS")
     extra = Path(dev) if dev else Path(__file__).resolve().parents[2].parent / "shared" / "assets"
     return search_roots() + ([extra] if extra.is_dir() else [])
