@@ -166,3 +166,25 @@ def tokenizer_config(metadata: dict, context_length: int) -> dict:
     if "tokenizer.ggml.unknown_token_id" in metadata:
         config["unk_token"] = tokens[int(metadata["tokenizer.ggml.unknown_token_id"])]
     return config
+
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+
+
+def parameter_name(gguf_name: str) -> str:
+    """The mlx-lm parameter a GGUF tensor of a llama-family model (llama, qwen2) is, e.g.
+    ``blk.3.attn_q.bias -> model.layers.3.self_attn.q_proj.bias``; ``output`` is the untied
+    head."""
+    base, _, leaf = gguf_name.rpartition(".")
+    if base == "token_embd":
+        return f"model.embed_tokens.{leaf}"
+    if base == "output_norm":
+        return f"model.norm.{leaf}"
+    if base == "output":
+        return f"lm_head.{leaf}"
+    _, layer, kind = base.split(".")
+    return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{leaf}"

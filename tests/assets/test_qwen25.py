@@ -125,7 +125,7 @@ def test_metadata_gives_the_qwen2_config(reader):
     assert (config["num_attention_heads"], config["num_key_value_heads"]) == (14, 2)
     assert (config["intermediate_size"], config["vocab_size"], config["rope_theta"]) == (4864, 151936, 1e6)
     assert not config["tie_word_embeddings"] and not config["rope_traditional"]
-    assert {qwen25.parameter_name(t.name) for t in reader.tensors} >= {"lm_head.weight", "model.embed_tokens.weight"}
+    assert {gguf_wheels.parameter_name(t.name) for t in reader.tensors} >= {"lm_head.weight", "model.embed_tokens.weight"}
 
 
 @pytest.mark.slow
@@ -136,7 +136,7 @@ def test_assembled_weights_are_the_dequantized_tensors(reader, smallest, folder)
     weights = mx.load(str(folder / "model.safetensors"))
     assert len(weights) == len(reader.tensors)
     for tensor in smallest.values():
-        stored = weights[qwen25.parameter_name(tensor.name)]
+        stored = weights[gguf_wheels.parameter_name(tensor.name)]
         assert stored.dtype == mx.bfloat16
         reference = mx.array(qwen25.dequantized(tensor)).astype(mx.bfloat16)
         assert mx.array_equal(stored, reference).item(), tensor.name
