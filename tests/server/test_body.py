@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlx_fill import limits as limits_module
-from mlx_fill.adapters.server import serve
+from mlx_fill.adapters.server import app, serve
 from mlx_fill.adapters.server.body import decode_body, unencodable_path
 from mlx_fill.adapters.server.openai_request import RequestError
 from mlx_fill.limits import DEFAULT_LIMITS, Limits, deep_member, json_depth
@@ -283,7 +283,7 @@ def test_health_answers_while_a_large_body_is_decoded(client, monkeypatch):
         seen["released"] = answered.wait(60)
         return decode_body(raw, limits)
 
-    monkeypatch.setattr(serve, "decode_body", held_decode)
+    monkeypatch.setattr(app, "decode_body", held_decode)
     raw = b'{"messages": "' + b'\\"' * ((DEFAULT_LIMITS.max_request_bytes - 32) // 2)
     heavy = threading.Thread(target=lambda: seen.setdefault("r", post_raw(client, raw)))
     heavy.start()
