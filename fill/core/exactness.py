@@ -14,6 +14,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as C
 
+from .ring import write_index
+
 
 def _as_list(x: Any) -> list[mx.array]:
     if x is None:
@@ -50,7 +52,7 @@ def cache_content(cache: Sequence[Any], since: int = 0) -> list[mx.array]:
 def _ring_content(c: C.RotatingKVCache) -> list[mx.array]:
     """The slots a rotating layer's next step reads (mlx-lm's ``keys_and_values``), in stored
     order, and its bookkeeping: where the next write goes depends on ``offset`` and ``_idx``."""
-    state = [mx.array([int(c.offset), int(c._idx)])]
+    state = [mx.array([int(c.offset), write_index(c)])]
     if c.keys is None:
         return state
     n = min(int(c.offset), int(c.keys.shape[2]))

@@ -46,10 +46,16 @@ class RingRefused(Exception):
 Signature = tuple[int | None, int, int, int, int]  # buffer length, offset, _idx, keep, max_size
 
 
+def write_index(c: RotatingKVCache) -> int:
+    """``RotatingKVCache._idx``: the slot the layer's next one-token update writes. The one
+    private field of an mlx-lm cache the core touches, read and written only in this module."""
+    return int(c._idx)
+
+
 def signature(c: RotatingKVCache) -> Signature:
     """What decides where a rotating layer's next writes go."""
     length = None if c.keys is None else int(c.keys.shape[2])
-    return length, int(c.offset), int(c._idx), int(c.keep), int(c.max_size)
+    return length, int(c.offset), write_index(c), int(c.keep), int(c.max_size)
 
 
 @functools.lru_cache(maxsize=256)
@@ -169,7 +175,7 @@ class RingSnapshot:
 
     @classmethod
     def of(cls, c: RotatingKVCache) -> "RingSnapshot":
-        return cls(_alias(c.keys), _alias(c.values), int(c.offset), int(c._idx))
+        return cls(_alias(c.keys), _alias(c.values), int(c.offset), write_index(c))
 
     def restore(self, c: RotatingKVCache) -> None:
         """Put ``c`` back at this snapshot (fresh aliases: the snapshot stays reusable)."""

@@ -94,8 +94,14 @@ def _private_reads(path: Path) -> list[str]:
             and not (isinstance(node.value, ast.Name) and node.value.id == "self")]
 
 
+# the core's one reader of a private cache field (``RotatingKVCache._idx``, where a rotating
+# layer's next write goes), which the core cannot take from the adapters' seam
+CORE_RING = ROOT / "fill" / "core" / "ring.py"
+
+
 def test_no_private_batch_field_is_read_outside_the_seam():
     found = [r for folder in ("fill", "spec", "adapters") for path in (ROOT / folder).rglob("*.py")
-             if path.name != "mlx_lm_seam.py" for r in _private_reads(path)]
+             if path.name != "mlx_lm_seam.py" for r in _private_reads(path)
+             if not (path == CORE_RING and r.endswith(" ._idx"))]
     assert not found, found
     assert _private_reads(ROOT / "adapters" / "mlx_lm_seam.py")  # the check can fail
