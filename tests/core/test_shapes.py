@@ -5,13 +5,13 @@ honour it."""
 from __future__ import annotations
 
 import json
-import random
 import threading
 from dataclasses import replace
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
+from test_models import ids_of, prefilled
 
 from mlx_fill.assets.random_models import build, config_for
 from mlx_fill.core import shapes
@@ -24,18 +24,6 @@ from conftest import tiny_model
 
 KEY = PlanKey("metal", "applegpu_g16s", "0.32.2", "0.32.2", "none", "", "", "bfloat16", "q4",
               "qwen3 layers=4")
-
-
-def ids_of(n, seed):
-    r = random.Random(seed)
-    return [r.randrange(512) for _ in range(n)]
-
-
-def prefilled(model, prompt):
-    cache = make_prompt_cache(model)
-    model(mx.array(prompt)[None], cache=cache)
-    mx.eval([c.state for c in cache])
-    return cache
 
 
 @pytest.fixture
