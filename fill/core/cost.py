@@ -35,6 +35,7 @@ assert spans, then demand that rate.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 from .plan import DispatchPlan
@@ -223,15 +224,35 @@ class DraftAcceptance:
         return list(self._by_key)
 
 
+@dataclass
+class _Shadow:
+    """A draft being scored against the committed ids: ``ids`` (position 0 is the slot after
+    the ids fed before it), the ``tables`` it updates, ``ok`` (its next position to score) and
+    ``first`` (its first position to record: a tail's, the length its round proposed)."""
+
+    ids: list[int]
+    tables: tuple[AcceptanceByPosition, ...]
+    ok: int = 0
+    first: int = 0
+
+
+# Shadows scored at once. Every round's draft (declined, or a proposed prefix accepted whole
+# and its tail) becomes one, so a key learns its deep positions at the rate its drafts arrive;
+# with one at a time, a 64-id shadow occupied ~20 rounds and a key proposed one id per round
+# never learned what two would have earned. A draft arriving while all are busy is not kept.
+MAX_SHADOWS = 16
+
+
 class CostGate:
     """Per-source, per-request length policy, priced per draft against ``pace`` (shared by the
     request's gates; default: plain decoding alone): ``length(key, available)``
     for a draft of ``available`` ids described by ``key``, ``observe(drafted, accepted, key)``
     after each verified round, ``shadow(ids, key)`` to keep a declined draft (model-free sources
-    only: a shadow costs nothing but a lookup) and ``begin(feed)`` to score it against the
-    newly committed ids, position by position as they arrive. ``offer(ids, key)`` and
-    ``observe_proposed`` wrap these for a source: the tail of a draft whose proposed prefix was
-    accepted whole becomes the shadow, so its positions after the prefix are scored too."""
+    only: a shadow costs nothing but a lookup) and ``begin(feed)`` to score the kept drafts
+    against the newly committed ids, position by position as they arrive. ``offer(ids, key)``
+    and ``observe_proposed`` wrap these for a source: the tail of a draft whose proposed prefix
+    was accepted whole becomes a shadow, so its positions after the prefix are scored too.
+    Up to :data:`MAX_SHADOWS` drafts are scored at once, each to its first mismatch or its end."""
 
     def __init__(self, plan: DispatchPlan, max_len: int = 32, *, extra_rows: int = 1,
                  acceptance: DraftAcceptance | None = None, pace: Pace | None = None):
@@ -241,10 +262,7 @@ class CostGate:
         self.extra_rows = extra_rows
         self.acceptance = acceptance if acceptance is not None else DraftAcceptance(max_len)
         self.costs = round_costs(plan, max_len, extra_rows)
-        self._shadow: list[int] = []
-        self._shadow_tables: tuple[AcceptanceByPosition, ...] = ()
-        self._shadow_ok = 0  # next shadow position to score
-        self._shadow_from = 0  # first shadow position to record (a tail's: its round's length)
+        self._shadows: list[_Shadow] = []
         self._proposed: Hashable = ()  # key of the last draft :meth:`offer` let through
         self._offered: list[int] = []  # that draft's ids, up to ``max_len``
 
@@ -285,36 +303,35 @@ class CostGate:
         learning (else a key proposed one id at a time would never be priced for two)."""
         self.observe(drafted, accepted, self._proposed)
         offered, self._offered = self._offered, []
-        if accepted == drafted < len(offered) and not self._shadow:
-            self._shadow = offered
-            self._shadow_tables = self.acceptance.tables(self._proposed)
-            self._shadow_ok = 0
-            self._shadow_from = drafted
+        if accepted == drafted < len(offered) and len(self._shadows) < MAX_SHADOWS:
+            self._shadows.append(_Shadow(offered, self.acceptance.tables(self._proposed),
+                                         first=drafted))
 
     def shadow(self, ids: Sequence[int], key: Hashable = ()) -> None:
-        """Keep a draft that was not proposed; the next fed ids score it (ignored while an
-        earlier shadow is still being scored)."""
-        if self._shadow or not ids:
+        """Keep a draft that was not proposed; the next fed ids score it (not kept while
+        :data:`MAX_SHADOWS` drafts are being scored)."""
+        if not ids or len(self._shadows) >= MAX_SHADOWS:
             return
-        self._shadow = list(ids[:self.max_len])
-        self._shadow_tables = self.acceptance.tables(key)
-        self._shadow_ok = 0
-        self._shadow_from = 0
-        for st in self._shadow_tables:
+        tables = self.acceptance.tables(key)
+        for st in tables:
             st.open_round()
+        self._shadows.append(_Shadow(list(ids[:self.max_len]), tables))
 
     def begin(self, feed: Sequence[int]) -> None:
-        """Score the pending shadow draft against newly committed ids: each position from
-        ``_shadow_from`` on is recorded as soon as the id for its slot is known (the positions
-        before it are a proposal's accepted ids, which its round recorded)."""
+        """Score the kept drafts against newly committed ids: each position from a shadow's
+        ``first`` on is recorded as soon as the id for its slot is known (the positions before
+        it are a proposal's accepted ids, which its round recorded); a shadow ends at its first
+        mismatch or its last id."""
         for t in feed:
-            if not self._shadow:
+            if not self._shadows:
                 return
-            i = self._shadow_ok
-            ok = t == self._shadow[i]
-            if i >= self._shadow_from:
-                for st in self._shadow_tables:
-                    st.record(i, ok)
-            self._shadow_ok += 1
-            if not ok or self._shadow_ok == len(self._shadow):
-                self._shadow = []
+            live = []
+            for sh in self._shadows:
+                ok = t == sh.ids[sh.ok]
+                if sh.ok >= sh.first:
+                    for st in sh.tables:
+                        st.record(sh.ok, ok)
+                sh.ok += 1
+                if ok and sh.ok < len(sh.ids):
+                    live.append(sh)
+            self._shadows = live

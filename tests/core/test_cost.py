@@ -328,7 +328,7 @@ def test_a_key_always_accepted_learns_to_propose_longer_spans():
     lets a key whose drafts are always right grow its span round by round."""
     pace = Pace(round_overhead=0.086)
     gate = CostGate(BF16, 16, pace=pace)
-    stream = list(range(100, 400))
+    stream = list(range(100, 100 + 30 * 17 + 16))  # 30 rounds of up to 16 ids and a bonus
     pos, lengths = 0, []
     for _ in range(30):
         draft = stream[pos:pos + 16]
@@ -339,3 +339,21 @@ def test_a_key_always_accepted_learns_to_propose_longer_spans():
         gate.begin(stream[pos - n - 1:pos])
     assert lengths[0] == 1
     assert lengths[-1] >= 8, lengths
+
+
+def test_drafts_are_scored_side_by_side():
+    """A shadow still being scored does not keep a later draft from being scored: each key
+    learns at the rate its drafts arrive (one shadow at a time, a 64-id shadow held the gate
+    for ~20 rounds), and every shadow ends at its own first mismatch."""
+    gate = CostGate(BF16, 8, acceptance=DraftAcceptance(8, decay=1.0))
+    gate.shadow([1, 2, 3, 4, 5, 6, 7, 8], "a")
+    gate.begin([1])
+    gate.shadow([2, 3, 9, 9], "b")
+    gate.begin([2, 3, 4])
+    acc = gate.acceptance
+    unseen = acc.stats("never drafted")
+    assert acc.stats("b").q(0) > unseen.q(0) and acc.stats("b").q(1) > unseen.q(1)
+    assert acc.stats("b").q(2) < unseen.q(2)  # "b" missed at its position 2 and ended there
+    assert acc.stats("a").q(3) > unseen.q(3)  # "a" is still scored past "b"'s end
+    gate.begin([5])
+    assert acc.stats("a").q(4) > unseen.q(4)
