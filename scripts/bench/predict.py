@@ -1,7 +1,8 @@
 """Predicted Outputs on file edits: fill with the original file as ``prediction`` vs plain decoding.
 
-Each task is a real file of this repository and a real edit instruction (rename a symbol, change
-a constant, delete a block, insert a line, add a parameter); the model is asked to reply with the
+Each task is a real file of this repository (28-121 lines) and a real edit instruction (rename a
+symbol or a method at every call, change a constant, delete a block, insert a line, add a
+parameter, fix a misspelling planted in the file); the model is asked to reply with the
 whole edited file, and the request's OpenAI ``prediction`` is the original file, as an editor's
 "apply edit" sends it. One task gives the prediction of another file (useless: what the flag
 costs where nothing matches). Arms, in one run, interleaved on the same prefilled prompt (every
@@ -58,7 +59,9 @@ _FENCE = re.compile(r"```[\w+-]*\n(.*?)```", re.DOTALL)
 class EditTask:
     """One edit: ``path`` (relative to the repository root), the instruction, and the edit as
     ``(old, new)`` replacements of the original text (each ``old`` must occur in it), from which
-    the expected file follows. ``prediction_path``: predict another file instead (useless)."""
+    the expected file follows. ``prediction_path``: predict another file instead (useless).
+    ``typo``: ``(word, misspelling)``; the original is the file with its one ``word`` misspelled
+    (the prediction too, as an editor sends the file it holds), the expected file is the real one."""
 
     name: str
     path: str
@@ -66,9 +69,16 @@ class EditTask:
     replacements: tuple[tuple[str, str], ...]
     prediction_path: str | None = None
     max_tokens: int | None = None  # a cap below the run's (the useless task needs no whole file)
+    typo: tuple[str, str] | None = None
 
     def original(self) -> str:
-        return (ROOT / self.path).read_text(encoding="utf-8")
+        text = (ROOT / self.path).read_text(encoding="utf-8")
+        if self.typo is not None:
+            word, misspelled = self.typo
+            if text.count(word) != 1:
+                raise ValueError(f"task {self.name}: {word!r} must occur once in {self.path}")
+            text = text.replace(word, misspelled)
+        return text
 
     def expected(self) -> str:
         text = self.original()
@@ -79,7 +89,9 @@ class EditTask:
         return text
 
     def prediction(self) -> str:
-        return (ROOT / (self.prediction_path or self.path)).read_text(encoding="utf-8")
+        if self.prediction_path is None:
+            return self.original()
+        return (ROOT / self.prediction_path).read_text(encoding="utf-8")
 
 
 _MODEL_REF = '''
@@ -114,6 +126,13 @@ TASKS: tuple[EditTask, ...] = (
              "and do not use it anywhere.",
              (("def _with_telemetry(responses: Iterator[Any], fill: FillSession)",
                "def _with_telemetry(responses: Iterator[Any], fill: FillSession, label: str = \"fill\")"),)),
+    EditTask("fix-typo", "spec/ngram.py",
+             "Fix the misspelled word in the module docstring.",
+             (("behavoiur", "behaviour"),), typo=("behaviour", "behavoiur")),
+    EditTask("rename-method", "spec/combine.py",
+             "Rename the method `_score_shadows` to `_score_shadow_drafts` (its definition and "
+             "every call).",
+             (("_score_shadows(", "_score_shadow_drafts("),)),
     EditTask("useless-prediction", "fill/modes.py",
              "Rename the function `check_mode` to `normalize_mode`.",
              (("def check_mode(", "def normalize_mode("),), prediction_path="setup.py", max_tokens=96),
