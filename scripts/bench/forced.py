@@ -20,7 +20,10 @@ lookup with a fixed draft of 10, transformers' ``prompt_lookup_num_tokens=10``: 
 occurrence of the longest trailing 2- or 1-gram) and ``peer-suffix`` (SuffixDecoding's span rule
 as Arctic Inference ships it: ``max_spec_factor = 1`` times the match length, ``min_token_prob =
 0.1``, depth 64, every non-empty draft proposed; the request's own tree, no cross-request store
-here since the repeats would otherwise find the reply itself). ``oracle`` is the bound
+here since the repeats would otherwise find the reply itself). On request (``--arms``),
+``prediction``: ``all`` with OpenAI's ``prediction`` set to the file the reply rewrites as a read
+tool last returned it (:func:`rewritten_file`; ``--rewrites`` replays only such turns; elsewhere
+it is ``all``). ``oracle`` is the bound
 (:mod:`scripts.bench.oracle`): per turn, the best span any source offered at every position,
 priced by the plan's c(M) and round overhead.
 
@@ -33,6 +36,7 @@ c(M) curve (M = 2, 3, ...), reported as "projected".
 
     python -m scripts.bench.forced [--transcripts PATH] [--model DIR] [--per-source N]
         [--max-tokens N] [--max-context N] [--repeats N] [--curve 1.1,1.4,...] [--json PATH]
+        [--arms plain,...] [--rewrites] [--surrogate]
 """
 
 from __future__ import annotations
@@ -66,6 +70,9 @@ from .__main__ import forcing_processor, timed_decode
 from .oracle import RoundRecord, accepted_prefix, curve_plan, oracle_cost, priced_cost
 
 ARMS = ("plain", "off", "strict", "echo", "suffix", "ngram", "all", "peer-lookup", "peer-suffix")
+PREDICTION = "prediction"  # not a default arm: `all` with the file as last read (--rewrites)
+READ_TOOLS = frozenset({"read", "read_file", "open", "view"})
+PATH_KEYS = ("path", "file_path", "filename")
 OVERALL = "overall"
 ORACLE = "oracle"
 PEER_LOOKUP_TOKENS = 10  # transformers' prompt_lookup_num_tokens=10
@@ -77,7 +84,8 @@ ORACLE_SPAN = 64  # the longest span the oracle's model-free drafts offer (the s
 class ForcedTurn:
     """One recorded assistant turn: ``prompt`` (rendered, clipped to the context budget),
     ``output`` (the recorded reply's ids, end-of-turn included, capped), the request's
-    ``messages``/``tools`` (for strict), its ``transcript_source`` and ``tool`` label."""
+    ``messages``/``tools`` (for strict), its ``transcript_source`` and ``tool`` label;
+    ``prediction``: the text of the file the reply rewrites as last read (:func:`rewritten_file`)."""
 
     transcript_source: str
     session_id: str
@@ -86,6 +94,7 @@ class ForcedTurn:
     output: list[int]
     messages: list[dict]
     tools: list[dict] | None
+    prediction: str | None = None
 
 
 # ----------------------------------------------------------------------------- turns
@@ -101,6 +110,47 @@ def default_sessions() -> list[dict]:
     with gzip.open(path, "rt", encoding="utf-8") as fh:
         others = [json.loads(line) for line in fh]
     return rows + [r for r in others if r.get("source") not in fixture_data.SOURCES]
+
+
+def _calls(message: dict) -> list[tuple[str, dict, Any]]:
+    """``(name, arguments, id)`` of a message's tool calls (arguments decoded; {} if not an object)."""
+    out = []
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function", call)
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                args = {}
+        out.append((str(fn.get("name")), args if isinstance(args, dict) else {}, call.get("id")))
+    return out
+
+
+def _path(args: dict) -> str | None:
+    return next((args[k] for k in PATH_KEYS if isinstance(args.get(k), str)), None)
+
+
+def rewritten_file(messages: Sequence[dict], index: int) -> str | None:
+    """The prediction for reply ``messages[index]``: when one of its calls names a path (and is
+    not a read) whose text a read tool (:data:`READ_TOOLS`) returned earlier in the session,
+    that text as last read, JSON-escaped as the call's arguments carry it; else None."""
+    targets = {_path(a) for name, a, _ in _calls(messages[index]) if name not in READ_TOOLS}
+    targets.discard(None)
+    if not targets:
+        return None
+    read_paths: dict[Any, str] = {}  # read call id -> path
+    last: dict[str, str] = {}
+    for m in messages[:index]:
+        if m.get("role") == "assistant":
+            for name, args, call_id in _calls(m):
+                if name in READ_TOOLS and _path(args) is not None:
+                    read_paths[call_id] = _path(args)
+        elif m.get("role") == "tool" and isinstance(m.get("content"), str) \
+                and m.get("tool_call_id") in read_paths:
+            last[read_paths[m["tool_call_id"]]] = m["content"]
+    found = [last[p] for p in sorted(targets) if p in last]
+    return json.dumps(found[0], ensure_ascii=False)[1:-1] if found else None
 
 
 def turn_tool(labels: Sequence[str], structured: bool) -> str:
@@ -136,10 +186,11 @@ def _head_length(tok, history: list[dict], tools, tokens: Sequence[int]) -> int:
 
 
 def forced_turns(tok, sessions: list[dict], *, per_source: int | None, max_tokens: int | None,
-                 max_context: int | None) -> tuple[list[ForcedTurn], Counter]:
+                 max_context: int | None, rewrites: bool = False) -> tuple[list[ForcedTurn], Counter]:
     """The turns to replay: per source, ``per_source`` turns evenly spaced over all of its
     sessions' turns (the middles of ``per_source`` equal stretches; every turn when None), in
-    session order. Returns the turns and the count
+    session order; ``rewrites``: only turns that rewrite a file read earlier in the session
+    (:func:`rewritten_file`). Returns the turns and the count
     of sessions that could not be rendered, per reason."""
     mk = markers(tok)
     opener = tok.encode(mk.opener, add_special_tokens=False)
@@ -153,7 +204,8 @@ def forced_turns(tok, sessions: list[dict], *, per_source: int | None, max_token
             skipped[f"{session.get('source')}: {type(e).__name__}"] += 1
             continue
         for turn in rendered.turns:
-            if turn.end - turn.start >= 2:
+            if turn.end - turn.start >= 2 and (
+                    not rewrites or rewritten_file(rendered.messages, turn.message_index)):
                 by_source[rendered.transcript_source].append((rendered, turn))
     out: list[ForcedTurn] = []
     for source, cands in by_source.items():
@@ -170,7 +222,8 @@ def forced_turns(tok, sessions: list[dict], *, per_source: int | None, max_token
                 source, rendered.session_id,
                 turn_tool(turn.labels[:len(output)], rendered.tools is not None),
                 clip_context(prompt, heads[key], max_context, boundary), output,
-                rendered.messages[:turn.message_index], rendered.tools))
+                rendered.messages[:turn.message_index], rendered.tools,
+                rewritten_file(rendered.messages, turn.message_index)))
     return out, skipped
 
 
@@ -231,8 +284,14 @@ def arm_session(arm: str, turn: ForcedTurn, *, model, tok, plan: DispatchPlan,
                                acceptance=acceptance, pace=pace)
         return FillSession(sources, prompt_ids=turn.prompt, eos_ids=tok.eos_token_ids,
                            plan=plan, pace=pace)
+    prediction = None
+    if arm == PREDICTION:
+        arm = "all"
+        if turn.prediction is not None:
+            prediction = {"type": "content", "content": turn.prediction}
     return build_session(arm, model=model, tokenizer=tok, prompt_ids=turn.prompt,
-                         messages=turn.messages, tools=turn.tools, acceptance=acceptance)
+                         messages=turn.messages, tools=turn.tools, acceptance=acceptance,
+                         prediction=prediction)
 
 
 def offline_available(turn: ForcedTurn, proposals: Sequence[tuple[int, Sequence[int]]]) -> list[int]:
@@ -454,7 +513,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-context", type=int, default=None,
                     help="prompt ids kept: the system prompt and tools, then the latest turns")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--arms", default=",".join(ARMS),
+                    help=f"comma-separated, plain first; also {PREDICTION!r} (`all` with the "
+                         "file as last read as the prediction, on turns that have one)")
+    ap.add_argument("--rewrites", action="store_true",
+                    help="only turns whose reply rewrites a file a read tool returned earlier")
     ap.add_argument("--curve", default=None, help="c(M) for M = 2, 3, ...: price the trace as 'projected'")
     ap.add_argument("--curve-overhead", type=float, default=0.0,
                     help="the projected curve's round overhead in one-row forwards")
@@ -469,8 +532,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    if not arms or arms[0] != "plain" or any(a not in ARMS for a in arms):
-        return fail(f"--arms must start with plain and name arms of {','.join(ARMS)}")
+    if not arms or arms[0] != "plain" or any(a not in (*ARMS, PREDICTION) for a in arms):
+        return fail(f"--arms must start with plain and name arms of {','.join(ARMS)},{PREDICTION}")
     if args.repeats < 1:
         return fail("--repeats must be >= 1")
     projection = None
@@ -493,7 +556,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.surrogate:
         model = surrogate(model, plan)
     turns, skipped = forced_turns(tok, sessions, per_source=args.per_source,
-                                  max_tokens=args.max_tokens, max_context=args.max_context)
+                                  max_tokens=args.max_tokens, max_context=args.max_context,
+                                  rewrites=args.rewrites)
     for reason, k in skipped.items():
         print(f"forced: {k} sessions not rendered ({reason})", file=sys.stderr)
     if not turns:

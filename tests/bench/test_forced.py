@@ -120,3 +120,58 @@ def test_forced_turns_emit_the_recorded_ids_not_the_models_own(two_sessions):
     result = forced.run([turn], model=model, tok=tok, plan=plan, repeats=1, projection=None,
                         arms=("plain", "off", "all"))
     assert result["identical"] is True
+
+
+FILE = 'def area(r):\n    return 3.14 * r * r\n\n\nprint("area", area(2))\n'
+
+
+def _call(call_id: str, name: str, args: dict) -> dict:
+    return {"id": call_id, "type": "function",
+            "function": {"name": name, "arguments": json.dumps(args)}}
+
+
+def test_rewritten_file_is_the_file_as_last_read_escaped_as_the_call_carries_it():
+    read = [{"role": "user", "content": "fix it"},
+            {"role": "assistant", "content": "", "tool_calls": [_call("1", "read", {"path": "a.py"})]},
+            {"role": "tool", "tool_call_id": "1", "content": "old"},
+            {"role": "assistant", "content": "", "tool_calls": [_call("2", "read", {"path": "a.py"})]},
+            {"role": "tool", "tool_call_id": "2", "content": FILE}]
+    write = {"role": "assistant", "content": "",
+             "tool_calls": [_call("3", "write", {"path": "a.py", "content": FILE})]}
+    other = {"role": "assistant", "content": "",
+             "tool_calls": [_call("4", "edit", {"path": "b.py", "oldText": "x", "newText": "y"})]}
+    predicted = forced.rewritten_file([*read, write], len(read))
+    assert predicted == json.dumps(FILE)[1:-1]
+    assert predicted in write["tool_calls"][0]["function"]["arguments"]
+    assert forced.rewritten_file([*read, other], len(read)) is None  # b.py was never read
+    assert forced.rewritten_file(read, 3) is None  # a read rewrites nothing
+
+
+def test_the_prediction_arm_replays_a_rewrite_identically(tmp_path):
+    """``--rewrites`` keeps the turn that rewrites a file read earlier; the ``prediction`` arm
+    (``all`` with that file as the prediction) emits the recorded ids."""
+    from mlx_fill.assets.fixtures import fixture_path
+    session = {"source": "synthetic", "session_id": "s1", "tool_call_style": "structured",
+               "messages": [
+                   {"role": "user", "content": "Use pi instead of 3.14 in a.py"},
+                   {"role": "assistant", "content": "",
+                    "tool_calls": [{"id": "1", "name": "read", "arguments": {"path": "a.py"}}]},
+                   {"role": "tool", "tool_call_id": "1", "name": "read", "content": FILE},
+                   {"role": "assistant", "content": "",
+                    "tool_calls": [{"id": "2", "name": "write", "arguments": {
+                        "path": "a.py", "content": FILE.replace("3.14", "math.pi")}}]},
+                   {"role": "tool", "tool_call_id": "2", "name": "write", "content": "ok"},
+                   {"role": "assistant", "content": "Done."}]}
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps(session) + "\n")
+    out = tmp_path / "forced.json"
+    rc = forced.main(["--transcripts", str(path), "--model", str(fixture_path("qwen3-json")),
+                      "--dtype", "none", "--rewrites", "--max-tokens", "48", "--repeats", "1",
+                      "--arms", "plain,all,prediction", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["identical"] is True and report["meta"]["turns"] == 1
+    assert set(report["by_tool"]) == {"write"}
+    overall = report["rows"]["overall"]
+    # the file as last read covers most of the new content: fewer forwards than `all` alone
+    assert 0 < overall["prediction"]["fwd_per_tok"] < overall["all"]["fwd_per_tok"]
