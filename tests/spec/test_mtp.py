@@ -286,6 +286,7 @@ def test_fixture_hybrid_lossless_on_transcript_prompts(tmp_path):
     assert rounds > 0
 
 
+@pytest.mark.slow  # 40 s: assembles the committed head onto its fixture and decodes
 def test_committed_fixture_head_is_assembled_and_gets_drafts_accepted():
     """The MTP head trained for the ``qwen35-xml`` fixture (``scripts/training/train_mtp.py``) is
     assembled into the fixture's dir byte for byte, loads, stays lossless on frozen held-out
