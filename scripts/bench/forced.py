@@ -144,8 +144,9 @@ def rewritten_file(messages: Sequence[dict], index: int) -> str | None:
     for m in messages[:index]:
         if m.get("role") == "assistant":
             for name, args, call_id in _calls(m):
-                if name in READ_TOOLS and _path(args) is not None:
-                    read_paths[call_id] = _path(args)
+                path = _path(args)
+                if name in READ_TOOLS and path is not None:
+                    read_paths[call_id] = path
         elif m.get("role") == "tool" and isinstance(m.get("content"), str) \
                 and m.get("tool_call_id") in read_paths:
             last[read_paths[m["tool_call_id"]]] = m["content"]
@@ -196,7 +197,7 @@ def forced_turns(tok, sessions: list[dict], *, per_source: int | None, max_token
     opener = tok.encode(mk.opener, add_special_tokens=False)
     boundary = opener[0] if opener else None
     skipped: Counter = Counter()
-    by_source: dict[str, list[tuple[Any, Any]]] = defaultdict(list)
+    by_source: dict[str, list[tuple[Any, Any, str | None]]] = defaultdict(list)
     for session in sessions:
         try:
             rendered = render_recording(session, tok, mk)
@@ -204,15 +205,15 @@ def forced_turns(tok, sessions: list[dict], *, per_source: int | None, max_token
             skipped[f"{session.get('source')}: {type(e).__name__}"] += 1
             continue
         for turn in rendered.turns:
-            if turn.end - turn.start >= 2 and (
-                    not rewrites or rewritten_file(rendered.messages, turn.message_index)):
-                by_source[rendered.transcript_source].append((rendered, turn))
+            predicted = rewritten_file(rendered.messages, turn.message_index)
+            if turn.end - turn.start >= 2 and (predicted or not rewrites):
+                by_source[rendered.transcript_source].append((rendered, turn, predicted))
     out: list[ForcedTurn] = []
     for source, cands in by_source.items():
         if per_source is not None and len(cands) > per_source:
             cands = [cands[(2 * i + 1) * len(cands) // (2 * per_source)] for i in range(per_source)]
         heads: dict[int, int] = {}
-        for rendered, turn in cands:
+        for rendered, turn, predicted in cands:
             key = id(rendered)
             if key not in heads:
                 heads[key] = _head_length(tok, rendered.messages, rendered.tools, rendered.tokens)
@@ -222,8 +223,7 @@ def forced_turns(tok, sessions: list[dict], *, per_source: int | None, max_token
                 source, rendered.session_id,
                 turn_tool(turn.labels[:len(output)], rendered.tools is not None),
                 clip_context(prompt, heads[key], max_context, boundary), output,
-                rendered.messages[:turn.message_index], rendered.tools,
-                rewritten_file(rendered.messages, turn.message_index)))
+                rendered.messages[:turn.message_index], rendered.tools, predicted))
     return out, skipped
 
 
