@@ -123,7 +123,7 @@ def test_qualify_checks_find_chunks_exact(name):
     assert derive_plan(None, checks, (1, 2, 4, 8)).max_chunk == 8
 
 
-def test_quick_qualify_of_a_quantized_moe():
+def test_quick_qualify_of_a_quantized_moe(steady_cost):
     plan, checks = qualify(model_of("qwen3_moe-q4"), quick=True, bar=False)
     assert plan.key.quant == "q4g32-affine" and plan.max_chunk > 1 and not plan.reason
     assert checks and plan.complete
@@ -131,7 +131,7 @@ def test_quick_qualify_of_a_quantized_moe():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in IDS if n != "qwen3_moe-q4"])
-def test_quick_qualify(name):
+def test_quick_qualify(name, steady_cost):
     plan, _ = qualify(model_of(name), quick=True, bar=False)
     assert plan.max_chunk > 1 and not plan.reason and plan.complete
 

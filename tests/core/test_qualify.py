@@ -136,7 +136,7 @@ def test_a_server_keeps_serving_a_model_qualify_cannot_measure(capsys):
     assert out == ref and session.stats.refusals == {"cache_type": 1}
 
 
-def test_a_spent_budget_leaves_sizes_pending_and_a_later_run_measures_them():
+def test_a_spent_budget_leaves_sizes_pending_and_a_later_run_measures_them(steady_cost):
     model, _ = build(config_for("qwen3"), seed=6)
     first, checks = qualify(model, quick=True, bar=False, budget_s=0)
     assert checks == [] and first.max_chunk == 1 and first.pending == (2, 3, 4, 8, 16)
@@ -156,7 +156,7 @@ def test_derive_plan_continues_from_an_earlier_run():
 
 
 @pytest.mark.parametrize("arch", ["gpt_oss", "gemma3_text", "llama_swa"])
-def test_sliding_window_models_qualify_past_the_window(arch):
+def test_sliding_window_models_qualify_past_the_window(arch, steady_cost):
     """The acceptance of issue 31: a window shorter than the prompt, chunks > 1 exact,
     including the ring checks (chunks crossing the ring's end, reached by decoding)."""
     model, _ = build(config_for(arch, sliding_window=16))

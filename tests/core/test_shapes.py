@@ -127,7 +127,7 @@ def test_qualify_checks_the_other_shape_only_where_it_could_win():
     assert {c.shape for c in found} == set(shapes.SHAPES)  # no costs: every shape
 
 
-def test_qualify_records_a_shape_per_size():
+def test_qualify_records_a_shape_per_size(steady_cost):
     model, _ = build(config_for("qwen3"), seed=8)
     plan, found = qualify(model, quick=True, bar=False)
     assert {c.shape for c in found} >= {"native"}
