@@ -17,7 +17,10 @@ Acceptance is estimated per draft, not per source: a source describes each draft
 and score buckets; prediction: in step with the output or re-anchored, and on what). Every key
 has its own :class:`AcceptanceByPosition`, whose prior is the source-wide estimate
 (:class:`DraftAcceptance`: back-off, so a key seen for the first time is priced like the
-source's average draft and moves away from it as its own evidence arrives).
+source's average draft and moves away from it as its own evidence arrives). A draft is priced
+on each position's estimate less one standard error of the key's evidence
+(:meth:`AcceptanceByPosition.q_low`): gating on a noisy estimate proposes exactly where it
+happens to be high.
 
 :class:`CostGate` ties curve and estimates together for one source and one request (the
 estimates may live across requests: pass the same :class:`DraftAcceptance`). Model-free sources
@@ -35,8 +38,9 @@ assert spans, then demand that rate.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 from .plan import DispatchPlan
 from .proposal import Pace
@@ -117,16 +121,40 @@ class AcceptanceByPosition:
         prior = self.parent.q(i) if self.parent is not None else self.prior_a / max(strength, 1e-12)
         return (self._accepted[i] / w + strength * prior) / (self._reached[i] / w + strength)
 
+    def q_low(self, i: int) -> float:
+        """``q(i)`` less one standard error of its evidence,
+        ``q - sqrt(q (1 - q) / n)`` with ``n = reached[i] + prior_a + prior_b`` (decayed
+        counts), at least 0. A gate that proposes exactly when its estimate is high is
+        wrong more often than the estimate says (it picks the keys whose few observations
+        happened to be lucky); pricing on this bound makes a key earn a long span with
+        evidence, and leaves a key seen often priced at nearly its estimate."""
+        q = self.q(i)
+        if i >= self.max_len:
+            return q
+        n = self._reached[i] / self._w + self.prior_a + self.prior_b
+        if n <= 0.0:
+            return q
+        return max(0.0, q - math.sqrt(q * (1.0 - q) / n))
+
     def survival(self, m: int) -> list[float]:
-        """``s[j] = P(positions 0..j all accepted)`` for j < m."""
-        out, p = [], 1.0
-        for i in range(m):
-            p *= self.q(i)
-            out.append(p)
-            if p < 1e-6:
-                out.extend([0.0] * (m - i - 1))
-                break
-        return out
+        """``s[j] = P(positions 0..j all accepted)`` for j < m, on :meth:`q`."""
+        return _survival(self.q, m)
+
+    def lower_survival(self, m: int) -> list[float]:
+        """:meth:`survival` on :meth:`q_low`: what the gate prices a draft on."""
+        return _survival(self.q_low, m)
+
+
+def _survival(q: Callable[[int], float], m: int) -> list[float]:
+    """``s[j] = prod_{i <= j} q(i)`` for j < m (zeros once below 1e-6)."""
+    out, p = [], 1.0
+    for i in range(m):
+        p *= q(i)
+        out.append(p)
+        if p < 1e-6:
+            out.extend([0.0] * (m - i - 1))
+            break
+    return out
 
 
 def batch_min_gain(plan: DispatchPlan, batch: int) -> float:
@@ -161,7 +189,7 @@ def best_length(stats: AcceptanceByPosition, max_len: int, costs: Sequence[float
     ``1 + overhead + s_0 * (costs[m - 1] - 1)``. A one-id draft never pays there.
     """
     max_len = min(max_len, stats.max_len, len(costs) - 1)
-    s = stats.survival(max_len)
+    s = stats.lower_survival(max_len)
     best_m, best_rate, total = 0, 1.0, 1.0
     for m in range(1, max_len + 1):
         if first_in_flight:

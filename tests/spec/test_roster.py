@@ -97,16 +97,20 @@ def test_best_of_learns_which_member_to_trust_from_shadow_drafts():
     assert all(c == "best:good" for c in chosen[-10:])
 
 
-def test_best_of_with_cost_curve_proposes_nothing_for_a_useless_member():
-    never = _Fixed("never", [7, 7, 7])
+def test_best_of_with_cost_curve_proposes_for_a_right_member_and_not_for_a_useless_one():
+    """Both start unproven (nothing pays on the prior's lower bound); declined drafts are scored
+    as shadows, so the member that is always right opens and the useless one never does."""
     costly = DispatchPlan(key=None, max_chunk=8, cost={2: 1.2, 4: 1.5, 8: 2.0}, qualified=True)
-    best = BestOf([never], plan=costly, max_len=8, stats={})
-    emitted: list[int] = []
-    out = []
-    for _ in range(40):
-        p = best.propose(DecodeView([0], emitted))
-        out.append(p)
-        if p is not None:
-            best.feedback(p, 0)
-        emitted.append(1)
-    assert out[0] is not None and all(p is None for p in out[-10:])
+    for member, proposes in ((_Fixed("right", [1, 1, 1]), True),
+                             (_Fixed("never", [7, 7, 7]), False)):
+        best = BestOf([member], plan=costly, max_len=8, stats={})
+        emitted: list[int] = []
+        out = []
+        for _ in range(40):
+            p = best.propose(DecodeView([0], emitted))
+            out.append(p)
+            accepted = 0 if p is None or member.name == "never" else len(p.ids)
+            if p is not None:
+                best.feedback(p, accepted)
+            emitted += [1] * (accepted + 1)
+        assert all((p is not None) == proposes for p in out[-10:]), (member.name, out)
