@@ -196,8 +196,10 @@ def build_session(
         if strict is not None:
             sources.append(strict)
         if predicted:
+            # one draft, the client's own statement of the output: no choice among keys to
+            # guard against, so priced on the estimate itself
             gate = CostGate(plan, max_span, pace=pace,
-                            acceptance=source_acceptance(acceptance, PREDICTION, max_span))
+                            acceptance=source_acceptance(acceptance, PREDICTION, max_span, z=0.0))
             sources.append(PredictionSource(predicted, max_span=max_span, gate=gate))
         names = list(_MODE_SOURCES[mode])
         if mode == "all":

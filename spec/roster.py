@@ -149,12 +149,14 @@ def make_sources(
     return out
 
 
-def source_acceptance(acceptance: dict | None, name: str, max_len: int) -> DraftAcceptance:
-    """Source ``name``'s per-draft estimates: kept in ``acceptance`` (a server-lifetime dict)
-    when given, else fresh for this request."""
+def source_acceptance(acceptance: dict | None, name: str, max_len: int,
+                      z: float = 1.0) -> DraftAcceptance:
+    """Source ``name``'s per-draft estimates, priced ``z`` standard errors low
+    (:class:`~mlx_fill.core.cost.DraftAcceptance`): kept in ``acceptance`` (a server-lifetime
+    dict) when given, else fresh for this request."""
     if acceptance is None:
-        return DraftAcceptance(max_len)
+        return DraftAcceptance(max_len, z=z)
     key = (name, "gate")
     if key not in acceptance:
-        acceptance[key] = DraftAcceptance(max_len)
+        acceptance[key] = DraftAcceptance(max_len, z=z)
     return acceptance[key]

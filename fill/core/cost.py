@@ -19,8 +19,9 @@ has its own :class:`AcceptanceByPosition`, whose prior is the source-wide estima
 (:class:`DraftAcceptance`: back-off, so a key seen for the first time is priced like the
 source's average draft and moves away from it as its own evidence arrives). A draft is priced
 on each position's estimate less one standard error of the key's evidence
-(:meth:`AcceptanceByPosition.q_low`): gating on a noisy estimate proposes exactly where it
-happens to be high.
+(:meth:`AcceptanceByPosition.q_low`): choosing among many keys on noisy estimates proposes
+exactly where they happen to be high. A source with one draft and no choice among keys (a
+client's prediction) is priced on the estimate itself (``z = 0``).
 
 :class:`CostGate` ties curve and estimates together for one source and one request (the
 estimates may live across requests: pass the same :class:`DraftAcceptance`). Model-free sources
@@ -75,7 +76,8 @@ class AcceptanceByPosition:
     """
 
     def __init__(self, max_len: int = 64, *, decay: float = 0.98, prior_a: float = 1.0,
-                 prior_b: float = 1.0, parent: "AcceptanceByPosition | None" = None):
+                 prior_b: float = 1.0, parent: "AcceptanceByPosition | None" = None,
+                 z: float = 1.0):
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
         self.max_len = max_len
@@ -83,6 +85,7 @@ class AcceptanceByPosition:
         self.prior_a = prior_a
         self.prior_b = prior_b
         self.parent = parent
+        self.z = z
         self._reached = [0.0] * max_len
         self._accepted = [0.0] * max_len
         self._w = 1.0
@@ -122,10 +125,10 @@ class AcceptanceByPosition:
         return (self._accepted[i] / w + strength * prior) / (self._reached[i] / w + strength)
 
     def q_low(self, i: int) -> float:
-        """``q(i)`` less one standard error of its evidence,
-        ``q - sqrt(q (1 - q) / n)`` with ``n = reached[i] + prior_a + prior_b`` (decayed
-        counts), at least 0. A gate that proposes exactly when its estimate is high is
-        wrong more often than the estimate says (it picks the keys whose few observations
+        """``q(i)`` less ``z`` standard errors of its evidence,
+        ``q - z sqrt(q (1 - q) / n)`` with ``n = reached[i] + prior_a + prior_b`` (decayed
+        counts), at least 0. A gate that picks, among many keys, those whose estimates are
+        high is wrong more often than the estimates say (the keys whose few observations
         happened to be lucky); pricing on this bound makes a key earn a long span with
         evidence, and leaves a key seen often priced at nearly its estimate."""
         q = self.q(i)
@@ -134,7 +137,7 @@ class AcceptanceByPosition:
         n = self._reached[i] / self._w + self.prior_a + self.prior_b
         if n <= 0.0:
             return q
-        return max(0.0, q - math.sqrt(q * (1.0 - q) / n))
+        return max(0.0, q - self.z * math.sqrt(q * (1.0 - q) / n))
 
     def survival(self, m: int) -> list[float]:
         """``s[j] = P(positions 0..j all accepted)`` for j < m, on :meth:`q`."""
@@ -222,12 +225,15 @@ class DraftAcceptance:
     """Acceptance estimates of one source, per draft key: ``stats(key)`` is the key's
     :class:`AcceptanceByPosition`, backed off to the source-wide one (``stats(())``), which
     every round also updates. Keep one per source for a server's lifetime to carry what was
-    learned across requests (it is a pure function of the drafts and the emitted ids)."""
+    learned across requests (it is a pure function of the drafts and the emitted ids). ``z``:
+    how many standard errors below its estimate every table prices a position
+    (:meth:`AcceptanceByPosition.q_low`)."""
 
-    def __init__(self, max_len: int = 64, *, decay: float = 0.98):
+    def __init__(self, max_len: int = 64, *, decay: float = 0.98, z: float = 1.0):
         self.max_len = max_len
         self.decay = decay
-        self.source = AcceptanceByPosition(max_len=max_len, decay=decay)
+        self.z = z
+        self.source = AcceptanceByPosition(max_len=max_len, decay=decay, z=z)
         self._by_key: dict[Hashable, AcceptanceByPosition] = {}
 
     def stats(self, key: Hashable = ()) -> AcceptanceByPosition:
@@ -236,7 +242,7 @@ class DraftAcceptance:
         st = self._by_key.get(key)
         if st is None:
             st = self._by_key[key] = AcceptanceByPosition(max_len=self.max_len, decay=self.decay,
-                                                          parent=self.source)
+                                                          parent=self.source, z=self.z)
         return st
 
     def tables(self, key: Hashable) -> tuple[AcceptanceByPosition, ...]:

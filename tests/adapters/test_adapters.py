@@ -20,7 +20,7 @@ from mlx_fill.sources.echo import EchoSource
 from mlx_fill.sources.prediction import PredictionSource, prediction_text, prediction_usage
 from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.proposal import DecodeView, FillStats
-from mlx_fill.core.cost import CostGate
+from mlx_fill.core.cost import CostGate, DraftAcceptance
 from mlx_fill.modes import OFF, enabled
 from mlx_fill.session import build_session, check_mode
 from mlx_lm import load
@@ -250,25 +250,24 @@ def test_strict_fill_on_a_scripted_tool_call_is_lossless(lm, monkeypatch):
 
 
 def test_prediction_is_priced_per_draft_by_the_cost_gate():
-    """On a cost curve where a 2-row forward costs 1.6 one-row forwards, a prediction is first
-    kept as a shadow (nothing pays on the prior's lower bound); once a few of its ids are seen
-    to match, position by position, it is proposed, and after it stops matching (re-anchored
-    drafts that are wrong) it is declined again."""
+    """On a cost curve where a 2-row forward costs 1.6 one-row forwards, a prediction (priced on
+    its estimate, as a session prices it) is first kept as a shadow; once its ids are seen to
+    match it is proposed, and after it stops matching (re-anchored drafts that are wrong) it is
+    declined again."""
     steep = DispatchPlan(key=None, max_chunk=16, cost={2: 1.6, 4: 2.0, 8: 3.2, 16: 6.0}, qualified=True)
     right = list(range(100, 140))
-    src = PredictionSource(right, max_span=16, gate=CostGate(steep, 16))
+    src = PredictionSource(right, max_span=16,
+                           gate=CostGate(steep, 16, acceptance=DraftAcceptance(16, z=0.0)))
     view = lambda emitted: DecodeView(prompt=[0], emitted=emitted)
     assert src.propose(view([])) is None  # at the prior nothing pays: a shadow draft
-    steps = 1
-    while (p := src.propose(view(right[:steps]))) is None and steps < 8:
-        steps += 1  # a plain step: the shadows score the id it emitted
-    assert p is not None and len(p.ids) > 1, steps
+    assert src.propose(view(right[:12])) is not None  # the shadow matched position by position
+    p = src.propose(view(right[:12]))
     src.feedback(p, len(p.ids))
+    assert len(p.ids) > 1
     gate = src.gate
     for _ in range(30):  # rounds whose drafts are rejected at once close it again
         gate.observe(16, 0, key=("sync",))
-    done = steps + len(p.ids) + 1
-    assert src.propose(view(right[:done])) is None
+    assert src.propose(view(right[:13])) is None
 
 
 def test_round_overhead_is_the_plans_in_the_loop_and_nothing_in_mlx_lm_server(lm, monkeypatch):
