@@ -76,7 +76,7 @@ class BestOf:
         a cost curve, (expected tokens, the whole draft)."""
         stats = self._stats(i, key)
         if self.costs is None:
-            return 1.0 + sum(stats.lower_survival(len(ids))), len(ids)
+            return 1.0 + sum(stats.survival(len(ids))), len(ids)
         m, rate = best_length(stats, len(ids), self.costs, overhead=self.pace.round_overhead,
                               first_in_flight=self.pace.first_in_flight)
         return rate, m

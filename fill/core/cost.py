@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Hashable, Sequence
+from typing import Hashable, Sequence
 
 from .plan import DispatchPlan
 from .proposal import Pace
@@ -140,24 +140,16 @@ class AcceptanceByPosition:
         return max(0.0, q - self.z * math.sqrt(q * (1.0 - q) / n))
 
     def survival(self, m: int) -> list[float]:
-        """``s[j] = P(positions 0..j all accepted)`` for j < m, on :meth:`q`."""
-        return _survival(self.q, m)
-
-    def lower_survival(self, m: int) -> list[float]:
-        """:meth:`survival` on :meth:`q_low`: what the gate prices a draft on."""
-        return _survival(self.q_low, m)
-
-
-def _survival(q: Callable[[int], float], m: int) -> list[float]:
-    """``s[j] = prod_{i <= j} q(i)`` for j < m (zeros once below 1e-6)."""
-    out, p = [], 1.0
-    for i in range(m):
-        p *= q(i)
-        out.append(p)
-        if p < 1e-6:
-            out.extend([0.0] * (m - i - 1))
-            break
-    return out
+        """``s[j] = P(positions 0..j all accepted)`` for j < m, as a gate prices it: the
+        product of :meth:`q_low` (of :meth:`q` when ``z = 0``)."""
+        out, p = [], 1.0
+        for i in range(m):
+            p *= self.q_low(i)
+            out.append(p)
+            if p < 1e-6:
+                out.extend([0.0] * (m - i - 1))
+                break
+        return out
 
 
 def batch_min_gain(plan: DispatchPlan, batch: int) -> float:
@@ -192,7 +184,7 @@ def best_length(stats: AcceptanceByPosition, max_len: int, costs: Sequence[float
     ``1 + overhead + s_0 * (costs[m - 1] - 1)``. A one-id draft never pays there.
     """
     max_len = min(max_len, stats.max_len, len(costs) - 1)
-    s = stats.lower_survival(max_len)
+    s = stats.survival(max_len)
     best_m, best_rate, total = 0, 1.0, 1.0
     for m in range(1, max_len + 1):
         if first_in_flight:

@@ -33,7 +33,7 @@ def _stats(rate: float, rounds: int = 400, length: int = 16) -> AcceptanceByPosi
 
 
 def test_conditional_acceptance_counts():
-    st = AcceptanceByPosition(max_len=4, decay=1.0, prior_a=0, prior_b=0)
+    st = AcceptanceByPosition(max_len=4, decay=1.0, prior_a=0, prior_b=0, z=0.0)
     st.observe(4, 2)  # positions 0,1 accepted, 2 rejected, 3 never reached
     st.observe(4, 4)
     assert st.q(0) == 1.0 and st.q(1) == 1.0 and st.q(2) == 0.5 and st.q(3) == 1.0
