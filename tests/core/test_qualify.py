@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from dataclasses import replace
 
 import mlx.core as mx
@@ -14,6 +12,7 @@ from mlx_lm.models.cache import ConcatenateKVCache
 
 from mlx_lm.generate import generate_step as stock_generate_step
 
+from mlx_fill import cli
 from mlx_fill.core.loop import generate_step
 from mlx_fill.core.plan import DispatchPlan, PlanKey, load_plan
 from mlx_fill.core.primitive import Unsupported, check_supported
@@ -32,15 +31,14 @@ def tiny_dir(tmp_path_factory):
     return save(model, config, tmp_path_factory.mktemp("tiny") / "qwen35")
 
 
-def test_qualify_quick_cli_writes_a_plan(tiny_dir, tmp_path):
+def test_qualify_quick_cli_writes_a_plan(tiny_dir, tmp_path, monkeypatch, capsys, steady_cost):
+    """In-process, so that ``steady_cost`` reaches the tiny model's cost curve."""
     out = tmp_path / "plan.json"
-    env = dict(os.environ, MLX_FILL_CACHE=str(tmp_path / "cache"))
-    proc = subprocess.run([sys.executable, "-m", "mlx_fill.cli", "qualify", "--model",
-                           str(tiny_dir), "--quick", "--out", str(out)],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert "max_chunk=" in proc.stdout and "c(16)=" in proc.stdout
-    assert "round overhead=" in proc.stdout
+    monkeypatch.setenv("MLX_FILL_CACHE", str(tmp_path / "cache"))
+    assert cli.main(["qualify", "--model", str(tiny_dir), "--quick", "--out", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    assert "max_chunk=" in stdout and "c(16)=" in stdout
+    assert "round overhead=" in stdout
     plan = json.loads(out.read_text())
     assert plan["qualified"] and plan["max_chunk"] >= 1
     assert isinstance(plan["round_overhead"], float) and plan["round_overhead"] >= 0.0
