@@ -117,12 +117,7 @@ class AcceptanceByPosition:
             self.record(i, i < accepted)
 
     def q(self, i: int) -> float:
-        if i >= self.max_len:
-            return 0.0
-        w = self._w
-        strength = self.prior_a + self.prior_b
-        prior = self.parent.q(i) if self.parent is not None else self.prior_a / max(strength, 1e-12)
-        return (self._accepted[i] / w + strength * prior) / (self._reached[i] / w + strength)
+        return self._estimate(i)[0]
 
     def q_low(self, i: int) -> float:
         """``q(i)`` less ``z`` standard errors of its evidence,
@@ -131,13 +126,21 @@ class AcceptanceByPosition:
         high is wrong more often than the estimates say (the keys whose few observations
         happened to be lucky); pricing on this bound makes a key earn a long span with
         evidence, and leaves a key seen often priced at nearly its estimate."""
-        q = self.q(i)
+        q, n = self._estimate(i)
         if i >= self.max_len:
             return q
-        n = self._reached[i] / self._w + self.prior_a + self.prior_b
-        if n <= 0.0:
-            return q
         return max(0.0, q - self.z * math.sqrt(q * (1.0 - q) / n))
+
+    def _estimate(self, i: int) -> tuple[float, float]:
+        """``(q(i), n)``: the estimate and its evidence ``n``, its denominator (0 past
+        ``max_len``, where ``q`` is 0)."""
+        if i >= self.max_len:
+            return 0.0, 0.0
+        w = self._w
+        strength = self.prior_a + self.prior_b
+        prior = self.parent.q(i) if self.parent is not None else self.prior_a / max(strength, 1e-12)
+        n = self._reached[i] / w + strength
+        return (self._accepted[i] / w + strength * prior) / n, n
 
     def survival(self, m: int) -> list[float]:
         """``s[j] = P(positions 0..j all accepted)`` for j < m, as a gate prices it: the

@@ -334,7 +334,7 @@ def test_the_tail_of_an_accepted_prefix_is_scored_in_the_same_round():
     gate.observe_proposed(1, 1)
     gate.begin([10, 11, 12, 99])  # the accepted id, then positions 1, 2 hit and 3 misses
     st = gate.acceptance.stats("k")
-    assert st.q(1) > parent.q(1) - 1e-12 and st.q(2) > parent.q(2) - 1e-12
+    assert st.q(1) > parent.q(1) and st.q(2) > parent.q(2)
     assert st.q(3) < parent.q(3) and st.q(4) == pytest.approx(parent.q(4))
     assert st.rounds == 1
 
