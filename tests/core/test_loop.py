@@ -15,10 +15,11 @@ from mlx_lm.sample_utils import make_logits_processors
 from mlx_fill.core.exactness import caches_equal
 from mlx_fill.core.loop import generate_step
 from mlx_fill.core.plan import DispatchPlan
-from mlx_fill.core.proposal import FillSession, Proposal
+from mlx_fill.core.proposal import FillSession
 from mlx_fill.assets.random_models import build, config_for
 
 from conftest import tiny_model
+from reference_source import ReferenceSource
 
 PLAN = DispatchPlan(key=None, max_chunk=4, qualified=True)
 PROMPT = [random.Random(1).randrange(512) for _ in range(20)]
@@ -39,29 +40,6 @@ def decode(model, fill=None, n=40, stop_after=None, **kw):
     return out, cache
 
 
-class Oracle:
-    """Proposes the reference continuation every ``every`` tokens, optionally corrupted."""
-
-    name = "oracle"
-
-    def __init__(self, reference, policy, corrupt=0.0, every=5, span=6, seed=3):
-        self.ref, self.policy, self.corrupt = reference, policy, corrupt
-        self.every, self.span, self.rng = every, span, random.Random(seed)
-
-    def propose(self, view):
-        i = len(view.emitted)
-        span = list(self.ref[i:i + self.span])
-        if i % self.every or not span:
-            return None
-        if self.rng.random() < self.corrupt:
-            k = self.rng.randrange(len(span))
-            span[k] = (span[k] + 1) % 512
-        return Proposal(tuple(span), self.policy, self.name)
-
-    def feedback(self, proposal, accepted):
-        pass
-
-
 def session(source, prompt=PROMPT, **kw):
     return FillSession([source], prompt_ids=prompt, plan=PLAN, **kw)
 
@@ -75,7 +53,7 @@ ARCHS = ["qwen3", "qwen3_5"]
 def test_fill_is_token_identical(arch, policy, corrupt, every):
     model = tiny_model(arch)
     ref, ref_cache = decode(model)
-    s = session(Oracle(ref, policy, corrupt, every=every))
+    s = session(ReferenceSource(ref, policy, corrupt, every=every))
     out, cache = decode(model, s)
     assert out == ref
     assert caches_equal(cache, ref_cache)
@@ -91,7 +69,7 @@ def test_fill_is_token_identical(arch, policy, corrupt, every):
 def test_consumer_stop_mid_burst_leaves_prompt_plus_yielded(arch, policy, stop_after, every):
     model = tiny_model(arch)
     ref, _ = decode(model)
-    out, cache = decode(model, session(Oracle(ref, policy, every=every)), stop_after=stop_after)
+    out, cache = decode(model, session(ReferenceSource(ref, policy, every=every)), stop_after=stop_after)
     ref_out, ref_cache = decode(model, stop_after=stop_after)
     assert out == ref_out
     assert caches_equal(cache, ref_cache)
@@ -103,7 +81,7 @@ def test_consumer_stop_mid_burst_leaves_prompt_plus_yielded(arch, policy, stop_a
 def test_max_tokens_inside_a_span(policy, max_tokens, every):
     model = tiny_model("qwen3_5")
     ref, _ = decode(model)
-    out, cache = decode(model, session(Oracle(ref, policy, every=every)), n=max_tokens)
+    out, cache = decode(model, session(ReferenceSource(ref, policy, every=every)), n=max_tokens)
     ref_out, ref_cache = decode(model, n=max_tokens)
     assert out == ref_out and len(out) == max_tokens
     assert caches_equal(cache, ref_cache)
@@ -121,7 +99,7 @@ def test_throwing_source_disarms_and_generation_continues():
 
     model = tiny_model("qwen3")
     ref, _ = decode(model)
-    s = FillSession([Broken(), Oracle(ref, "verify")], prompt_ids=PROMPT, plan=PLAN)
+    s = FillSession([Broken(), ReferenceSource(ref, "verify")], prompt_ids=PROMPT, plan=PLAN)
     out, _ = decode(model, s)
     assert out == ref
     assert s.stats.source_errors == {"broken:RuntimeError": 1}
@@ -133,7 +111,7 @@ def test_proposed_eos_is_cut_and_never_committed():
     ref, _ = decode(model)
     eos = ref[8]
     trace = io.StringIO()
-    s = FillSession([Oracle(ref, "assert", every=5, span=6)], prompt_ids=PROMPT, plan=PLAN,
+    s = FillSession([ReferenceSource(ref, "assert", every=5, span=6)], prompt_ids=PROMPT, plan=PLAN,
                     eos_ids=[eos], trace=trace)
     out, _ = decode(model, s)
     assert out == ref  # the model itself still emits the token where it decides to
@@ -146,7 +124,7 @@ def test_logits_processors_see_the_same_history():
     procs = make_logits_processors(repetition_penalty=1.5, repetition_context_size=8)
     ref, _ = decode(model, logits_processors=procs)
     for policy, corrupt in (("assert", 0.0), ("verify", 0.5)):
-        s = session(Oracle(ref, policy, corrupt=corrupt))
+        s = session(ReferenceSource(ref, policy, corrupt=corrupt))
         out, _ = decode(model, s, logits_processors=procs)
         assert out == ref and s.stats.injected > 0
 
@@ -155,7 +133,7 @@ def test_kv_quantization_threshold_inside_a_span():
     model, _ = build(dict(config_for("qwen3"), head_dim=32))
     kw = dict(kv_bits=4, kv_group_size=32, quantized_kv_start=27)
     ref, ref_cache = decode(model, **kw)
-    out, cache = decode(model, session(Oracle(ref, "assert", every=3)), **kw)
+    out, cache = decode(model, session(ReferenceSource(ref, "assert", every=3)), **kw)
     assert out == ref
     assert caches_equal(cache, ref_cache)
 
@@ -165,7 +143,7 @@ def test_media_input_refuses_fill_and_decodes_normally():
     embeds = model.model.embed_tokens(mx.array(PROMPT))
     ref = [t for t, _ in stock_generate_step(mx.array(PROMPT), model, max_tokens=10,
                                              input_embeddings=embeds)]
-    s = session(Oracle(ref, "assert"))
+    s = session(ReferenceSource(ref, "assert"))
     out = [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=10, fill=s,
                                        input_embeddings=embeds)]
     assert out == ref
@@ -176,7 +154,7 @@ def test_media_input_refuses_fill_and_decodes_normally():
 def test_telemetry_counts_what_the_consumer_received_when_it_stops_mid_burst(policy):
     model = tiny_model("qwen3")
     ref, _ = decode(model)
-    s = session(Oracle(ref, policy))  # proposes ref[5:11] after the 5th token
+    s = session(ReferenceSource(ref, policy))  # proposes ref[5:11] after the 5th token
     out, _ = decode(model, s, stop_after=8)
     assert out == ref[:8]
     assert s.stats.emitted == 8

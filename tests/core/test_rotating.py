@@ -16,7 +16,9 @@ from mlx_fill.core.exactness import arrays_equal, caches_equal
 from mlx_fill.core.loop import generate_step
 from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.primitive import Unsupported, append, check_supported, checkpoint, rewind
-from mlx_fill.core.proposal import FillSession, Proposal
+from mlx_fill.core.proposal import FillSession
+
+from reference_source import ReferenceSource
 
 WINDOW = 16
 SLIDING = ["llama_swa", "gpt_oss", "gemma3_text"]
@@ -124,30 +126,6 @@ def test_rewind_after_serial_steps_since_the_checkpoint(arch):
         assert caches_equal(ref, got)
 
 
-class Oracle:
-    """Proposes the reference continuation every ``every`` tokens, corrupted at rate
-    ``corrupt`` (a verify round then rewinds inside the ring)."""
-
-    name = "oracle"
-
-    def __init__(self, reference, policy, corrupt, every=3, span=7):
-        self.ref, self.policy, self.corrupt = reference, policy, corrupt
-        self.every, self.span, self.rng = every, span, random.Random(5)
-
-    def propose(self, view):
-        i = len(view.emitted)
-        span = list(self.ref[i:i + self.span])
-        if i % self.every or not span:
-            return None
-        if self.rng.random() < self.corrupt:
-            k = self.rng.randrange(len(span))
-            span[k] = (span[k] + 1) % 512
-        return Proposal(tuple(span), self.policy, self.name)
-
-    def feedback(self, proposal, accepted):
-        pass
-
-
 @pytest.mark.parametrize("arch", SLIDING)
 @pytest.mark.parametrize("policy,corrupt", [("assert", 0.0), ("verify", 0.5)])
 def test_fill_on_and_off_are_token_identical_past_the_window(arch, policy, corrupt):
@@ -163,7 +141,7 @@ def test_fill_on_and_off_are_token_identical_past_the_window(arch, policy, corru
         return [t for t, _ in gen], cache
 
     ref, ref_cache = run(None)
-    session = FillSession([Oracle(ref, policy, corrupt)], prompt_ids=prompt, plan=PLAN)
+    session = FillSession([ReferenceSource(ref, policy, corrupt, every=3, span=7, seed=5)], prompt_ids=prompt, plan=PLAN)
     out, cache = run(session)
     assert out == ref
     assert session.stats.refusals == {} and session.stats.forwards < n
