@@ -49,7 +49,7 @@ def test_assets_unknown_family(capsys):
 def test_audit_corpus_without_tools_and_malformed_cases(tmp_path, capsys):
     one_error_line(capsys, ["audit", "--family", "qwen3", "--corpus", str(tmp_path / "none")], "no corpus folder")
     one_error_line(capsys, ["audit", "--family", "qwen3", "--corpus", str(tmp_path)],
-              "tools/default.json does not exist", "--tools FILE")
+                   "tools/default.json does not exist", "--tools FILE")
     (tmp_path / "tools").mkdir()
     (tmp_path / "tools" / "default.json").write_text(json.dumps([{"type": "function", "function": {
         "name": "ls", "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]))
@@ -59,11 +59,11 @@ def test_audit_corpus_without_tools_and_malformed_cases(tmp_path, capsys):
     one_error_line(capsys, ["audit", "--family", "qwen3", "--corpus", str(tmp_path)], "a.json is not valid JSON")
     case.write_text(json.dumps({"id": "a", "family": "qwen3", "messages": []}))
     one_error_line(capsys, ["audit", "--family", "qwen3", "--corpus", str(tmp_path)],
-              "a.json is not an audit case", "reply or raw_reply")
+                   "a.json is not an audit case", "reply or raw_reply")
     case.write_text(json.dumps({"id": "a", "family": "qwen3", "messages": [{"role": "user", "content": "hi"}],
                                 "raw_reply": "hello", "no_fill_in": ["absent"]}))
     one_error_line(capsys, ["audit", "--family", "qwen3", "--corpus", str(tmp_path)],
-              "no_fill_in entry 'absent' is not in the reply text")
+                   "no_fill_in entry 'absent' is not in the reply text")
 
 
 def test_serve_bad_model_path(tmp_path, capsys):

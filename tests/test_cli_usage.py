@@ -20,7 +20,6 @@ from mlx_fill.core import qualify
 from cli_lines import one_error_line
 
 
-
 def _parsers(name: str) -> list[argparse.ArgumentParser]:
     """The parser of ``mlx-fill NAME`` and of its sub-actions (``assets fetch``, ...)."""
     module = importlib.import_module(COMMANDS[name][0])
@@ -72,7 +71,7 @@ def test_model_folder_mistakes(command, tmp_path, capsys):
     one_error_line(capsys, [command, "--model", str(tmp_path)], "has no config.json")
     (tmp_path / "config.json").write_text("{}")
     one_error_line(capsys, [command, "--model", str(tmp_path)], "has no *.safetensors weights",
-              "mlx-fill fixture qwen3-json")
+                   "mlx-fill fixture qwen3-json")
 
 
 def test_unknown_names(capsys):
@@ -114,7 +113,7 @@ def test_replay_unreadable_transcripts(tmp_path, capsys):
     folder = tmp_path / "a-folder.jsonl"
     folder.mkdir()
     one_error_line(capsys, ["replay", "--sessions", str(folder), "--url", "http://127.0.0.1:9"],
-              "no such transcripts file")
+                   "no such transcripts file")
 
 
 def test_report_malformed_runs(tmp_path, capsys):
@@ -234,5 +233,5 @@ def test_serve_port_in_use_or_out_of_range(tmp_path, capsys):
         taken.listen()
         port = taken.getsockname()[1]
         one_error_line(capsys, ["serve", "--model", model, "--port", str(port)],
-                  f"cannot listen on 127.0.0.1:{port}", "pick another --port")
+                       f"cannot listen on 127.0.0.1:{port}", "pick another --port")
     one_error_line(capsys, ["serve", "--model", model, "--port", "70000"], "cannot listen on 127.0.0.1:70000")

@@ -26,11 +26,12 @@ PROGRESS = re.compile(r"Prompt processing progress: 0/")
 
 def flat_cost_plan(model: Path, dest: Path) -> dict[str, str]:
     """``MLX_FILL_PLAN`` for the fill server: the model's qualified plan (its exact chunks, as
-    shipped or cached for this machine) with a flat cost curve, c(M) = 1, as on a GPU. In a
-    batch of ``B`` a side step must beat ``B / c(B)``; on this CPU's steep float32 curve a
-    scaffold span pays at some batch sizes and not at others, so whether strict injects inside
-    the batch would depend on which size the span meets. On a flat curve a span longer than the
-    batch pays at every size. No plan for this machine: nothing pinned (the server qualifies)."""
+    shipped or cached for this machine) with a flat cost curve, c(M) = 1 (a GPU's is nearly
+    flat at these sizes). In a batch of ``B`` a side step must beat ``B / c(B)``; on this CPU's
+    steep float32 curve a scaffold span pays at some batch sizes and not at others, so whether
+    strict injects inside the batch would depend on which size the span meets. On a flat curve
+    a span longer than the batch pays at every size. No plan for this machine: nothing pinned
+    (the server qualifies)."""
     from mlx_lm import load
     from mlx_fill.core.plan import load_plan, save_plan
 

@@ -141,7 +141,8 @@ def test_fill_on_and_off_are_token_identical_past_the_window(arch, policy, corru
         return [t for t, _ in gen], cache
 
     ref, ref_cache = run(None)
-    session = FillSession([ReferenceSource(ref, policy, corrupt, every=3, span=7, seed=5)], prompt_ids=prompt, plan=PLAN)
+    source = ReferenceSource(ref, policy, corrupt, every=3, span=7, seed=5)
+    session = FillSession([source], prompt_ids=prompt, plan=PLAN)
     out, cache = run(session)
     assert out == ref
     assert session.stats.refusals == {} and session.stats.forwards < n
