@@ -70,8 +70,10 @@ def test_model_folder_mistakes(command, tmp_path, capsys):
     one_error_line(capsys, [command, "--model", str(tmp_path / "none")], "does not exist")
     one_error_line(capsys, [command, "--model", str(tmp_path)], "has no config.json")
     (tmp_path / "config.json").write_text("{}")
-    one_error_line(capsys, [command, "--model", str(tmp_path)], "has no *.safetensors weights",
+    one_error_line(capsys, [command, "--model", str(tmp_path)], "has no model*.safetensors weights",
                    "mlx-fill fixture qwen3-json")
+    (tmp_path / "trained.safetensors").write_bytes(b"")  # a name mlx_lm.load does not read
+    one_error_line(capsys, [command, "--model", str(tmp_path)], "has no model*.safetensors weights")
 
 
 def test_unknown_names(capsys):

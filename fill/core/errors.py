@@ -39,12 +39,12 @@ def positive_int(value: str) -> int:
 
 def model_dir(value: str) -> Path:
     """argparse ``type=``: a local mlx-lm model directory (one holding ``config.json`` and
-    ``*.safetensors`` weights)."""
+    ``model*.safetensors`` weights, the files ``mlx_lm.load`` reads)."""
     path = Path(value)
     if not (path / "config.json").is_file():
         what = "has no config.json" if path.is_dir() else "does not exist"
-    elif not any(path.glob("*.safetensors")):
-        what = "has no *.safetensors weights"
+    elif not any(path.glob("model*.safetensors")):
+        what = "has no model*.safetensors weights"
     else:
         return path
     raise argparse.ArgumentTypeError(f"{value} {what}; pass an mlx-lm model directory, such as "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import threading
 import time
 from datetime import date
 from dataclasses import dataclass, replace
@@ -41,6 +42,27 @@ FULL_KV = (0, 1, 255, 256, 257, 511, 512, 1023, 1024, 2048, 4095, 4096, 8192)
 QUICK_KV = (0, 1, 255, 256, 257, 511, 512)
 COST_KV = 512
 Agree = Callable[[bool], bool]
+
+
+class Stopped(Exception):
+    """The process is exiting (:func:`stop_measuring`): a measurement stops at its next step
+    and nothing it measured is kept."""
+
+
+_exiting = threading.Event()
+
+
+def stop_measuring() -> None:
+    """Make every measurement in this process raise :class:`Stopped` at its next step (a
+    forward or a few). Called once, as the interpreter exits: MLX must be idle before it
+    tears down."""
+    _exiting.set()
+
+
+def _step() -> None:
+    """A point where a measurement may stop: raises :class:`Stopped` once the process exits."""
+    if _exiting.is_set():
+        raise Stopped("the process is exiting")
 
 
 def _alone(verdict: bool) -> bool:
@@ -71,6 +93,7 @@ def _grow(model: Any, cache: list[Any], length: int, vocab: int, decode: bool = 
     """Extend ``cache`` to ``length`` tokens of seeded random ids: with one prompt forward, or
     with ``decode`` as decoding does, in appends of a few ids (a rotating layer's write index
     then runs around its ring as in serial decoding, instead of restarting after a prefill)."""
+    _step()
     have = cache_offset(cache) if cache else 0
     if length <= have:
         return
@@ -162,6 +185,7 @@ def _check_at(model: Any, cache: list[Any], m: int, shape: str, kv: int, ring: b
     found = []
     plan = DispatchPlan(key=None, max_chunk=m, qualified=True, shapes={m: shape})
     for start in sorted({kv, max(0, kv - m // 2)}):
+        _step()
         if progress:
             progress.update(1)
         cp = checkpoint(model, cache, plan)
@@ -212,6 +236,7 @@ def confirm_plan(model: Any, plan: DispatchPlan, kv_lengths: tuple[int, ...], vo
     for lengths, decode in ((kv_lengths, False), (rings, True)):
         cache = make_prompt_cache(model)
         for kv in lengths:
+            _step()
             _grow(model, cache, max(0, kv - m // 2), vocab, decode)
             if not agree(_exact(model, cache, _random_ids(m, vocab, 31 * m + kv), plan)):
                 return False
@@ -228,6 +253,7 @@ def measure_cost(model: Any, cache: list[Any], sizes: tuple[int, ...], vocab: in
     ids = _random_ids(max(sizes), vocab, 3)
     for r in range(repeats + 1):
         for m in sizes:
+            _step()
             cp = checkpoint(model, cache, plan)
             t0 = time.perf_counter()
             mx.eval(append(model, cache, ids[:m], plan=plan, logits="all", record=cp))
@@ -315,6 +341,7 @@ def measure_round_overhead(model: Any, cache: list[Any], repeats: int, steps: in
 
     ratios = []
     for r in range(repeats + 1):
+        _step()
         p, s = pipelined(), synchronous()
         if r:  # the first round warms up kernels and allocations
             ratios.append(s / p)
@@ -345,7 +372,8 @@ def qualify(model: Any, *, quick: bool, vocab: int | None = None, repeats: int |
     (keeping its cost curve, ``max_chunk`` and cuts). ``stream``: where the round overhead is
     timed (default: mlx-lm's generation stream; a background measurement passes its own).
 
-    Never raises on a model or cache it cannot measure: it prints one line on stderr and
+    Raises :class:`Stopped` when the process exits meanwhile (:func:`stop_measuring`); never
+    raises on a model or cache it cannot measure: it prints one line on stderr and
     returns a plan with ``max_chunk=1`` and the ``reason`` (serial decoding, always exact)."""
     stamp = f"{'quick' if quick else 'full'} qualify, {date.today().isoformat()}"
     note = f"{note}; {stamp}" if note else stamp
@@ -354,6 +382,8 @@ def qualify(model: Any, *, quick: bool, vocab: int | None = None, repeats: int |
         key = config_key(model)
         return _measure(model, key, quick=quick, vocab=vocab, repeats=repeats, bar=bar,
                         note=note, agree=agree, budget_s=budget_s, prior=prior, stream=stream)
+    except Stopped:
+        raise
     except Exception as e:  # noqa: BLE001 -- a model qualify cannot measure gets serial decoding
         reason = str(e) if isinstance(e, Unsupported) else f"{type(e).__name__}: {e}"
         print(f"mlx-fill qualify: cannot measure chunked appends ({reason}); the plan is "

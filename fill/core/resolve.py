@@ -6,11 +6,12 @@ has sizes ``pending``, it starts a quick ``qualify`` of the loaded model in a ba
 bounded by a budget (``$MLX_FILL_QUALIFY_BUDGET_S``, default 120 s: chunk sizes are measured
 smallest first until it is spent, the rest by a later process), with one stderr line saying
 what it does and for how long, and one when it is done; the plan is written to the user cache
-under the full key. Requests are served meanwhile: with the partial plan's sizes, else one
-token per forward (:func:`~mlx_fill.core.plan.unqualified`, serial decoding itself). The
-outcome is kept for the life of the process, so a configuration is looked up once per process
-and qualified once per machine. A model ``qualify`` cannot measure gets a plan with
-``max_chunk=1`` and the reason.
+under the full key (a process that exits first stops it at its next forward and saves
+nothing). Requests are served meanwhile: with the partial plan's sizes, else one token per
+forward (:func:`~mlx_fill.core.plan.unqualified`, serial decoding itself). The outcome is kept
+for the life of the process, so a configuration is looked up once per process and qualified
+once per machine. A model ``qualify`` cannot measure gets a plan with ``max_chunk=1`` and the
+reason.
 
 The measurement runs on its own MLX stream and, one model at a time, beside the requests being
 served (MLX 0.32 evaluates from several threads; each thread's default stream is its own).
@@ -22,12 +23,13 @@ is loaded, so a server starts qualifying before its first request.
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -101,11 +103,16 @@ def _measure(model: Any, lookup: Lookup, prior: DispatchPlan | None, memo: tuple
         print(f"mlx-fill: qualified in {seconds:.1f} s: max_chunk={plan.max_chunk}{left}"
               + (f", saved to {path}" if path else ""), file=sys.stderr, flush=True)
         outcome = Resolution(plan, "qualified now", path, lookup, seconds, reason=plan.reason)
+    except measure.Stopped:
+        outcome = replace(outcome, reason="stopped: the process exited first")
+        print("mlx-fill: qualifying stopped, the process is exiting; nothing saved (the next "
+              "first use measures again)", file=sys.stderr, flush=True)
     except Exception as e:  # noqa: BLE001 -- a failed measurement must not fail decoding
         print(f"mlx-fill: qualifying failed ({type(e).__name__}: {e}); "
               + (f"max_chunk={prior.max_chunk}" if prior else "one token per forward"),
               file=sys.stderr, flush=True)
     finally:
+        mx.clear_streams()  # this thread's streams: MLX aborts at exit on one left behind
         with _lock:
             _resolved[memo] = outcome
             _measuring.pop(memo, None)
@@ -125,6 +132,9 @@ def _start_measuring(model: Any, lookup: Lookup, prior: DispatchPlan | None,
           "(MLX_FILL_QUALIFY_BUDGET_S); meanwhile "
           + (f"max_chunk={prior.max_chunk}" if prior is not None else "one token per forward"),
           file=sys.stderr, flush=True)
+    from . import qualify  # noqa: F401 -- imported here: the exit hook may not import
+    atexit.unregister(_stop_at_exit)  # registered once however many measurements start
+    atexit.register(_stop_at_exit)
     thread = threading.Thread(target=_measure, args=(model, lookup, prior, memo), daemon=True,
                               name="mlx-fill-qualify")
     _measuring[memo] = thread
@@ -133,6 +143,18 @@ def _start_measuring(model: Any, lookup: Lookup, prior: DispatchPlan | None,
         return Resolution(prior, "cached", None, lookup, reason="sizes pending")
     return Resolution(unqualified(key), "qualifying", None, lookup,
                       reason="qualifying in the background")
+
+
+EXIT_WAIT_S = 60.0  # how long exit waits for a stopped measurement's last step
+
+
+def _stop_at_exit() -> None:
+    """At interpreter exit, stop the background measurements at their next step and wait for
+    them (registered with the first one). Nothing partly measured is saved; the next first use
+    measures again."""
+    from .qualify import stop_measuring
+    stop_measuring()
+    wait_qualified(timeout=EXIT_WAIT_S)
 
 
 def wait_qualified(timeout: float | None = None) -> bool:

@@ -181,6 +181,42 @@ def test_preloaded_openblas_refuses_a_bundled_blas_plan(tmp_path, model):
     assert "source: cached" in plan_cmd(preload, "--no-qualify")
 
 
+_EXIT_SCRIPT = """
+import sys, time
+from mlx_fill.core import resolve
+from mlx_fill.assets.random_models import build, config_for
+model = build(config_for("qwen3"), seed=3)[0]
+res = resolve.resolve(model, wait=sys.argv[1] == "wait")
+time.sleep(float(sys.argv[2]))
+print(res.source)
+"""
+
+
+@pytest.mark.parametrize("after_s", [0.0, 0.3, 1.0])
+def test_exit_during_background_qualify_is_clean_and_saves_nothing(tmp_path, after_s):
+    """A script that ends while its first-use measurement runs exits with status 0 (MLX aborts
+    the process when torn down under a thread that evaluated on its own stream), says the
+    measurement stopped, and leaves no plan behind."""
+    env = {**os.environ, "MLX_FILL_CACHE": str(tmp_path / "cache")}
+    env.pop("MLX_FILL_PLAN", None)
+    proc = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, "exit", str(after_s)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["qualifying"]
+    assert "qualifying stopped, the process is exiting; nothing saved" in proc.stderr, proc.stderr
+    assert not list((tmp_path / "cache").rglob("*.json"))
+
+
+def test_exit_after_background_qualify_is_clean_and_saves_the_plan(tmp_path):
+    env = {**os.environ, "MLX_FILL_CACHE": str(tmp_path / "cache")}
+    env.pop("MLX_FILL_PLAN", None)
+    proc = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, "wait", "0"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["qualified", "now"]
+    assert len(list((tmp_path / "cache").rglob("*.json"))) == 1
+
+
 def test_fake_blas_identity_reaches_the_key(model, monkeypatch):
     monkeypatch.setattr(kernels, "blas", lambda: FAKE_OPENBLAS)
     key = config_key(model)
