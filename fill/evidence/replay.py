@@ -21,7 +21,8 @@ Rendering contract for the recorded history:
   no tools (``tools_origin = "none"``).
 
 A turn is an assistant message that follows a non-assistant message. Corrupt transcript lines
-(unparsable JSON, no ``messages`` list) are skipped and reported.
+(unparsable JSON, no ``messages`` list) are skipped and reported. Sessions logged as OpenAI chat
+messages are read too (:func:`as_recording`).
 
 Timing is client-side, from sending the request: ``wall_s`` to the end of the reply, ``ttft_s``
 to the first content or tool-call delta, ``first_tool_call_s`` to the first tool-call delta
@@ -69,8 +70,10 @@ def _open_text(path: Path):
 def load_recordings(path: str | Path) -> tuple[list[dict], list[CorruptLine]]:
     """Sessions from a transcripts JSONL file (gzip detected by magic bytes).
 
-    A line that is not a JSON object with a ``messages`` list of role-bearing dicts is skipped
-    and returned as a :class:`CorruptLine`; a truncated gzip stream ends the read with one.
+    A session logged as OpenAI chat messages is read in the recording format
+    (:func:`as_recording`). A line that is not a JSON object with a ``messages`` list of
+    role-bearing dicts is skipped and returned as a :class:`CorruptLine`; a truncated gzip
+    stream ends the read with one.
     """
     sessions, corrupt = [], []
     number = 0
@@ -84,6 +87,7 @@ def load_recordings(path: str | Path) -> tuple[list[dict], list[CorruptLine]]:
                 except json.JSONDecodeError as exc:
                     corrupt.append(CorruptLine(number, f"invalid JSON: {exc.msg}"))
                     continue
+                obj = as_recording(obj)
                 problem = _session_problem(obj)
                 if problem:
                     corrupt.append(CorruptLine(number, problem))
@@ -106,6 +110,63 @@ def read_sessions(path: Path) -> tuple[list[dict], list[CorruptLine]]:
         raise UserError(f"{path} holds no session ({len(corrupt)} corrupt lines{first}); pass "
                         f"JSONL transcripts, one JSON object with a messages list per line")
     return sessions, corrupt
+
+
+TEXT_PARTS = ("text", "input_text", "output_text")
+TOOL_CALL_STYLES = ("structured", "inline_text")
+UNNAMED_SOURCE = "(unnamed)"
+
+
+def as_recording(obj):
+    """A session in the recording format (anything without a ``messages`` list is returned as
+    it is). A session without a ``source`` gets :data:`UNNAMED_SOURCE`. One logged as OpenAI
+    chat messages is converted: ``content`` given as parts becomes their text joined (parts of
+    other types are dropped); a tool call ``{"id", "type": "function", "function": {"name",
+    "arguments": str}}`` becomes ``{"id", "name", "arguments": dict, "arguments_raw": str}``
+    (``arguments`` is ``{}`` where the string is not a JSON object); a session whose
+    ``tool_call_style`` is not one of :data:`TOOL_CALL_STYLES` is ``structured`` when it has
+    tools, tool calls or tool results, else ``inline_text``."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("messages"), list):
+        return obj
+    messages = [_message_from_openai(m) if isinstance(m, dict) else m for m in obj["messages"]]
+    if not isinstance(obj.get("source"), str) or not obj["source"]:
+        obj = {**obj, "source": UNNAMED_SOURCE}
+    if obj.get("tool_call_style") not in TOOL_CALL_STYLES:
+        tooled = obj.get("tools") or any(isinstance(m, dict) and (
+            m.get("tool_calls") or m.get("role") == "tool") for m in messages)
+        obj = {**obj, "tool_call_style": "structured" if tooled else "inline_text"}
+    return {**obj, "messages": messages}
+
+
+def _message_from_openai(message: dict) -> dict:
+    out = dict(message)
+    content = message.get("content")
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        out["content"] = "".join(p.get("text", "") for p in content
+                                 if p.get("type") in TEXT_PARTS and isinstance(p.get("text"), str))
+    calls = message.get("tool_calls")
+    if isinstance(calls, list):
+        out["tool_calls"] = [_call_from_openai(c) if isinstance(c, dict) else c for c in calls]
+    return out
+
+
+def _call_from_openai(call: dict) -> dict:
+    function = call.get("function")
+    if "name" in call or not isinstance(function, dict):
+        return call
+    raw = function.get("arguments")
+    out = {k: v for k, v in call.items() if k not in ("function", "type")}
+    out["name"] = function.get("name")
+    if isinstance(raw, str):
+        try:
+            parsed = json.loads(raw)
+        except ValueError:
+            parsed = None
+        out["arguments"] = parsed if isinstance(parsed, dict) else {}
+        out["arguments_raw"] = raw
+    else:
+        out["arguments"] = raw if isinstance(raw, dict) else {}
+    return out
 
 
 def _session_problem(obj) -> str | None:

@@ -56,6 +56,7 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
+from mlx_fill.core.errors import UserError
 from mlx_fill.core.index import EchoIndex
 from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.proposal import FillSession, Pace
@@ -543,12 +544,16 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             return fail(f"--curve: {e}")
     if args.transcripts is not None:
-        from mlx_fill.evidence.replay import load_recordings
+        from mlx_fill.evidence.replay import read_sessions
         if not args.transcripts.is_file():
             return fail(f"no transcripts file {args.transcripts}")
-        sessions, corrupt = load_recordings(args.transcripts)
+        try:
+            sessions, corrupt = read_sessions(args.transcripts)
+        except UserError as e:
+            return fail(str(e))
         if corrupt:
-            print(f"forced: skipped {len(corrupt)} corrupt lines", file=sys.stderr)
+            print(f"forced: skipped {len(corrupt)} corrupt lines (line {corrupt[0].line}: "
+                  f"{corrupt[0].reason})", file=sys.stderr)
     else:
         sessions = default_sessions()
     model, tok, model_dir = load_model(args.model, None if args.dtype == "none" else args.dtype)

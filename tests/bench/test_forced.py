@@ -175,3 +175,34 @@ def test_the_prediction_arm_replays_a_rewrite_identically(tmp_path):
     overall = report["rows"]["overall"]
     # the file as last read covers most of the new content: fewer forwards than `all` alone
     assert 0 < overall["prediction"]["fwd_per_tok"] < overall["all"]["fwd_per_tok"]
+
+
+def test_a_file_of_corrupt_lines_is_one_error_line(tmp_path, capsys):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"messages": [{"role": "user", "content": 3}]}\n[1]\n')
+    assert forced.main(["--transcripts", str(path), "--surrogate"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "line 1: a message whose content is not a string" in err, err
+
+
+def test_an_openai_chat_log_replays_identically(two_sessions, tmp_path):
+    """A session logged as OpenAI chat messages (nested calls with string arguments, no source)
+    replays under its own row, identical to plain."""
+    from mlx_fill.assets.fixtures import fixture_path
+    session = json.loads(two_sessions.read_text().splitlines()[0])
+    for m in session["messages"]:
+        m["tool_calls"] = [{"id": c.get("id"), "type": "function", "function": {
+            "name": c["name"], "arguments": c.get("arguments_raw") or json.dumps(c["arguments"])}}
+            for c in m.get("tool_calls") or []] or None
+    for key in ("source", "tool_call_style"):
+        session.pop(key)
+    path = tmp_path / "openai.jsonl"
+    path.write_text(json.dumps(session) + "\n")
+    out = tmp_path / "forced.json"
+    rc = forced.main(["--transcripts", str(path), "--model", str(fixture_path("qwen3-json")),
+                      "--dtype", "none", "--per-source", "1", "--max-tokens", "8",
+                      "--max-context", "384", "--repeats", "1", "--arms", "plain,all",
+                      "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["identical"] is True and set(report["rows"]) == {"overall", "(unnamed)"}

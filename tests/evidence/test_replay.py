@@ -82,6 +82,46 @@ def test_load_sessions_skips_and_reports_corrupt_lines(tmp_path, gz):
         (7, "a message whose content is not a string"), (8, "a tool call without a name")]
 
 
+def _openai_twin(session: dict) -> dict:
+    """``session`` as an OpenAI chat log: tool calls nested under ``function`` with string
+    arguments, text as content parts, no ``tool_call_style`` and no ``source``."""
+    messages = []
+    for m in session["messages"]:
+        out = {k: v for k, v in m.items() if k != "tool_calls"}
+        if m["role"] == "user":
+            out["content"] = [{"type": "text", "text": m["content"]}, {"type": "image_url"}]
+        if m.get("tool_calls"):
+            out["tool_calls"] = [{"id": c.get("id"), "type": "function", "function": {
+                "name": c["name"],
+                "arguments": c.get("arguments_raw") or json.dumps(c["arguments"], ensure_ascii=False)}}
+                for c in m["tool_calls"]]
+        messages.append(out)
+    return {"session_id": session["session_id"], "messages": messages}
+
+
+def test_an_openai_chat_log_reads_as_its_recording(tmp_path):
+    path = _write_lines(tmp_path / "t.jsonl", [json.dumps(_openai_twin(_structured()))])
+    sessions, corrupt = replay.load_recordings(path)
+    assert corrupt == [] and len(sessions) == 1
+    read = sessions[0]
+    assert read["source"] == replay.UNNAMED_SOURCE and read["tool_call_style"] == "structured"
+    assert replay._render_history(read) == replay._render_history(_structured())
+    assert replay.synthesize_tools(read["messages"]) == replay.synthesize_tools(_structured()["messages"])
+    chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                         {"role": "assistant", "content": "hello"}]}
+    assert replay.as_recording(chat)["tool_call_style"] == "inline_text"
+
+
+def test_an_openai_call_with_arguments_that_are_no_json_object_keeps_them_raw():
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{broken"}}
+    read = replay.as_recording({"messages": [{"role": "assistant", "tool_calls": [call]}]})
+    assert read["messages"][0]["tool_calls"] == [
+        {"id": "c", "name": "f", "arguments": {}, "arguments_raw": "{broken"}]
+    nameless = {"type": "function", "function": {"arguments": "{}"}}
+    assert replay._session_problem(replay.as_recording(
+        {"messages": [{"role": "assistant", "tool_calls": [nameless]}]})) == "a tool call without a name"
+
+
 def test_truncated_gzip_keeps_what_was_read(tmp_path):
     data = gzip.compress(("\n".join(json.dumps(_structured()) for _ in range(200)) + "\n").encode())
     path = tmp_path / "cut.jsonl.gz"
