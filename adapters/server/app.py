@@ -55,10 +55,10 @@ def create_app(engine: Engine):
     async def lifespan(_: FastAPI):
         yield
         engine.stopping.set()
-        worker.shutdown(wait=False, cancel_futures=True)
+        worker.close()
 
     app = FastAPI(title="mlx-fill", docs_url=None, redoc_url=None, lifespan=lifespan)
-    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-fill-gen")
+    worker = GenerationWorker()
     model_id = Path(engine.model_path).name or engine.model_path
     created = int(time.time())
 
@@ -88,6 +88,21 @@ def create_app(engine: Engine):
         return _stream(engine, worker, prepared, rid, name)
 
     return app
+
+
+class GenerationWorker(ThreadPoolExecutor):
+    """The one thread every request's model work runs on."""
+
+    def __init__(self):
+        super().__init__(max_workers=1, thread_name_prefix="mlx-fill-gen")
+
+    def close(self) -> None:
+        """Shut down after the jobs already queued (with the engine stopping, each ends at
+        once) and a last one that clears the thread's MLX streams: MLX aborts the process at
+        exit when a thread that evaluated has not, and the process exits right after."""
+        import mlx.core as mx
+        self.submit(mx.clear_streams)
+        self.shutdown(wait=False)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

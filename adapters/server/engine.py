@@ -212,8 +212,6 @@ class Engine:
             end_session(session, self.ledger)
             if prefilled:  # a prefill cut between chunks holds only part of the prompt
                 self.prompt_cache.insert_cache(self.model_path, prompt_ids + tokens, cache)
-            if self.stopping.is_set():  # the worker's last job; MLX aborts at exit when a
-                mx.clear_streams()      # thread that evaluated has not cleared its streams
         if not prefilled:
             return None
         if finish == "length":

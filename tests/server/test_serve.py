@@ -256,7 +256,7 @@ def test_dtype_cast_engine_generates_on_its_worker_thread():
 
 _STOP_AND_EXIT = """
 import sys, threading
-from concurrent.futures import ThreadPoolExecutor
+from mlx_fill.adapters.server.app import GenerationWorker
 from mlx_fill.adapters.server.openai_request import parse_chat_request
 from mlx_fill.adapters.server.serve import Engine
 engine = Engine(sys.argv[1], mode="all")
@@ -267,17 +267,18 @@ def on_text(text):
     deltas.append(text)
     if len(deltas) > 3:
         engine.stopping.set()  # what the app's shutdown does
-with ThreadPoolExecutor(1) as worker:
-    out = worker.submit(lambda: engine.generate(engine.prepare(req), threading.Event(),
-                                                on_text)).result()
+worker = GenerationWorker()
+out = worker.submit(lambda: engine.generate(engine.prepare(req), threading.Event(),
+                                            on_text)).result()
+worker.close()  # what the app's shutdown does next
 print(out.finish_reason)
 """
 
 
 def test_shutdown_during_a_generation_then_exit_is_clean():
-    """The engine stopped mid-generation on its worker thread, the process exiting at once:
-    status 0 every time (MLX aborts a process torn down right after a thread evaluated on
-    streams it did not clear; without clearing, about half of these exits abort)."""
+    """The engine stopped mid-generation on the server's worker thread, the process exiting at
+    once: status 0 every time (MLX aborts a process torn down right after a thread evaluated
+    on streams it did not clear; without clearing, about half of these exits abort)."""
     model, _ = serving_model_dir()
     for _ in range(4):
         proc = subprocess.run([sys.executable, "-c", _STOP_AND_EXIT, str(model)],
