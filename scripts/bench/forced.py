@@ -32,11 +32,14 @@ structured turn without calls, ``(inline)`` for harnesses whose calls are text):
 x plain (sum of plain's per-turn medians over the arm's), target forwards per token, the same
 decode priced by the plan's curve (``priced``), accepted ids per round, rejected rows per token
 and the bookkeeping share of a plain step. ``--curve`` prices the same rounds through another
-c(M) curve (M = 2, 3, ...), reported as "projected".
+c(M) curve (M = 2, 3, ...), reported as "projected". With ``--decide-on-curve`` (and
+``--surrogate``) the sessions' plan itself takes that curve and round overhead (this machine's
+``max_chunk`` kept), so the gates choose their spans as they would on hardware that qualified
+such a plan, and the priced columns are on the curve.
 
     python -m scripts.bench.forced [--transcripts PATH] [--model DIR] [--per-source N]
         [--max-tokens N] [--max-context N] [--repeats N] [--curve 1.1,1.4,...] [--json PATH]
-        [--arms plain,...] [--rewrites] [--surrogate]
+        [--arms plain,...] [--rewrites] [--surrogate [--decide-on-curve]]
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ import statistics
 import sys
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -525,6 +528,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--surrogate", action="store_true",
                     help="decode with a tiny random llama of the model's vocabulary and price the "
                          "rounds on the model's own plan: fast, priced columns only (no wall time)")
+    ap.add_argument("--decide-on-curve", action="store_true",
+                    help="with --surrogate and --curve: the gates decide on the curve (the plan "
+                         "such hardware would qualify), priced on it")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
 
@@ -543,6 +549,9 @@ def main(argv: list[str] | None = None) -> int:
             projection = curve_plan([float(x) for x in args.curve.split(",")], args.curve_overhead)
         except ValueError as e:
             return fail(f"--curve: {e}")
+    if args.decide_on_curve and (projection is None or not args.surrogate):
+        return fail("--decide-on-curve needs --curve and --surrogate (a wall time is this "
+                    "machine's, whatever the curve)")
     if args.transcripts is not None:
         from mlx_fill.evidence.replay import read_sessions
         if not args.transcripts.is_file():
@@ -558,6 +567,9 @@ def main(argv: list[str] | None = None) -> int:
         sessions = default_sessions()
     model, tok, model_dir = load_model(args.model, None if args.dtype == "none" else args.dtype)
     plan = plan_for(model)
+    if args.decide_on_curve:
+        plan = replace(plan, cost=projection.cost, round_overhead=projection.round_overhead,
+                       max_chunk=min(plan.max_chunk, projection.max_chunk))
     if args.surrogate:
         model = surrogate(model, plan)
     turns, skipped = forced_turns(tok, sessions, per_source=args.per_source,
@@ -587,6 +599,7 @@ def main(argv: list[str] | None = None) -> int:
             "model": model_dir, "dtype": args.dtype, "turns": done, "repeats": args.repeats,
             "per_source": args.per_source, "max_tokens": args.max_tokens,
             "max_context": args.max_context, "surrogate": args.surrogate,
+            "decided_on_curve": args.decide_on_curve,
             "transcripts": str(args.transcripts) if args.transcripts else "held-back split",
             "plan": {"cost": plan.cost, "max_chunk": plan.max_chunk,
                      "round_overhead": plan.round_overhead},

@@ -206,3 +206,25 @@ def test_an_openai_chat_log_replays_identically(two_sessions, tmp_path):
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["identical"] is True and set(report["rows"]) == {"overall", "(unnamed)"}
+
+
+def test_deciding_on_a_curve_prices_on_it(two_sessions, tmp_path, capsys):
+    """``--decide-on-curve``: the sessions' plan is the curve, so the priced and projected
+    columns agree for every arm; it needs ``--surrogate`` (a wall time is this machine's)."""
+    from mlx_fill.assets.fixtures import fixture_path
+    args = ["--transcripts", str(two_sessions), "--model", str(fixture_path("qwen3-json")),
+            "--dtype", "none", "--per-source", "1", "--max-tokens", "12", "--max-context", "384",
+            "--repeats", "1", "--arms", "plain,all,peer-suffix", "--curve", "1.1,1.2,1.3",
+            "--curve-overhead", "0.05", "--decide-on-curve"]
+    assert forced.main(args) == 2
+    assert "--decide-on-curve needs --curve and --surrogate" in capsys.readouterr().err
+    out = tmp_path / "forced.json"
+    assert forced.main([*args, "--surrogate", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    meta = report["meta"]
+    assert meta["decided_on_curve"] is True and meta["plan"]["round_overhead"] == 0.05
+    assert {int(m): c for m, c in meta["plan"]["cost"].items()} == {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3}
+    assert meta["plan"]["max_chunk"] == 4
+    for row in report["rows"].values():
+        for arm in ("plain", "all", "peer-suffix"):
+            assert row[arm]["priced_x_plain"] == row[arm]["projected_x_plain"], (arm, row[arm])
