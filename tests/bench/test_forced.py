@@ -79,15 +79,23 @@ def two_sessions(tmp_path_factory):
     return path
 
 
-def test_short_forced_replay_is_identical_and_reports_every_arm(two_sessions, tmp_path):
+def tiny_replay_args(transcripts, max_tokens: int, *extra: str) -> list[str]:
+    """Forced-replay arguments for one turn per source of ``transcripts`` on the tiny fixture."""
     from mlx_fill.assets.fixtures import fixture_path
+    return ["--transcripts", str(transcripts), "--model", str(fixture_path("qwen3-json")),
+            "--dtype", "none", "--per-source", "1", "--max-tokens", str(max_tokens),
+            "--max-context", "384", "--repeats", "1", *extra]
+
+
+def replay_report(args: list[str], tmp_path) -> dict:
+    """Run the forced replay with ``args``; its JSON report (the run must succeed)."""
     out = tmp_path / "forced.json"
-    rc = forced.main(["--transcripts", str(two_sessions), "--model", str(fixture_path("qwen3-json")),
-                      "--dtype", "none", "--per-source", "1", "--max-tokens", "16",
-                      "--max-context", "384", "--repeats", "1", "--curve", "1.1,1.4,1.7",
-                      "--json", str(out)])
-    assert rc == 0
-    report = json.loads(out.read_text())
+    assert forced.main([*args, "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_short_forced_replay_is_identical_and_reports_every_arm(two_sessions, tmp_path):
+    report = replay_report(tiny_replay_args(two_sessions, 16, "--curve", "1.1,1.4,1.7"), tmp_path)
     assert report["identical"] is True
     assert set(report["rows"]) == {"overall", "tau_bench_gpt4o_airline", "aider_examples"}
     for row in report["rows"].values():
@@ -188,7 +196,6 @@ def test_a_file_of_corrupt_lines_is_one_error_line(tmp_path, capsys):
 def test_an_openai_chat_log_replays_identically(two_sessions, tmp_path):
     """A session logged as OpenAI chat messages (nested calls with string arguments, no source)
     replays under its own row, identical to plain."""
-    from mlx_fill.assets.fixtures import fixture_path
     session = json.loads(two_sessions.read_text().splitlines()[0])
     for m in session["messages"]:
         m["tool_calls"] = [{"id": c.get("id"), "type": "function", "function": {
@@ -198,29 +205,18 @@ def test_an_openai_chat_log_replays_identically(two_sessions, tmp_path):
         session.pop(key)
     path = tmp_path / "openai.jsonl"
     path.write_text(json.dumps(session) + "\n")
-    out = tmp_path / "forced.json"
-    rc = forced.main(["--transcripts", str(path), "--model", str(fixture_path("qwen3-json")),
-                      "--dtype", "none", "--per-source", "1", "--max-tokens", "8",
-                      "--max-context", "384", "--repeats", "1", "--arms", "plain,all",
-                      "--json", str(out)])
-    assert rc == 0
-    report = json.loads(out.read_text())
+    report = replay_report(tiny_replay_args(path, 8, "--arms", "plain,all"), tmp_path)
     assert report["identical"] is True and set(report["rows"]) == {"overall", "(unnamed)"}
 
 
 def test_deciding_on_a_curve_prices_on_it(two_sessions, tmp_path, capsys):
     """``--decide-on-curve``: the sessions' plan is the curve, so the priced and projected
     columns agree for every arm; it needs ``--surrogate`` (a wall time is this machine's)."""
-    from mlx_fill.assets.fixtures import fixture_path
-    args = ["--transcripts", str(two_sessions), "--model", str(fixture_path("qwen3-json")),
-            "--dtype", "none", "--per-source", "1", "--max-tokens", "12", "--max-context", "384",
-            "--repeats", "1", "--arms", "plain,all,peer-suffix", "--curve", "1.1,1.2,1.3",
-            "--curve-overhead", "0.05", "--decide-on-curve"]
+    args = tiny_replay_args(two_sessions, 12, "--arms", "plain,all,peer-suffix", "--curve",
+                            "1.1,1.2,1.3", "--curve-overhead", "0.05", "--decide-on-curve")
     assert forced.main(args) == 2
     assert "--decide-on-curve needs --curve and --surrogate" in capsys.readouterr().err
-    out = tmp_path / "forced.json"
-    assert forced.main([*args, "--surrogate", "--json", str(out)]) == 0
-    report = json.loads(out.read_text())
+    report = replay_report([*args, "--surrogate"], tmp_path)
     meta = report["meta"]
     assert meta["decided_on_curve"] is True and meta["plan"]["round_overhead"] == 0.05
     assert {int(m): c for m, c in meta["plan"]["cost"].items()} == {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3}
