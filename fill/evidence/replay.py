@@ -42,7 +42,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from . import report
 from mlx_fill.core.errors import UserError
@@ -117,7 +117,7 @@ TOOL_CALL_STYLES = ("structured", "inline_text")
 UNNAMED_SOURCE = "(unnamed)"
 
 
-def as_recording(obj):
+def as_recording(obj: Any) -> Any:
     """A session in the recording format (anything without a ``messages`` list is returned as
     it is). A session without a ``source`` gets :data:`UNNAMED_SOURCE`. One logged as OpenAI
     chat messages is converted: ``content`` given as parts becomes their text joined (parts of
