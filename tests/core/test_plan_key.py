@@ -208,7 +208,9 @@ def test_exit_during_background_qualify_is_clean_and_saves_nothing(tmp_path, aft
 
 
 def test_exit_after_background_qualify_is_clean_and_saves_the_plan(tmp_path):
-    env = {**os.environ, "MLX_FILL_CACHE": str(tmp_path / "cache")}
+    """A script that waits for its first-use measurement (its cost curve; no budget left for
+    exactness checks) and then exits: status 0, the plan saved."""
+    env = {**os.environ, "MLX_FILL_CACHE": str(tmp_path / "cache"), "MLX_FILL_QUALIFY_BUDGET_S": "0"}
     env.pop("MLX_FILL_PLAN", None)
     proc = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, "wait", "0"], env=env,
                           capture_output=True, text=True, timeout=600)
