@@ -65,6 +65,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float = 120.0) -> None:
+    """Wait until ``url`` answers 200; RuntimeError (with the end of ``log``) when ``proc``
+    exits first or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"server not ready after {timeout}s:\n{log.read_text()[-3000:]}")
+        time.sleep(0.3)
+
+
 @contextlib.contextmanager
 def running_server(argv: list[str], port: int, *, env: dict[str, str] | None = None,
                    log: Path, ready_path: str = "/v1/models", timeout: float = 120.0):
@@ -77,18 +94,7 @@ def running_server(argv: list[str], port: int, *, env: dict[str, str] | None = N
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=full_env)
         base = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + timeout
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-                try:
-                    if httpx.get(base + ready_path, timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"server not ready after {timeout}s:\n{log.read_text()[-3000:]}")
-                time.sleep(0.3)
+            wait_ready(proc, base + ready_path, log, timeout)
             yield base
         finally:
             proc.terminate()

@@ -157,16 +157,21 @@ def _call_from_openai(call: dict) -> dict:
     raw = function.get("arguments")
     out = {k: v for k, v in call.items() if k not in ("function", "type")}
     out["name"] = function.get("name")
+    out["arguments"] = arguments_object(raw)
+    if isinstance(raw, str):
+        out["arguments_raw"] = raw
+    return out
+
+
+def arguments_object(raw: Any) -> dict:
+    """The object a tool call's ``arguments`` hold (a JSON string parsed); ``{}`` when they
+    hold no JSON object."""
     if isinstance(raw, str):
         try:
-            parsed = json.loads(raw)
+            raw = json.loads(raw)
         except ValueError:
-            parsed = None
-        out["arguments"] = parsed if isinstance(parsed, dict) else {}
-        out["arguments_raw"] = raw
-    else:
-        out["arguments"] = raw if isinstance(raw, dict) else {}
-    return out
+            return {}
+    return raw if isinstance(raw, dict) else {}
 
 
 def _session_problem(obj) -> str | None:

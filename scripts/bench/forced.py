@@ -64,6 +64,7 @@ from mlx_fill.core.index import EchoIndex
 from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.proposal import FillSession, Pace
 from mlx_fill.core.resolve import plan_for
+from mlx_fill.evidence.replay import arguments_object, read_sessions
 from mlx_fill.evidence.transcripts import markers, render_recording
 from mlx_fill.spec.base import DraftProposalSource
 from mlx_fill.spec.ngram import NgramDraft
@@ -121,13 +122,7 @@ def _calls(message: dict) -> list[tuple[str, dict, Any]]:
     out = []
     for call in message.get("tool_calls") or []:
         fn = call.get("function", call)
-        args = fn.get("arguments")
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except ValueError:
-                args = {}
-        out.append((str(fn.get("name")), args if isinstance(args, dict) else {}, call.get("id")))
+        out.append((str(fn.get("name")), arguments_object(fn.get("arguments")), call.get("id")))
     return out
 
 
@@ -553,7 +548,6 @@ def main(argv: list[str] | None = None) -> int:
         return fail("--decide-on-curve needs --curve and --surrogate (a wall time is this "
                     "machine's, whatever the curve)")
     if args.transcripts is not None:
-        from mlx_fill.evidence.replay import read_sessions
         if not args.transcripts.is_file():
             return fail(f"no transcripts file {args.transcripts}")
         try:

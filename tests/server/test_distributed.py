@@ -25,13 +25,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
-from adapter_models import AGENT_MESSAGES, AGENT_TOOLS, free_port, running_server
+from adapter_models import AGENT_MESSAGES, AGENT_TOOLS, free_port, running_server, wait_ready
 
 from mlx_fill.assets.fixtures import fixture_path
 
@@ -94,16 +92,7 @@ def launched_server(model: Path, *, pipeline: bool, env: dict[str, str], log: Pa
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=full_env,
                                 start_new_session=True)
         try:
-            deadline = time.monotonic() + timeout
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"launch exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"not ready after {timeout}s:\n{log.read_text()[-3000:]}")
-                time.sleep(0.5)
+            wait_ready(proc, f"http://127.0.0.1:{port}/v1/models", log, timeout)
             yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
                                 max_retries=0, timeout=REQUEST_S)
         finally:

@@ -20,6 +20,7 @@ from adapter_models import (
     free_port,
     running_server,
     serving_model_dir,
+    wait_ready,
 )
 
 
@@ -297,13 +298,7 @@ def test_interrupt_during_a_streamed_generation_exits_cleanly(tmp_path):
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
         try:
             base = f"http://127.0.0.1:{port}"
-            for _ in range(400):
-                try:
-                    httpx.get(base + "/health", timeout=2)
-                    break
-                except httpx.HTTPError:
-                    assert proc.poll() is None, log.read_text()
-                    threading.Event().wait(0.3)
+            wait_ready(proc, base + "/health", log)
             with httpx.stream("POST", base + "/v1/chat/completions", timeout=60, json={
                     "messages": [{"role": "user", "content": "Tell me everything."}],
                     "max_tokens": 4000, "temperature": 0.8, "stream": True}) as r:
