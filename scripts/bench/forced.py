@@ -19,13 +19,16 @@ members, cost-gated on the plan), and the peers as they ship, ungated: ``peer-lo
 lookup with a fixed draft of 10, transformers' ``prompt_lookup_num_tokens=10``: the earliest
 occurrence of the longest trailing 2- or 1-gram) and ``peer-suffix`` (SuffixDecoding's span rule
 as Arctic Inference ships it: ``max_spec_factor = 1`` times the match length, ``min_token_prob =
-0.1``, depth 64, every non-empty draft proposed; the request's own tree, no cross-request store
-here since the repeats would otherwise find the reply itself). On request (``--arms``),
+0.1``, depth 64, every non-empty draft proposed; the request's own tree and the cross-request
+store of earlier responses). As a server serving the turns in this order, ``suffix``, ``all``
+and ``peer-suffix`` keep a store of the earlier turns' replies (each repeat of a turn starts from
+the store as the turn found it, so no repeat reads its own reply; ``--no-cross-request``: every
+turn as a freshly started server's first). On request (``--arms``),
 ``prediction``: ``all`` with OpenAI's ``prediction`` set to the file the reply rewrites as a read
 tool last returned it (:func:`rewritten_file`; ``--rewrites`` replays only such turns; elsewhere
 it is ``all``). ``oracle`` is the bound
 (:mod:`scripts.bench.oracle`): per turn, the best span any source offered at every position,
-priced by the plan's c(M) and round overhead.
+priced by the plan's c(M) and round overhead (the store's drafts included).
 
 Reported per transcript source, overall and per tool (the first call's name; ``(prose)`` for a
 structured turn without calls, ``(inline)`` for harnesses whose calls are text): decode wall time
@@ -39,7 +42,7 @@ such a plan, and the priced columns are on the curve.
 
     python -m scripts.bench.forced [--transcripts PATH] [--model DIR] [--per-source N]
         [--max-tokens N] [--max-context N] [--repeats N] [--curve 1.1,1.4,...] [--json PATH]
-        [--arms plain,...] [--rewrites] [--surrogate [--decide-on-curve]]
+        [--arms plain,...] [--rewrites] [--surrogate [--decide-on-curve]] [--no-cross-request]
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ from mlx_fill.evidence.replay import arguments_object, read_sessions
 from mlx_fill.evidence.transcripts import markers, render_recording
 from mlx_fill.spec.base import DraftProposalSource
 from mlx_fill.spec.ngram import NgramDraft
-from mlx_fill.spec.suffix import SuffixDraft, SuffixParams
+from mlx_fill.spec.suffix import GlobalSuffixTree, SuffixDraft, SuffixParams
 from mlx_fill.sources.echo import EchoDraft
 
 from .__main__ import forcing_processor, timed_decode
@@ -83,6 +86,7 @@ ORACLE = "oracle"
 PEER_LOOKUP_TOKENS = 10  # transformers' prompt_lookup_num_tokens=10
 PEER_SUFFIX = SuffixParams(max_spec=64, alpha=1.0, offset=0.0, min_prob=0.1, max_depth=64)
 ORACLE_SPAN = 64  # the longest span the oracle's model-free drafts offer (the session's max_span)
+STORE_ARMS = frozenset({"suffix", "all", PREDICTION, "peer-suffix"})  # arms with a cross-request store
 
 
 @dataclass
@@ -253,22 +257,25 @@ class RoundLog:
         session.feedback = logged_feedback
 
 
-def peer_session(arm: str, turn: ForcedTurn, *, tok, plan: DispatchPlan) -> FillSession:
-    """A peer as it ships: no cost gate, every non-empty draft proposed."""
+def peer_session(arm: str, turn: ForcedTurn, *, tok, plan: DispatchPlan,
+                 store: GlobalSuffixTree | None = None) -> FillSession:
+    """A peer as it ships: no cost gate, every non-empty draft proposed; ``peer-suffix`` also
+    reads ``store``, the earlier responses (Arctic Inference's cross-request cache)."""
     if arm == "peer-lookup":
         src = NgramDraft(EchoIndex(), n_min=1, n_max=2, k=PEER_LOOKUP_TOKENS, occurrence="first")
         length = PEER_LOOKUP_TOKENS
     else:
-        src = SuffixDraft(EchoIndex(), name="suffix", params=PEER_SUFFIX)
+        src = SuffixDraft(EchoIndex(), name="suffix", global_tree=store, params=PEER_SUFFIX)
         length = PEER_SUFFIX.max_spec
     return FillSession([DraftProposalSource(src, length=lambda: length)], prompt_ids=turn.prompt,
                        eos_ids=tok.eos_token_ids, plan=plan)
 
 
 def arm_session(arm: str, turn: ForcedTurn, *, model, tok, plan: DispatchPlan,
-                acceptance: dict) -> FillSession | None:
+                acceptance: dict, store: GlobalSuffixTree | None = None) -> FillSession | None:
     """The arm's session for one turn (None: plain mlx-lm). ``acceptance`` carries the arm's
-    learned estimates across turns, as a server keeps them."""
+    learned estimates across turns and ``store`` the earlier responses (the suffix source's
+    cross-request tree), as a server keeps them."""
     from mlx_fill.session import build_session
     from mlx_fill.spec.roster import make_sources
     if arm == "plain":
@@ -276,11 +283,11 @@ def arm_session(arm: str, turn: ForcedTurn, *, model, tok, plan: DispatchPlan,
     if arm == "off":
         return FillSession([], prompt_ids=turn.prompt, eos_ids=tok.eos_token_ids, plan=plan)
     if arm.startswith("peer-"):
-        return peer_session(arm, turn, tok=tok, plan=plan)
+        return peer_session(arm, turn, tok=tok, plan=plan, store=store)
     if arm in ("suffix", "ngram"):
         pace = Pace(round_overhead=plan.round_overhead)  # as build_session sets it
         sources = make_sources([arm], plan=plan, tokenizer=tok, prompt_ids=turn.prompt,
-                               acceptance=acceptance, pace=pace)
+                               global_tree=store, acceptance=acceptance, pace=pace)
         return FillSession(sources, prompt_ids=turn.prompt, eos_ids=tok.eos_token_ids,
                            plan=plan, pace=pace)
     prediction = None
@@ -290,14 +297,16 @@ def arm_session(arm: str, turn: ForcedTurn, *, model, tok, plan: DispatchPlan,
             prediction = {"type": "content", "content": turn.prediction}
     return build_session(arm, model=model, tokenizer=tok, prompt_ids=turn.prompt,
                          messages=turn.messages, tools=turn.tools, acceptance=acceptance,
-                         prediction=prediction)
+                         global_tree=store, prediction=prediction)
 
 
-def offline_available(turn: ForcedTurn, proposals: Sequence[tuple[int, Sequence[int]]]) -> list[int]:
+def offline_available(turn: ForcedTurn, proposals: Sequence[tuple[int, Sequence[int]]],
+                      store: GlobalSuffixTree | None = None) -> list[int]:
     """``available[p]``: the longest accepted span any source offered for the slots after
-    output slot ``p``: the model-free drafts (echo, prompt lookup, suffix; ungated, up to
-    :data:`ORACLE_SPAN`) on the recorded prefix through ``p``, and every proposal an arm made
-    (strict's included) at ``p + 1``."""
+    output slot ``p``: the model-free drafts (echo, prompt lookup, suffix, and suffix over
+    ``store``, the earlier turns' replies; ungated, up to :data:`ORACLE_SPAN`) on the recorded
+    prefix through ``p``, and every proposal an arm made (strict's included) at ``p + 1``.
+    ``store`` is read from a copy."""
     out = turn.output
     n = len(out)
     index = EchoIndex()
@@ -305,6 +314,9 @@ def offline_available(turn: ForcedTurn, proposals: Sequence[tuple[int, Sequence[
                 NgramDraft(index, n_min=1, n_max=3, k=ORACLE_SPAN),
                 NgramDraft(index, n_min=1, n_max=2, k=ORACLE_SPAN, occurrence="first"),
                 SuffixDraft(index, params=SuffixParams(max_spec=ORACLE_SPAN))]
+    if store is not None:
+        drafters.append(SuffixDraft(index, global_tree=copy.deepcopy(store),
+                                    params=SuffixParams(max_spec=ORACLE_SPAN)))
     for d in drafters:
         d.prefill(turn.prompt)
     available = [0] * n
@@ -339,46 +351,53 @@ class Tally:
 
 def run(turns: list[ForcedTurn], *, model, tok, plan: DispatchPlan, repeats: int,
         projection: DispatchPlan | None, arms: Sequence[str] = ARMS,
-        progress=None) -> dict:
+        cross_request: bool = True, progress=None) -> dict:
     """Every arm on every turn; returns the tallies per group (source, ``overall``, and
-    ``tool:<name>``) and whether every arm emitted exactly plain's ids."""
+    ``tool:<name>``) and whether every arm emitted exactly plain's ids. With ``cross_request``
+    the arms in :data:`STORE_ARMS` keep a cross-request store of the earlier turns' replies, as
+    a server serving the turns in this order does (each repeat of a turn starts from the store
+    as the turn found it, so no repeat reads its own reply), and so does the oracle."""
     from mlx_lm.models.cache import trim_prompt_cache
 
     from .__main__ import prefilled
 
     groups: dict[str, dict[str, Tally]] = defaultdict(lambda: {a: Tally() for a in [*arms, ORACLE]})
     learned: dict[str, dict] = {a: {} for a in arms}
+    stores = {a: GlobalSuffixTree() if cross_request and a in STORE_ARMS else None for a in arms}
+    history = GlobalSuffixTree() if cross_request else None  # the oracle's: the replies so far
     identical = True
     for t_index, turn in enumerate(turns):
         cache = prefilled(model, turn.prompt)
         force = [forcing_processor(1, turn.output)]
         n = len(turn.output)
 
-        def run_arm(a: str, state: dict) -> tuple[list[int], float, FillSession | None, RoundLog | None]:
-            s = arm_session(a, turn, model=model, tok=tok, plan=plan, acceptance=state)
+        def run_arm(a: str, state: dict, store: GlobalSuffixTree | None
+                    ) -> tuple[list[int], float, FillSession | None, RoundLog | None]:
+            s = arm_session(a, turn, model=model, tok=tok, plan=plan, acceptance=state, store=store)
             log = RoundLog(s) if s is not None else None
             ids, dt = timed_decode(turn.prompt[-1:], model, s, max_tokens=n, eos=frozenset(),
                                    processors=force, cache=cache)
             trim_prompt_cache(cache, cache[0].offset - (len(turn.prompt) - 1))
             return ids, dt, s, log
 
-        run_arm(arms[0], copy.deepcopy(learned[arms[0]]))  # the first decode after a prefill is slower
+        run_arm(arms[0], *copy.deepcopy((learned[arms[0]], stores[arms[0]])))  # the first decode after a prefill is slower
         times: dict[str, list[float]] = {a: [] for a in arms}
         last: dict[str, tuple] = {}
         for r in range(repeats):
             shift = (t_index + r) % len(arms)
             for a in [*arms[shift:], *arms[:shift]]:
-                state = copy.deepcopy(learned[a])  # every repeat decides as the first did
-                ids, dt, s, log = run_arm(a, state)
+                state, store = copy.deepcopy((learned[a], stores[a]))  # every repeat decides as the first did
+                ids, dt, s, log = run_arm(a, state, store)
                 times[a].append(dt)
-                last[a] = (ids, s, log, state)
+                last[a] = (ids, s, log, (state, store))
         proposals = []
         for a in arms:
-            ids, s, log, state = last[a]
-            learned[a] = state
+            ids, s, log, (learned[a], stores[a]) = last[a]
             if log is not None:
                 proposals += log.proposed
-        available = offline_available(turn, proposals)
+        available = offline_available(turn, proposals, history)
+        if history is not None:
+            history.extend(history.open(turn.prompt), turn.output)
         for key in (OVERALL, turn.transcript_source, f"tool:{turn.tool}"):
             g = groups[key]
             for a in arms:
@@ -526,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decide-on-curve", action="store_true",
                     help="with --surrogate and --curve: the gates decide on the curve (the plan "
                          "such hardware would qualify), priced on it")
+    ap.add_argument("--no-cross-request", action="store_true",
+                    help="no store of earlier replies: each turn as a freshly started server's first")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
 
@@ -593,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
             "model": model_dir, "dtype": args.dtype, "turns": done, "repeats": args.repeats,
             "per_source": args.per_source, "max_tokens": args.max_tokens,
             "max_context": args.max_context, "surrogate": args.surrogate,
-            "decided_on_curve": args.decide_on_curve,
+            "decided_on_curve": args.decide_on_curve, "cross_request": not args.no_cross_request,
             "transcripts": str(args.transcripts) if args.transcripts else "held-back split",
             "plan": {"cost": plan.cost, "max_chunk": plan.max_chunk,
                      "round_overhead": plan.round_overhead},
@@ -610,7 +631,8 @@ def main(argv: list[str] | None = None) -> int:
         finish(partial, i)
 
     result = run(turns, model=model, tok=tok, plan=plan, repeats=args.repeats,
-                 projection=projection, arms=arms, progress=progress)
+                 projection=projection, arms=arms, cross_request=not args.no_cross_request,
+                 progress=progress)
     report = finish(result, len(turns))
     print_tables(report, arms)
     return 0 if report["identical"] else 1

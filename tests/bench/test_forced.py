@@ -130,6 +130,34 @@ def test_forced_turns_emit_the_recorded_ids_not_the_models_own(two_sessions):
     assert result["identical"] is True
 
 
+def test_a_store_of_earlier_replies_serves_a_later_turn_never_the_turns_own_repeats(two_sessions):
+    """With the cross-request store a turn served again finds the earlier reply (fewer forwards
+    for ``peer-suffix``, a cheaper oracle); a turn's repeats start from the store as the turn
+    found it, so two repeats decode as one; without the store both servings cost the same."""
+    from mlx_fill.assets.fixtures import fixture_path
+    from mlx_fill.evidence.replay import load_recordings
+    model, tok, _ = forced.load_model(str(fixture_path("qwen3-json")), None)
+    sessions, _ = load_recordings(two_sessions)
+    turns, _ = forced.forced_turns(tok, sessions, per_source=1, max_tokens=12, max_context=384)
+    turn = next(t for t in turns if t.transcript_source == "aider_examples")
+    plan = forced.plan_for(model)
+
+    def per_turn(repeats: int, cross_request: bool) -> list[tuple[float, float]]:
+        totals = []
+
+        def progress(i, total, t, partial):
+            g = partial["groups"]["overall"]
+            totals.append((g["peer-suffix"].forwards, g["oracle"].priced))
+        forced.run([turn, turn], model=model, tok=tok, plan=plan, repeats=repeats, projection=None,
+                   arms=("plain", "peer-suffix"), cross_request=cross_request, progress=progress)
+        return [totals[0], tuple(b - a for a, b in zip(*totals))]
+
+    first, again = per_turn(2, True)
+    assert again[0] < first[0] and again[1] < first[1], (first, again)
+    fresh = per_turn(1, False)
+    assert fresh[0] == fresh[1] == first, fresh  # the second repeat read no reply of its turn
+
+
 FILE = 'def area(r):\n    return 3.14 * r * r\n\n\nprint("area", area(2))\n'
 
 
