@@ -101,7 +101,9 @@ def _messages(value: Any) -> list[dict]:
         content = m.get("content")
         if content is not None and not isinstance(content, (str, list)):
             raise RequestError(422, f"{where}.content: expected a string or an array", f"{where}.content")
-        if isinstance(content, list):
+        if content is None:  # OpenAI's assistant turn that only calls tools; templates read a string
+            m = dict(m, content="")
+        elif isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
@@ -124,7 +126,12 @@ def _call_for_template(call: Any, where: str) -> dict:
     if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
         raise RequestError(422, f"{where}.function: expected an object", f"{where}.function")
     fn = dict(call["function"])
+    if not isinstance(fn.get("name"), str):
+        raise RequestError(422, f"{where}.function.name: expected a string", f"{where}.function.name")
     args = fn.get("arguments")
+    if args is not None and not isinstance(args, (str, dict)):
+        raise RequestError(422, f"{where}.function.arguments: expected a JSON string or an object",
+                           f"{where}.function.arguments")
     if isinstance(args, str):
         try:
             fn["arguments"] = json.loads(args) if args.strip() else {}

@@ -72,6 +72,13 @@ def test_trained_fixture_tool_call_is_filled(server):
     assert "command" in json.loads(calls[0].function.arguments)
     assert r.choices[0].finish_reason == "tool_calls"
     assert r.usage.model_extra["fill"]["injected"] > 0
+    # the agent loop's next turn: the reply as the client returned it (content null) and the result
+    reply = r.choices[0].message
+    assert reply.content is None
+    turn = [*AGENT_MESSAGES, reply,
+            {"role": "tool", "tool_call_id": calls[0].id, "content": "README.md\nsetup.py"}]
+    nxt = chat(server, turn, tools=AGENT_TOOLS, max_tokens=8)
+    assert nxt.usage.prompt_tokens > r.usage.prompt_tokens + r.usage.completion_tokens
 
 
 def test_stream_matches_non_stream(server):
@@ -139,6 +146,14 @@ BAD = [
                               "response_format": {"type": "json_object"}}),
     (400, "tools[0]", {"messages": [{"role": "user", "content": "x"}], "stream": True,
                        "tools": [{"type": "function", "function": {"name": 3}}]}),
+    (422, "messages[1].tool_calls[0].function.arguments", {"messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                              "function": {"name": "f", "arguments": 5}}]}]}),
+    (422, "messages[1].tool_calls[0].function.name", {"messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": 5, "arguments": "{}"}}]}]}),
 ]
 
 
