@@ -86,6 +86,25 @@ def _number(body: dict, name: str, lo: float, hi: float, default: float) -> floa
     return float(value)
 
 
+# Sampling controls this server does not apply, with the value that means "off": any other value
+# is refused rather than ignored, since it would change what the client asked to sample.
+_UNAPPLIED = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "top_k": 0,
+              "min_p": 0}
+
+
+def _refuse_unapplied(body: dict) -> None:
+    """RequestError for a sampling control set to anything but off, ``logit_bias`` with entries,
+    or ``parallel_tool_calls`` that is not a boolean."""
+    for name, off in _UNAPPLIED.items():
+        value = _typed(body, name, (int, float), "a number")
+        if value is not None and value != off and not (name == "top_k" and value == -1):
+            raise RequestError(400, f"{name}: not supported by mlx-fill serve (send {off} or omit it)",
+                               name)
+    if _typed(body, "logit_bias", (dict,), "an object"):
+        raise RequestError(400, "logit_bias: not supported by mlx-fill serve", "logit_bias")
+    _typed(body, "parallel_tool_calls", (bool,), "a boolean")
+
+
 def _messages(value: Any) -> list[dict]:
     if not isinstance(value, list):
         raise RequestError(422, "messages: expected an array", "messages")
@@ -106,9 +125,12 @@ def _messages(value: Any) -> list[dict]:
         elif isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                if not isinstance(part, dict) or part.get("type") != "text":
                     raise RequestError(400, f"{where}.content[{j}]: only text parts are supported",
                                        f"{where}.content[{j}]")
+                if not isinstance(part.get("text"), str):
+                    raise RequestError(422, f"{where}.content[{j}].text: expected a string",
+                                       f"{where}.content[{j}].text")
                 texts.append(part["text"])
             m = dict(m, content="".join(texts))
         calls = m.get("tool_calls")
@@ -251,6 +273,7 @@ def parse_chat_request(body: Any, *, limits: Limits = DEFAULT_LIMITS,
             raise RequestError(400, str(e), str(e).split(":", 1)[0]) from None
     if _typed(body, "logprobs", (bool,), "a boolean") or _typed(body, "top_logprobs", (int,), "an integer"):
         raise RequestError(400, "logprobs: not supported by mlx-fill serve", "logprobs")
+    _refuse_unapplied(body)
     response_format = _typed(body, "response_format", (dict,), "an object")
     if response_format not in (None, {"type": "text"}):
         raise RequestError(400, "response_format: only {'type': 'text'} is supported", "response_format")

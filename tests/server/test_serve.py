@@ -146,6 +146,11 @@ BAD = [
                               "response_format": {"type": "json_object"}}),
     (400, "tools[0]", {"messages": [{"role": "user", "content": "x"}], "stream": True,
                        "tools": [{"type": "function", "function": {"name": 3}}]}),
+    (400, "frequency_penalty", {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 0.5}),
+    (400, "logit_bias", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 2}}),
+    (422, "top_k", {"messages": [{"role": "user", "content": "x"}], "top_k": "x"}),
+    (422, "parallel_tool_calls", {"messages": [{"role": "user", "content": "x"}], "parallel_tool_calls": "x"}),
+    (422, "messages[0].content[0].text", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}),
     (422, "messages[1].tool_calls[0].function.arguments", {"messages": [
         {"role": "user", "content": "x"},
         {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
