@@ -35,6 +35,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from mlx_fill.core.errors import UserError
 from mlx_fill.core.plan import unqualified
 from mlx_fill.modes import check_mode
 from mlx_fill.core.resolve import plan_for
@@ -51,14 +52,32 @@ DRAFT_TOKENS = 4  # ids a draft model proposes per round (``--draft-model``)
 _MODE_SOURCES = {"strict": (), "echo": ("echo",), "all": ("echo", "suffix", "ngram")}
 
 
-def env_max_span() -> int:
-    raw = os.environ.get("MLX_FILL_MAX_SPAN")
+MAX_SPAN_CEILING = 4096  # ids one proposal may hold (MLX_FILL_MAX_SPAN)
+
+
+class BadEnvironment(UserError, ValueError):
+    """An ``MLX_FILL_*`` variable holds a value the product cannot use; the message names it."""
+
+
+def _env_count(name: str, default: int, ceiling: int) -> int:
+    """The whole number in environment variable ``name`` (``default`` when unset or empty),
+    1..``ceiling``; :class:`BadEnvironment` otherwise."""
+    raw = os.environ.get(name)
     if not raw:
-        return DEFAULT_MAX_SPAN
-    value = int(raw)
-    if value < 1:
-        raise ValueError(f"MLX_FILL_MAX_SPAN must be >= 1, got {raw!r}")
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise BadEnvironment(f"{name}={raw!r} is not a whole number; set it to 1..{ceiling} "
+                             f"or unset it") from None
+    if not 1 <= value <= ceiling:
+        raise BadEnvironment(f"{name}={raw} is outside 1..{ceiling}; set it in that range or unset it")
     return value
+
+
+def env_max_span() -> int:
+    """``MLX_FILL_MAX_SPAN``: ids per proposal (default :data:`DEFAULT_MAX_SPAN`)."""
+    return _env_count("MLX_FILL_MAX_SPAN", DEFAULT_MAX_SPAN, MAX_SPAN_CEILING)
 
 
 def source_names(names: str | Sequence[str] | None) -> list[str]:
@@ -75,11 +94,7 @@ def env_promote() -> tuple[frozenset[str], int]:
     ``MLX_FILL_PROMOTE_AFTER``."""
     from mlx_fill.sources.ledger import DEFAULT_PROMOTE_AFTER
     rows = frozenset(r.strip() for r in os.environ.get("MLX_FILL_PROMOTE", "").split(",") if r.strip())
-    raw = os.environ.get("MLX_FILL_PROMOTE_AFTER")
-    after = int(raw) if raw else DEFAULT_PROMOTE_AFTER
-    if after < 1:
-        raise ValueError(f"MLX_FILL_PROMOTE_AFTER must be >= 1, got {raw!r}")
-    return rows, after
+    return rows, _env_count("MLX_FILL_PROMOTE_AFTER", DEFAULT_PROMOTE_AFTER, 1_000_000)
 
 
 def server_ledger(model_key: str, tokenizer: Any):
@@ -93,13 +108,17 @@ def server_ledger(model_key: str, tokenizer: Any):
 
 
 def check_env() -> None:
-    """Validate the environment knobs once (at patch / server start): ValueError naming the
-    variable, instead of every request failing later."""
+    """Validate the environment knobs once (at patch / server start): :class:`BadEnvironment`
+    naming the variable, instead of every request failing later."""
     env_max_span()
     env_promote()
     unknown = [n for n in source_names(None) if n not in NAMES]
     if unknown:
-        raise ValueError(f"MLX_FILL_SOURCES: unknown sources {unknown}; known: {list(NAMES)}")
+        raise BadEnvironment(f"MLX_FILL_SOURCES: unknown sources {unknown}; known: {list(NAMES)}")
+    trace = os.environ.get("MLX_FILL_TRACE")
+    if trace and (os.path.isdir(trace) or not os.path.isdir(os.path.dirname(os.path.abspath(trace)))):
+        raise BadEnvironment(f"MLX_FILL_TRACE={trace} is not a file path in an existing folder; "
+                             f"name a file to append the trace to")
 
 
 def _strict_source(tokenizer: Any, messages: Any, tools: Any, template_kwargs: Any, ledger: Any,

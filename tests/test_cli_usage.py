@@ -237,3 +237,216 @@ def test_serve_port_in_use_or_out_of_range(tmp_path, capsys):
         one_error_line(capsys, ["serve", "--model", model, "--port", str(port)],
                        f"cannot listen on 127.0.0.1:{port}", "pick another --port")
     one_error_line(capsys, ["serve", "--model", model, "--port", "70000"], "cannot listen on 127.0.0.1:70000")
+
+
+def _no_traceback_line(capsys, call, *needles: str) -> str:
+    """Run ``call()`` (a script's ``main``); assert exit 2 and one stderr line, no traceback,
+    holding every ``needle`` (argparse's usage line aside); return that line."""
+    try:
+        code = call()
+    except SystemExit as stop:
+        code = stop.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if not line.startswith("usage:")
+             and not line.startswith(" ")]
+    assert code == 2 and "Traceback" not in err and len(lines) == 1, err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def inputs(tmp_path) -> dict[str, str]:
+    """A file, a folder, a model folder argparse accepts, a replayable session file and a runs
+    file, for arguments whose checks come before any of them is read in earnest."""
+    (tmp_path / "a-file").write_text("keep\n")
+    (tmp_path / "a-folder").mkdir()
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
+    session = {"source": "unit", "session_id": "s", "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    (tmp_path / "sessions.jsonl").write_text(json.dumps(session) + "\n")
+    return {"file": str(tmp_path / "a-file"), "folder": str(tmp_path / "a-folder"),
+            "under_file": str(tmp_path / "a-file" / "x.json"), "model": str(model),
+            "sessions": str(tmp_path / "sessions.jsonl"), "runs": str(tmp_path / "a-file")}
+
+
+URL = "http://127.0.0.1:9"
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["qualify", "--model", "{model}", "--quick", "--out", "{folder}"], "is a folder"),
+    (["audit", "--family", "qwen3", "--json", "{folder}"], "is a folder"),
+    (["audit", "--family", "qwen3", "--json", "{under_file}"], "is a file, not a folder"),
+    (["study", "--out", "{file}"], "is a file, not a folder"),
+    (["replay", "--sessions", "{sessions}", "--url", URL, "--out", "{file}"], "is a file, not a folder"),
+    (["ab", "--sessions", "{sessions}", "--url-a", URL, "--url-b", URL, "--out", "{under_file}"],
+     "is a file, not a folder"),
+    (["report", "{runs}", "--out", "{file}"], "is a file, not a folder"),
+    (["assets", "fetch", "qwen3", "--dest", "{file}"], "is a file, not a folder"),
+])
+def test_output_paths_that_cannot_be_written(argv, needle, inputs, capsys):
+    argv = [a.format(**inputs) for a in argv]
+    flag = next(a for a in argv if a in ("--out", "--json", "--dest"))
+    one_error_line(capsys, argv, f"argument {flag}: cannot write", needle)
+
+
+def test_bench_scripts_refuse_a_folder_as_json(inputs, capsys):
+    from scripts.bench import __main__ as bench
+    from scripts.bench import forced
+
+    _no_traceback_line(capsys, lambda: bench.main(["--json", inputs["folder"]]), "bench: ",
+                       "argument --json", "is a folder")
+    _no_traceback_line(capsys, lambda: forced.main(["--json", inputs["folder"]]),
+                       "argument --json", "is a folder")
+
+
+def test_replay_keeps_an_earlier_runs_file(inputs, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "runs.jsonl").write_text("earlier\n")
+    for command in (["replay", "--url", URL], ["ab", "--url-a", URL, "--url-b", URL]):
+        one_error_line(capsys, [*command, "--sessions", inputs["sessions"], "--out", str(out)],
+                       f"{out / 'runs.jsonl'} already exists", "another --out")
+    assert (out / "runs.jsonl").read_text() == "earlier\n"
+
+
+@pytest.mark.parametrize(("tools", "needle"), [
+    (42, "tools: must be a list"),
+    ([1, 2, 3], "tools[0]: must be an object"),
+    ({"type": "function"}, "tools: must be a list"),
+    ([{"type": "function", "function": {"name": "", "parameters": {"type": "object"}}}],
+     "name: must be a non-empty string"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}],
+     "parameters.type"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "pattern": "("}}}}}], "pattern"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "#/nope"}}}}}], "$ref: cannot resolve"),
+])
+def test_audit_unusable_tools(tools, needle, tmp_path, capsys):
+    path = tmp_path / "tools.json"
+    path.write_text(json.dumps(tools))
+    one_error_line(capsys, ["audit", "--family", "qwen3", "--tools", str(path)],
+                   f"{path} is not a usable OpenAI tools array", needle)
+
+
+@pytest.mark.parametrize(("case", "needle"), [
+    ({"reply": "hi"}, "its 'reply' is not a message object"),
+    ({"raw_reply": 5}, "its 'raw_reply' is not a string"),
+    ({"messages": [1, 2], "raw_reply": "x"}, "its 'messages' is not a list of message objects"),
+    (None, "cannot read"),
+])
+def test_audit_malformed_case_files(case, needle, tmp_path, capsys):
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "default.json").write_text("[]")
+    (tmp_path / "qwen3").mkdir()
+    path = tmp_path / "qwen3" / "x.json"
+    if case is None:
+        path.mkdir()
+    else:
+        path.write_text(json.dumps({"id": "x", "family": "qwen3",
+                                    "messages": [{"role": "user", "content": "hi"}], **case}))
+    one_error_line(capsys, ["audit", "--family", "qwen3", "--corpus", str(tmp_path)], "x.json", needle)
+
+
+def test_audit_empty_corpus_says_why(tmp_path, capsys):
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "default.json").write_text("[]")
+    one_error_line(capsys, ["audit", "--family", "qwen3", "--corpus", str(tmp_path)],
+                   "no audit cases for qwen3", "--corpus DIR")
+
+
+@pytest.mark.parametrize(("content", "needle"), [
+    (b"\xff\xfe\x00garbage\x80\n", "line 1 is not UTF-8 text"),
+    (b'{"kind": "run"}\n{"kind": "turn"}\n', "line 2 is not a turn record (it has no 'arm')"),
+    (json.dumps({"kind": "turn", "arm": "A", "session_id": "s", "turn": 0, "output": {},
+                 "expected": {}, "timing": {"wall_s": 1.0}}).encode() + b"\n",
+     "line 1 is not a turn record (it has no 'usage')"),
+])
+def test_report_malformed_turn_records(content, needle, tmp_path, capsys):
+    runs = tmp_path / "runs.jsonl"
+    runs.write_bytes(content)
+    one_error_line(capsys, ["report", str(runs)], str(runs), needle, "mlx-fill replay")
+
+
+@pytest.mark.parametrize("argv", [["fixture", "qwen3-json"], ["assets", "path", "qwen3"]])
+def test_cache_folder_that_cannot_hold_files(argv, tmp_path, monkeypatch, capsys):
+    cache = tmp_path / "a-file"
+    cache.write_text("")
+    monkeypatch.setenv("MLX_FILL_CACHE", str(cache))
+    one_error_line(capsys, argv, f"MLX_FILL_CACHE={cache}", "is a file, not a folder",
+                   "set MLX_FILL_CACHE to a writable folder")
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["ab", "--url-a", URL, "--url-b", URL, "--reps", "99999999999999999999"],
+     "argument --reps: 99999999999999999999 is more than 1000"),
+    (["qualify", "--model", "{model}", "--repeats", "99999999999999999999"],
+     "argument --repeats: 99999999999999999999 is more than 1000"),
+    (["replay", "--url", URL, "--timeout", "0"], "argument --timeout: 0 is not above 0"),
+    (["replay", "--url", URL, "--timeout", "-1"], "argument --timeout: -1 is not above 0"),
+    (["ab", "--url-a", URL, "--url-b", URL, "--timeout", "nan"], "--timeout: nan is not a finite number"),
+    (["replay", "--url", URL, "--temperature", "nan"], "--temperature: nan is not a finite number"),
+    (["replay", "--url", URL, "--temperature", "5"], "--temperature: 5 is more than 2"),
+    (["ab", "--url-a", URL, "--url-b", URL, "--max-tokens", "0"], "--max-tokens: 0 is not at least 1"),
+])
+def test_numbers_out_of_range(argv, needle, inputs, capsys):
+    argv = [a.format(**inputs) for a in argv]
+    if argv[0] in ("replay", "ab"):
+        argv += ["--sessions", inputs["sessions"]]
+    one_error_line(capsys, argv, needle)
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--max-tokens", "0"], "argument --max-tokens: 0 is not at least 1"),
+    (["--max-tokens", "-4"], "argument --max-tokens: -4 is not at least 1"),
+    (["--max-context", "-5"], "argument --max-context: -5 is not at least 1"),
+    (["--max-context", "0"], "argument --max-context: 0 is not at least 1"),
+    (["--per-source", "0"], "argument --per-source: 0 is not at least 1"),
+    (["--per-source", "-1"], "argument --per-source: -1 is not at least 1"),
+    (["--curve", "1,2,nan"], "--curve: '1,2,nan' holds a number that is not finite"),
+    (["--curve", "1.1", "--curve-overhead", "nan"], "--curve-overhead: nan is not a finite number"),
+])
+def test_forced_replay_arguments(argv, needle, capsys):
+    from scripts.bench import forced
+
+    _no_traceback_line(capsys, lambda: forced.main(["--surrogate", *argv]), needle)
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--fixtures", "bogus"], "argument --fixtures: unknown fixtures ['bogus']"),
+    (["--max-tokens", "0"], "argument --max-tokens: 0 is not at least 1"),
+    (["--per-source", "-1"], "argument --per-source: -1 is not at least 1"),
+    (["--parts", "bogus"], "argument --parts: unknown parts ['bogus']"),
+])
+def test_bench_arguments(argv, needle, capsys):
+    from scripts.bench import __main__ as bench
+
+    _no_traceback_line(capsys, lambda: bench.main(["--quick", "--parts", "e2e", *argv]), "bench: ",
+                       needle)
+
+
+def test_forced_names_why_a_session_did_not_render():
+    from collections import Counter
+
+    from scripts.bench import forced
+
+    class Refusing:
+        def encode(self, text, add_special_tokens=False):
+            return [1]
+
+    def refuse(session, tok, mk):
+        raise ValueError("no template for this")
+
+    skipped = Counter()
+    original = forced.render_recording, forced.markers
+    forced.render_recording, forced.markers = refuse, lambda tok: type("M", (), {"opener": "<"})()
+    try:
+        _, skipped = forced.forced_turns(Refusing(), [{"source": "s"}], per_source=None,
+                                         max_tokens=None, max_context=None)
+    finally:
+        forced.render_recording, forced.markers = original
+    assert list(skipped) == ["s: ValueError: no template for this"]

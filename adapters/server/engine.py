@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlx_fill.core.errors import UserError
 from mlx_fill.limits import DEFAULT_LIMITS, Limits, over_compile_budget
 from .openai_request import ChatRequest, RequestError, parse_chat_request
 from .output import OutputSplitter
@@ -44,15 +45,19 @@ class Engine:
                  prompt_cache_size: int = 8, max_tokens: int = DEFAULT_MAX_TOKENS,
                  limits: Limits = DEFAULT_LIMITS, prefill_step_size: int = DEFAULT_PREFILL_STEP,
                  prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES, dtype: str | None = None):
-        import mlx_lm
         from mlx_lm.models.cache import LRUPromptCache
+
+        from mlx_fill.core.model_folder import load_model_folder
 
         from mlx_fill.session import check_env, check_mode
         self.model_path = model_path
         self.mode = check_mode(mode)
         check_env()
         from mlx_fill.core.resolve import prepare  # dispatch plans: qualified at start-up, not in a request
-        self.model, self.tokenizer = mlx_lm.load(model_path)
+        self.model, self.tokenizer = load_model_folder(model_path)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise UserError(f"{model_path} has no chat template (tokenizer_config.json "
+                            f"'chat_template' or chat_template.jinja); pass a chat model's folder")
         if dtype is not None:  # the floating-point weights cast, as model.set_dtype does
             import mlx.core as mx
             self.model.set_dtype(getattr(mx, dtype))
@@ -63,9 +68,13 @@ class Engine:
             prepare(self.model)
         self.draft = None
         if draft_model is not None:
-            from mlx_fill.spec.draft import check_same_tokenizer
-            self.draft, draft_tokenizer = mlx_lm.load(draft_model)
-            check_same_tokenizer(draft_tokenizer, self.tokenizer)
+            from mlx_fill.spec.draft import TokenizerMismatch, check_same_tokenizer
+            self.draft, draft_tokenizer = load_model_folder(draft_model)
+            try:
+                check_same_tokenizer(draft_tokenizer, self.tokenizer)
+            except TokenizerMismatch as err:
+                raise UserError(f"--draft-model {draft_model}: {err}; pass a model with the "
+                                f"target's tokenizer") from err
             if self.mode != "off":
                 prepare(self.draft)
         self.prompt_cache = LRUPromptCache(prompt_cache_size, max_bytes=prompt_cache_bytes)

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from pathlib import Path
 
-from mlx_fill.core.errors import UserError, model_ref
+from mlx_fill.core.errors import UserError, model_ref, positive_int
 from mlx_fill.limits import Limits
 from .app import create_app
 from .engine import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP, DEFAULT_PROMPT_CACHE_BYTES, Engine
@@ -31,13 +30,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a smaller model with the same tokenizer, used as a verify source")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     parser.add_argument("--port", type=int, default=8080, help="TCP port to listen on")
-    parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+    parser.add_argument("--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS,
                         help="completion length when a request gives none")
-    parser.add_argument("--prompt-cache-size", type=int, default=8,
+    parser.add_argument("--prompt-cache-size", type=positive_int, default=8,
                         help="KV caches kept for reuse across turns")
-    parser.add_argument("--prompt-cache-bytes", type=int, default=DEFAULT_PROMPT_CACHE_BYTES,
+    parser.add_argument("--prompt-cache-bytes", type=positive_int, default=DEFAULT_PROMPT_CACHE_BYTES,
                         help="bytes of KV caches kept for reuse across turns")
-    parser.add_argument("--prefill-step-size", type=int, default=DEFAULT_PREFILL_STEP,
+    parser.add_argument("--prefill-step-size", type=positive_int, default=DEFAULT_PREFILL_STEP,
                         help="prompt tokens per prefill chunk (a cancelled request stops "
                              "between chunks)")
     for f in dataclasses.fields(Limits):
@@ -77,17 +76,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise UserError(str(err)) from err
     check_listen(args.host, args.port)
-    try:
-        engine = Engine(args.model, mode=args.fill, draft_model=args.draft_model,
-                        prompt_cache_size=args.prompt_cache_size, max_tokens=args.max_tokens,
-                        limits=limits, prefill_step_size=args.prefill_step_size,
-                        prompt_cache_bytes=args.prompt_cache_bytes, dtype=args.dtype)
-    except (OSError, ValueError) as err:
-        remote = [m for m in (args.model, args.draft_model) if m and not Path(m).exists()]
-        if not remote:
-            raise
-        raise UserError(f"could not download {', '.join(remote)} from the Hugging Face Hub "
-                        f"({str(err).splitlines()[0]}); pass a local mlx-lm model directory") from err
+    if args.max_tokens > limits.max_tokens_ceiling:
+        raise UserError(f"--max-tokens {args.max_tokens} is above --max-tokens-ceiling "
+                        f"{limits.max_tokens_ceiling}; lower it or raise the ceiling")
+    engine = Engine(args.model, mode=args.fill, draft_model=args.draft_model,
+                    prompt_cache_size=args.prompt_cache_size, max_tokens=args.max_tokens,
+                    limits=limits, prefill_step_size=args.prefill_step_size,
+                    prompt_cache_bytes=args.prompt_cache_bytes, dtype=args.dtype)
     uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=limits.shutdown_grace_s)
     return 0

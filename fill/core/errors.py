@@ -11,7 +11,10 @@ detected.
 from __future__ import annotations
 
 import argparse
+import math
+import tempfile
 from pathlib import Path
+from typing import Callable
 
 
 class UserError(Exception):
@@ -59,3 +62,68 @@ def model_ref(value: str) -> str:
     if path.exists() or not looks_like_repo:
         model_dir(value)
     return value
+
+
+def int_up_to(high: int) -> Callable[[str], int]:
+    """argparse ``type=``: an integer from 1 to ``high``."""
+    def parse(value: str) -> int:
+        number = positive_int(value)
+        if number > high:
+            raise argparse.ArgumentTypeError(f"{value} is more than {high}; pass at most {high}")
+        return number
+    return parse
+
+
+def float_in(low: float, high: float = math.inf, *, low_open: bool = False) -> Callable[[str], float]:
+    """argparse ``type=``: a finite number from ``low`` to ``high`` (above ``low`` when
+    ``low_open``)."""
+    def parse(value: str) -> float:
+        try:
+            number = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+        if not math.isfinite(number):
+            raise argparse.ArgumentTypeError(f"{value} is not a finite number")
+        if number < low or (low_open and number == low):
+            bound = "above" if low_open else "at least"
+            raise argparse.ArgumentTypeError(f"{value} is not {bound} {low:g}")
+        if number > high:
+            raise argparse.ArgumentTypeError(f"{value} is more than {high:g}; pass at most {high:g}")
+        return number
+    return parse
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why no file could be created in ``folder`` (made when missing): its nearest existing
+    ancestor is a file, or takes no new file; None when one could."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".mlx-fill-probe-"):
+            pass
+    except OSError as err:
+        return f"{existing} takes no new files ({err.strerror or err})"
+    return None
+
+
+def output_file(value: str) -> Path:
+    """argparse ``type=``: a path to write a file at: not a folder, and in a folder that exists
+    or can be created (the writer creates it)."""
+    path = Path(value)
+    problem = f"{value} is a folder" if path.is_dir() else unwritable(path.parent)
+    if problem:
+        raise argparse.ArgumentTypeError(f"cannot write {value}: {problem}; pass another file path")
+    return path
+
+
+def output_dir(value: str) -> Path:
+    """argparse ``type=``: a folder to write files into: an existing folder, or a path where one
+    can be created (the writer creates it)."""
+    path = Path(value)
+    problem = unwritable(path)
+    if problem:
+        raise argparse.ArgumentTypeError(f"cannot write into {value}: {problem}; pass another folder")
+    return path

@@ -25,7 +25,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
-from .errors import UserError, model_dir, positive_int
+from .errors import UserError, int_up_to, model_dir, output_file
 from .exactness import arrays_equal, cache_content
 from .plan import DispatchPlan, PlanKey, config_key, format_key, save_plan
 from .shapes import SHAPES
@@ -41,6 +41,7 @@ QUICK_SIZES = (1, 2, 3, 4, 8, 16)
 FULL_KV = (0, 1, 255, 256, 257, 511, 512, 1023, 1024, 2048, 4095, 4096, 8192)
 QUICK_KV = (0, 1, 255, 256, 257, 511, 512)
 COST_KV = 512
+MAX_REPEATS = 1000
 Agree = Callable[[bool], bool]
 
 
@@ -463,19 +464,20 @@ def format_table(plan: DispatchPlan, checks: list[Check]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, type=model_dir, help="mlx-lm model directory")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and KV lengths")
-    parser.add_argument("--out", type=Path, default=None,
+    parser.add_argument("--out", type=output_file, default=None,
                         help="plan file (default: the user cache's plans/ dir)")
-    parser.add_argument("--repeats", type=positive_int, default=None,
-                        help="timing repeats per size (default: 3 with --quick, else 7)")
+    parser.add_argument("--repeats", type=int_up_to(MAX_REPEATS), default=None,
+                        help=f"timing repeats per size, at most {MAX_REPEATS} (default: 3 with "
+                             f"--quick, else 7)")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                         help="cast the floating-point weights after loading, as a server or "
                              "script that runs the model in that dtype does (default: as stored)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from mlx_lm.utils import load_model
+    from mlx_fill.core.model_folder import load_model_folder
 
-    model, config = load_model(args.model)
+    model, config = load_model_folder(args.model, tokenizer=False)
     if args.dtype is not None:
         model.set_dtype(getattr(mx, args.dtype))
     vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")

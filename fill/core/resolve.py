@@ -306,8 +306,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mlx_lm.utils import load_model
+    from mlx_fill.core.model_folder import load_model_folder
 
-    model, _ = load_model(args.model)
+    model, _ = load_model_folder(args.model, tokenizer=False)
     print(format_resolution(resolve(model, qualify=not args.no_qualify, wait=True)))
     return 0

@@ -40,9 +40,10 @@ import jinja2
 
 from mlx_fill.assets import checkout
 from mlx_fill.assets.store import FAMILIES, load_tokenizer
-from mlx_fill.core.errors import UserError, existing_file
+from mlx_fill.core.errors import UserError, existing_file, output_file
 from mlx_fill.core.proposal import DecodeView, FillSession
 from mlx_fill.strict.rows import CERTAINTIES, table_for
+from mlx_fill.strict.schema import tool_schemas
 from mlx_fill.strict.source import strict_source
 from mlx_fill.strict.tokenbytes import ids_bytes, token_bytes
 
@@ -193,24 +194,54 @@ def read_json(path: Path, fix: str):
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as err:
         raise UserError(f"{path} does not exist; {fix}") from err
+    except OSError as err:
+        raise UserError(f"cannot read {path} ({err.strerror or err}); {fix}") from err
     except (ValueError, UnicodeDecodeError) as err:
         raise UserError(f"{path} is not valid JSON ({err}); {fix}") from err
 
 
+def _case_problem(case: object) -> str | None:
+    """What keeps ``case`` from being an audit case, or None."""
+    if not isinstance(case, dict):
+        return f"it is a JSON {type(case).__name__}, not an object"
+    missing = [key for key in ("id", "family") if key not in case]
+    if missing:
+        return f"it has no {missing[0]!r}"
+    messages = case.get("messages")
+    if not (isinstance(messages, list) and all(isinstance(m, dict) for m in messages)):
+        return "its 'messages' is not a list of message objects"
+    if "raw_reply" in case:
+        return None if isinstance(case["raw_reply"], str) else "its 'raw_reply' is not a string"
+    if "reply" in case:
+        return None if isinstance(case["reply"], dict) else "its 'reply' is not a message object"
+    return "it has neither 'reply' nor 'raw_reply'"
+
+
 def load_cases(corpus: Path, family: str) -> list[dict]:
     """The cases of ``family`` under ``corpus``; a case file that is not a JSON object with
-    ``id``, ``family``, a ``messages`` list and a ``reply`` or ``raw_reply`` is a ``UserError``."""
+    ``id``, ``family``, a list of message objects ``messages`` and a ``reply`` message object or
+    a ``raw_reply`` string is a ``UserError``."""
     folder = corpus / family if (corpus / family).is_dir() else corpus
     cases = []
     for path in sorted(folder.glob("*.json")):
         case = read_json(path, "fix or remove the case file")
-        if not (isinstance(case, dict) and {"id", "family"} <= case.keys()
-                and isinstance(case.get("messages"), list) and ("reply" in case or "raw_reply" in case)):
-            raise UserError(f"{path} is not an audit case (a JSON object with id, family, a "
-                            f"messages list and reply or raw_reply); fix or remove it")
+        problem = _case_problem(case)
+        if problem:
+            raise UserError(f"{path} is not an audit case ({problem}; a case is a JSON object with "
+                            f"id, family, a messages list and reply or raw_reply); fix or remove it")
         if case["family"] == family:
             cases.append(case)
     return cases
+
+
+def checked_tools(tools: object, where: str) -> list:
+    """``tools`` (read from ``where``), when it is an OpenAI tools array whose schemas compile;
+    otherwise a ``UserError`` naming ``where`` and the offending entry."""
+    try:
+        tool_schemas(tools)
+    except ValueError as err:
+        raise UserError(f"{where} is not a usable OpenAI tools array ({err}); fix it") from err
+    return tools
 
 
 def _tools(corpus: Path, case: dict, default):
@@ -218,9 +249,13 @@ def _tools(corpus: Path, case: dict, default):
     if ref is None:
         return default
     if isinstance(ref, list):
-        return ref
-    return read_json(corpus / "tools" / ref,
-                     f"case {case['id']} names tools {ref!r}; add that file under {corpus / 'tools'}")
+        return checked_tools(ref, f"case {case['id']}'s tools list")
+    if not isinstance(ref, str):
+        raise UserError(f"case {case['id']}: its 'tools' is neither a file name nor a tools array; "
+                        f"fix the case")
+    path = corpus / "tools" / ref
+    return checked_tools(read_json(path, f"case {case['id']} names tools {ref!r}; add that file "
+                                         f"under {corpus / 'tools'}"), str(path))
 
 
 def print_rows(tok, family: str, tools, out) -> int:
@@ -277,15 +312,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS,
                         help="audit corpus folder: tools/default.json and one FAMILY/ folder of "
                              "JSON cases per family")
-    parser.add_argument("--json", type=Path, help="write the full report here")
+    parser.add_argument("--json", type=output_file, help="write the full report here")
 
 
 def run(args: argparse.Namespace) -> int:
     if not args.corpus.is_dir():
         raise UserError(f"no corpus folder at {args.corpus}; pass --corpus DIR (e.g. fixtures/audit)")
-    tools = read_json(args.tools or args.corpus / "tools" / "default.json",
-                      "pass --tools FILE (an OpenAI tools array) or add tools/default.json to the corpus")
+    tools_path = args.tools or args.corpus / "tools" / "default.json"
+    tools = checked_tools(read_json(tools_path, "pass --tools FILE (an OpenAI tools array) or add "
+                                                "tools/default.json to the corpus"), str(tools_path))
     families = list(FAMILIES) if args.family == "all" else [args.family]
+    cases = [case for family in families for case in load_cases(args.corpus, family)]
+    if not cases:
+        raise UserError(f"no audit cases for {args.family} under {args.corpus} (FAMILY/*.json case "
+                        f"files whose family matches); pass --corpus DIR (e.g. fixtures/audit)")
+    for case in cases:
+        _tools(args.corpus, case, tools)
     results: list[CaseResult] = []
     unclassed = 0
     for family in families:
@@ -308,6 +350,7 @@ def run(args: argparse.Namespace) -> int:
                    "containment_failures": r.containment_failures,
                    "false_fires": r.false_fires, "determined_failures": r.determined_failures,
                    "missed": r.missed} for r in results]
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"cases": report, "unclassed_rows": unclassed},
                                         indent=1))
     return 1 if bad or unclassed or not results else 0

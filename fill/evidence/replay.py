@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from . import report
-from mlx_fill.core.errors import UserError
+from mlx_fill.core.errors import UserError, float_in, int_up_to, output_dir, positive_int
 
 JSON_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
               (list, "array"), (dict, "object"), (type(None), "null"))
@@ -452,6 +452,7 @@ def schedule(turns: list[Turn], arms: list[str], reps: int) -> Iterator[tuple[Tu
 
 
 ARM_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+MAX_REPS = 1000
 
 
 def _split_candidate(value: str) -> tuple[str | None, str]:
@@ -492,21 +493,25 @@ def add_arguments_for(name: str, parser) -> None:
         parser.add_argument("--url-b", required=True, action="append",
                             help="candidate endpoint base URL (e.g. fill on), or NAME=URL; repeat it to "
                                  "compare several candidates with A in one run (arms NAME, or B1, B2, ...)")
-        parser.add_argument("--reps", type=int, default=1, help="repetitions of every turn per arm")
+        parser.add_argument("--reps", type=int_up_to(MAX_REPS), default=1,
+                            help=f"repetitions of every turn per arm, at most {MAX_REPS}")
     else:
         parser.add_argument("--url", required=True, help="endpoint base URL, e.g. http://127.0.0.1:8080/v1")
     parser.add_argument("--model", default="default_model", help="model name sent with each request")
-    parser.add_argument("--turns", type=int, default=None, help="replay at most N turns per session")
-    parser.add_argument("--max-sessions", type=int, default=None, help="replay at most N sessions")
+    parser.add_argument("--turns", type=positive_int, default=None, help="replay at most N turns per session")
+    parser.add_argument("--max-sessions", type=positive_int, default=None, help="replay at most N sessions")
     parser.add_argument("--source", action="append", default=None,
                         help="only sessions from this transcript source (repeatable)")
-    parser.add_argument("--max-tokens", type=int, default=256, help="max_tokens of each request")
-    parser.add_argument("--temperature", type=float, default=0.0, help="temperature of each request")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--max-tokens", type=positive_int, default=256, help="max_tokens of each request")
+    parser.add_argument("--temperature", type=float_in(0.0, 2.0), default=0.0,
+                        help="temperature of each request, 0 to 2")
+    parser.add_argument("--timeout", type=float_in(0.0, low_open=True), default=600.0,
+                        help="seconds per request")
     parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
                         help="stream replies (needed for time to first token / tool call)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="output directory (default: mlx-fill-runs/<command>-<UTC time>)")
+    parser.add_argument("--out", type=output_dir, default=None,
+                        help="output directory, without a runs.jsonl yet (default: "
+                             "mlx-fill-runs/<command>-<UTC time>)")
 
 
 def _base_url(url: str) -> str:
@@ -521,9 +526,12 @@ def run(args) -> int:
     command = getattr(args, "command", "ab" if hasattr(args, "url_a") else "replay")
     arms = {"A": args.url_a, **candidate_arms(args.url_b)} if command == "ab" else {"replay": args.url}
     reps = getattr(args, "reps", 1)
-    for flag, value in (("--turns", args.turns), ("--max-sessions", args.max_sessions), ("--reps", reps)):
-        if value is not None and value < 1:
-            raise UserError(f"{flag} must be >= 1")
+    started = datetime.now(timezone.utc)
+    out_dir = args.out or Path("mlx-fill-runs") / f"{command}-{started:%Y%m%dT%H%M%SZ}"
+    runs_path = out_dir / "runs.jsonl"
+    if runs_path.exists():
+        raise UserError(f"{runs_path} already exists (an earlier run's); pass another --out "
+                        f"or remove that file")
     if not args.sessions.is_file():
         raise UserError(f"no such transcripts file: {args.sessions}")
     sessions, corrupt = read_sessions(args.sessions)
@@ -533,10 +541,7 @@ def run(args) -> int:
                                 turns_per_session=args.turns)
     if not turns:
         raise UserError(f"no replayable turns selected from {args.sessions}")
-    started = datetime.now(timezone.utc)
-    out_dir = args.out or Path("mlx-fill-runs") / f"{command}-{started:%Y%m%dT%H%M%SZ}"
     out_dir.mkdir(parents=True, exist_ok=True)
-    runs_path = out_dir / "runs.jsonl"
     clients = {arm: OpenAI(base_url=_base_url(url), api_key="not-needed", timeout=args.timeout, max_retries=0)
                for arm, url in arms.items()}
     header = {
@@ -547,7 +552,7 @@ def run(args) -> int:
         "corrupt_lines": [asdict(c) for c in corrupt],
     }
     errors = 0
-    with open(runs_path, "w", encoding="utf-8") as fh:
+    with open(runs_path, "x", encoding="utf-8") as fh:
         fh.write(json.dumps(header, ensure_ascii=False) + "\n")
         plan = list(schedule(turns, list(arms), reps))
         for order, (turn, rep, arm) in enumerate(tqdm(plan, desc=f"mlx-fill {command}", unit="req")):

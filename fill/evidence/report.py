@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from mlx_fill.core.errors import UserError
+from mlx_fill.core.errors import UserError, output_dir
 from .render import candidate_results, fmt, render_markdown, write_plots
 from .stats import mcnemar_drop, paired_ratio
 
@@ -90,11 +90,36 @@ class Runs:
     corrupt_lines: list[int]
 
 
+# what every ``kind: turn`` record holds (``replay.turn_record``), by the type of its value
+TURN_FIELDS: dict[str, type] = {"arm": str, "output": dict, "expected": dict, "timing": dict,
+                                "usage": dict}
+
+
+def _turn_problem(record: dict) -> str | None:
+    """What a ``kind: turn`` record lacks for the report, or None."""
+    for key in (*TURN_FIELDS, "session_id", "turn"):
+        if key not in record:
+            return f"it has no {key!r}"
+    for key, kind in TURN_FIELDS.items():
+        if not isinstance(record[key], kind):
+            return f"its {key!r} is not a JSON {'string' if kind is str else 'object'}"
+    if not isinstance(record["timing"].get("wall_s"), (int, float)):
+        return "its timing has no wall_s number"
+    return None
+
+
 def load_runs(path: str | Path) -> Runs:
-    """Read a runs JSONL file; unparsable lines are counted, not fatal."""
+    """Read a runs JSONL file; unparsable lines are counted, not fatal. A line that is not
+    UTF-8 text, or a turn record without the fields ``replay`` writes, is a ``UserError``
+    naming the file and line."""
     runs = Runs([], [], [])
-    with open(path, encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
+    fix = "pass the runs.jsonl that `mlx-fill replay` or `mlx-fill ab` wrote"
+    with open(path, "rb") as fh:
+        for number, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise UserError(f"{path} line {number} is not UTF-8 text; {fix}") from None
             if not line.strip():
                 continue
             try:
@@ -107,6 +132,9 @@ def load_runs(path: str | Path) -> Runs:
             elif obj.get("kind") == "run":
                 runs.headers.append(obj)
             elif obj.get("kind") == "turn":
+                problem = _turn_problem(obj)
+                if problem:
+                    raise UserError(f"{path} line {number} is not a turn record ({problem}); {fix}")
                 runs.turns.append(obj)
     return runs
 
@@ -278,7 +306,7 @@ def _candidate_line(prefix: str, name: str, c: dict) -> str:
 def add_arguments(parser) -> None:
     parser.add_argument("runs", type=Path, help="runs JSONL written by mlx-fill replay / ab")
     parser.add_argument("--by-tool", action="store_true", help="break the verdict down by recorded tool")
-    parser.add_argument("--out", type=Path, default=None,
+    parser.add_argument("--out", type=output_dir, default=None,
                         help="report directory (default: <runs stem>.report next to the runs file)")
 
 

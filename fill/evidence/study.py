@@ -36,7 +36,7 @@ from typing import Any
 
 from mlx_fill.assets.store import FAMILIES
 from mlx_fill.core.index import LOOKUP_MAX_SPAN, EchoIndex
-from mlx_fill.core.errors import UserError, existing_file, positive_int
+from mlx_fill.core.errors import UserError, existing_file, output_dir, positive_int
 from mlx_fill.assets.checkout import TRANSCRIPTS
 from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.proposal import DecodeView, FillSession
@@ -394,7 +394,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-span", type=positive_int, default=32,
                         help="longest proposal span, in tokens, a source may offer")
     parser.add_argument("--workers", type=positive_int, default=2, help="worker processes")
-    parser.add_argument("--out", type=Path, default=Path("out/study"),
+    parser.add_argument("--out", type=output_dir, default="out/study",
                         help="output folder for study.json, study.md and the plot")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 

@@ -34,6 +34,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step as stock_generate_step
@@ -44,6 +45,7 @@ from mlx_fill.core.proposal import FillSession
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ROOT / "fixtures" / "prompts" / "heldout.jsonl"
+PARTS = ("e2e", "prose", "mechanism", "predict")
 E2E_ARMS = ("off", "strict", "echo", "ngram", "suffix", "draft", "all")
 MECH_ARMS = ("plain", "strict", "echo", "suffix", "all")
 QUICK_MECH_ARMS = ("plain", "strict", "all")
@@ -404,27 +406,52 @@ def print_table(title: str, table: dict) -> None:
         print_table(f"{title} / {source}", sub)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _names(known: Sequence[str], what: str) -> Callable[[str], list[str]]:
+    """argparse ``type=``: a comma-separated list of names from ``known``."""
+    def parse(value: str) -> list[str]:
+        names = [n.strip() for n in value.split(",") if n.strip()]
+        bad = [n for n in names if n not in known]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"unknown {what} {bad or value!r}; choose from "
+                                              f"{','.join(known)}")
+        return names
+    return parse
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the named parts; a bad argument is one ``bench:`` line on stderr and exit 2."""
+    from mlx_fill.assets.fixtures import FIXTURES, REAL_FIXTURES, WIDE_FIXTURES
+    from mlx_fill.cli import _Parser
+    from mlx_fill.core.errors import UserError, output_file, positive_int
+
+    ap = _Parser(prog="python -m scripts.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer prompts, fixtures and repeats")
-    ap.add_argument("--parts", default="e2e,prose,mechanism")
-    ap.add_argument("--max-tokens", type=int, default=128, help="tokens per e2e / prose request")
-    ap.add_argument("--per-source", type=int, default=None,
+    ap.add_argument("--parts", type=_names(PARTS, "parts"), default=",".join(PARTS[:3]),
+                    help=f"comma-separated, from {','.join(PARTS)}")
+    ap.add_argument("--max-tokens", type=positive_int, default=128,
+                    help="tokens per e2e / prose request")
+    ap.add_argument("--per-source", type=positive_int, default=None,
                     help="e2e: the first N held-out requests of each source (default: every 4th "
                          "with --quick, else all)")
     ap.add_argument("--shared-prefill", action="store_true",
                     help="e2e: prefill each prompt once and time decoding alone")
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                     help="cast the e2e / prose models' floating-point weights (default: as stored)")
-    ap.add_argument("--repeats", type=int, default=None)
-    ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--fixtures", default=None,
+    ap.add_argument("--repeats", type=positive_int, default=None,
+                    help="timing repeats (default: 1 with --quick, else 3)")
+    ap.add_argument("--json", type=output_file, default=None, help="write the report here")
+    ap.add_argument("--fixtures", type=_names((*FIXTURES, *REAL_FIXTURES, *WIDE_FIXTURES), "fixtures"),
+                    default=None,
                     help="e2e fixtures, comma-separated (default: qwen3-json with --quick, else "
                          "qwen3-json,qwen35-xml,glm-xml)")
-    args = ap.parse_args()
+    try:
+        args = ap.parse_args(argv)
+    except UserError as err:
+        print(f"bench: {err}", file=sys.stderr)
+        return 2
     repeats = args.repeats or (1 if args.quick else 3)
-    parts = args.parts.split(",")
-    fixtures = args.fixtures.split(",") if args.fixtures else None
+    parts = args.parts
+    fixtures = args.fixtures
     from mlx_fill.core import kernels
     report = {"machine": f"{platform.machine()} {platform.system()}, mlx {mx.__version__}",
               "blas": " ".join(filter(None, vars(kernels.blas()).values())),
@@ -449,6 +476,7 @@ def main() -> int:
                                         args.dtype, 1024)
         predict.print_table(report["predict"]["tasks"])
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
     if any(not e["identical"] for t in report.get("predict", {}).get("tasks", [])
            for e in t["arms"].values()):

@@ -51,6 +51,7 @@ import argparse
 import copy
 import gzip
 import json
+import math
 import platform
 import statistics
 import sys
@@ -62,7 +63,8 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from mlx_fill.core.errors import UserError
+from mlx_fill.core.errors import UserError, float_in, output_file, positive_int
+from mlx_fill.core.errors import model_dir as model_folder
 from mlx_fill.core.index import EchoIndex
 from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.proposal import FillSession, Pace
@@ -205,7 +207,7 @@ def forced_turns(tok, sessions: list[dict], *, per_source: int | None, max_token
         try:
             rendered = render_recording(session, tok, mk)
         except (ValueError, KeyError, TypeError) as e:
-            skipped[f"{session.get('source')}: {type(e).__name__}"] += 1
+            skipped[f"{session.get('source')}: {type(e).__name__}: {e}"] += 1
             continue
         for turn in rendered.turns:
             predicted = rewritten_file(rendered.messages, turn.message_index)
@@ -510,11 +512,10 @@ def surrogate(model, plan: DispatchPlan):
 
 def load_model(path: str | None, dtype: str | None):
     """(model, tokenizer, path): ``path`` (any mlx-lm model dir) or the real SmolLM2-135M."""
-    from mlx_lm import load
-
     from mlx_fill.assets.fixtures import fixture_path
+    from mlx_fill.core.model_folder import load_model_folder
     model_dir = str(path) if path else str(fixture_path("smollm2-135m"))
-    model, tok = load(model_dir)
+    model, tok = load_model_folder(model_dir)
     if dtype is not None:
         model.set_dtype(getattr(mx, dtype))
     return model, tok, model_dir
@@ -524,20 +525,22 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--transcripts", type=Path, default=None,
                     help="a transcripts JSONL(.gz) file (default: the held-back sessions)")
-    ap.add_argument("--model", default=None, help="an mlx-lm model dir (default: smollm2-135m)")
+    ap.add_argument("--model", default=None, type=model_folder,
+                    help="an mlx-lm model dir (default: smollm2-135m)")
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16", "none"))
-    ap.add_argument("--per-source", type=int, default=None, help="turns per source (default: all)")
-    ap.add_argument("--max-tokens", type=int, default=None, help="recorded ids per turn (default: all)")
-    ap.add_argument("--max-context", type=int, default=None,
+    ap.add_argument("--per-source", type=positive_int, default=None, help="turns per source (default: all)")
+    ap.add_argument("--max-tokens", type=positive_int, default=None,
+                    help="recorded ids per turn (default: all)")
+    ap.add_argument("--max-context", type=positive_int, default=None,
                     help="prompt ids kept: the system prompt and tools, then the latest turns")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument("--arms", default=",".join(ARMS),
                     help=f"comma-separated, plain first; also {PREDICTION!r} (`all` with the "
                          "file as last read as the prediction, on turns that have one)")
     ap.add_argument("--rewrites", action="store_true",
                     help="only turns whose reply rewrites a file a read tool returned earlier")
     ap.add_argument("--curve", default=None, help="c(M) for M = 2, 3, ...: price the trace as 'projected'")
-    ap.add_argument("--curve-overhead", type=float, default=0.0,
+    ap.add_argument("--curve-overhead", type=float_in(0.0), default=0.0,
                     help="the projected curve's round overhead in one-row forwards")
     ap.add_argument("--surrogate", action="store_true",
                     help="decode with a tiny random llama of the model's vocabulary and price the "
@@ -547,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
                          "such hardware would qualify), priced on it")
     ap.add_argument("--no-cross-request", action="store_true",
                     help="no store of earlier replies: each turn as a freshly started server's first")
-    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--json", type=output_file, default=None)
     args = ap.parse_args(argv)
 
     def fail(msg: str) -> int:
@@ -557,12 +560,13 @@ def main(argv: list[str] | None = None) -> int:
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     if not arms or arms[0] != "plain" or any(a not in (*ARMS, PREDICTION) for a in arms):
         return fail(f"--arms must start with plain and name arms of {','.join(ARMS)},{PREDICTION}")
-    if args.repeats < 1:
-        return fail("--repeats must be >= 1")
     projection = None
     if args.curve:
         try:
-            projection = curve_plan([float(x) for x in args.curve.split(",")], args.curve_overhead)
+            curve = [float(x) for x in args.curve.split(",")]
+            if not all(math.isfinite(c) for c in curve):
+                raise ValueError(f"{args.curve!r} holds a number that is not finite")
+            projection = curve_plan(curve, args.curve_overhead)
         except ValueError as e:
             return fail(f"--curve: {e}")
     if args.decide_on_curve and (projection is None or not args.surrogate):
@@ -580,7 +584,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{corrupt[0].reason})", file=sys.stderr)
     else:
         sessions = default_sessions()
-    model, tok, model_dir = load_model(args.model, None if args.dtype == "none" else args.dtype)
+    try:
+        model, tok, model_dir = load_model(args.model, None if args.dtype == "none" else args.dtype)
+    except UserError as e:
+        return fail(str(e))
     plan = plan_for(model)
     if args.decide_on_curve:
         plan = replace(plan, cost=projection.cost, round_overhead=projection.round_overhead,
@@ -622,6 +629,7 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": round(time.perf_counter() - t0, 1),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
         if args.json:  # after every turn: a run cut short keeps what it measured
+            args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(report, indent=2))
         return report
 

@@ -1,0 +1,37 @@
+"""Loading the model a user names (``--model``, ``--draft-model``): what mlx-lm cannot load is
+the user's to fix, said in one line.
+
+The argparse types in :mod:`mlx_fill.core.errors` check that a folder has the files mlx-lm reads;
+what is in them (a config that is not a JSON object, an unknown ``model_type``, truncated or
+mis-shaped weights, a broken tokenizer) is found only by loading it, here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mlx_fill.core.errors import UserError
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
+def load_model_folder(ref: str | Path, *, tokenizer: bool = True) -> tuple[Any, Any]:
+    """``mlx_lm.load(ref)`` (``tokenizer``) or ``mlx_lm.utils.load_model(ref)``: (model,
+    tokenizer or config). Raises :class:`UserError` when mlx-lm cannot load ``ref``: a local
+    folder's contents, or a Hugging Face repo id that could not be downloaded. Everything raised
+    inside mlx-lm's loading is read as the folder's fault: mlx-lm parses only the user's files."""
+    from mlx_lm import load
+    from mlx_lm.utils import load_model
+    try:
+        return load(str(ref)) if tokenizer else load_model(Path(ref))
+    except Exception as err:  # noqa: BLE001 -- see the docstring
+        if not Path(ref).exists():
+            raise UserError(f"could not download {ref} from the Hugging Face Hub ({_first_line(err)}); "
+                            f"pass a local mlx-lm model directory") from err
+        raise UserError(f"{ref}: mlx-lm cannot load this model ({_first_line(err)}); pass an "
+                        f"mlx-lm model directory, such as the one `mlx-fill fixture qwen3-json` "
+                        f"prints") from err

@@ -1,0 +1,89 @@
+"""A model folder that has mlx-lm's files but not what mlx-lm can load, a draft model with
+another tokenizer, and server start-up settings the product cannot use: each is one line on
+stderr and exit 2, said before any request is served."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from mlx_fill.assets.fixtures import fixture_path
+
+from adapter_models import free_port
+from cli_lines import one_error_line
+
+
+def _copy(name: str, dest: Path) -> Path:
+    """A writable copy of fixture ``name``'s folder (weights linked, not copied)."""
+    src = fixture_path(name)
+    dest.mkdir()
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            (dest / f.name).symlink_to(f)
+        else:
+            shutil.copy(f, dest / f.name)
+    return dest
+
+
+@pytest.mark.parametrize("command", ["plan", "qualify", "serve"])
+def test_folder_contents_mlx_lm_cannot_load(command, tmp_path, capsys):
+    folder = _copy("qwen3-json", tmp_path / "m")
+    argv = [command, "--model", str(folder), *(["--port", str(free_port())] if command == "serve" else [])]
+    config = (folder / "config.json").read_text()
+    (folder / "config.json").write_text("[1, 2]")
+    one_error_line(capsys, argv, f"{folder}: mlx-lm cannot load this model (")
+    (folder / "config.json").write_text(config.replace('"qwen3"', '"bogus_arch"', 1))
+    one_error_line(capsys, argv, "mlx-lm cannot load this model", "bogus_arch")
+    (folder / "config.json").write_text(config)
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.unlink()
+    weights.write_bytes(data[: len(data) // 2])
+    one_error_line(capsys, argv, "mlx-lm cannot load this model")
+
+
+def test_serve_broken_tokenizer_and_missing_template(tmp_path, capsys):
+    folder = _copy("qwen3-json", tmp_path / "m")
+    argv = ["serve", "--model", str(folder), "--port", str(free_port())]
+    (folder / "tokenizer.json").write_text('{"x":')
+    one_error_line(capsys, argv, "mlx-lm cannot load this model")
+    shutil.copy(fixture_path("qwen3-json") / "tokenizer.json", folder / "tokenizer.json")
+    for f in folder.glob("*.jinja"):
+        f.unlink()
+    config = folder / "tokenizer_config.json"
+    config.write_text(config.read_text().replace('"chat_template"', '"no_template"'))
+    one_error_line(capsys, argv, "has no chat template")
+
+
+def test_serve_draft_model_with_another_tokenizer(capsys):
+    one_error_line(capsys, ["serve", "--model", str(fixture_path("qwen3-json")), "--port",
+                            str(free_port()), "--fill", "off", "--draft-model",
+                            str(fixture_path("smollm2-135m"))],
+                   "--draft-model", "tokenizer differs")
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--prefill-step-size", "0"], "argument --prefill-step-size: 0 is not at least 1"),
+    (["--prompt-cache-bytes", "-5"], "argument --prompt-cache-bytes: -5 is not at least 1"),
+    (["--max-tokens", "0"], "argument --max-tokens: 0 is not at least 1"),
+    (["--max-tokens", "5000", "--max-tokens-ceiling", "10"],
+     "--max-tokens 5000 is above --max-tokens-ceiling 10"),
+])
+def test_serve_settings_it_cannot_use(flags, needle, capsys):
+    one_error_line(capsys, ["serve", "--model", str(fixture_path("qwen3-json")), "--port",
+                            str(free_port()), *flags], needle)
+
+
+@pytest.mark.parametrize(("name", "value", "needle"), [
+    ("MLX_FILL_MAX_SPAN", "abc", "MLX_FILL_MAX_SPAN='abc' is not a whole number"),
+    ("MLX_FILL_MAX_SPAN", "99999999999999999999", "is outside 1..4096"),
+    ("MLX_FILL_SOURCES", "bogus", "MLX_FILL_SOURCES: unknown sources ['bogus']"),
+    ("MLX_FILL_PROMOTE_AFTER", "0", "MLX_FILL_PROMOTE_AFTER=0 is outside"),
+    ("MLX_FILL_TRACE", "{tmp}", "is not a file path in an existing folder"),
+])
+def test_serve_environment_it_cannot_use(name, value, needle, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(name, value.format(tmp=tmp_path))
+    one_error_line(capsys, ["serve", "--model", str(fixture_path("qwen3-json")), "--port",
+                            str(free_port())], needle)
