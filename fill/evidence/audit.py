@@ -277,14 +277,16 @@ def print_rows(tok, family: str, tools, out) -> int:
     return sum(r.certainty not in CERTAINTIES for r in rows)
 
 
-def audit_family(family: str, tools, corpus: Path, out=None) -> tuple[list[CaseResult], int]:
-    """(case results, compiled rows without a certainty class) for one family."""
+def audit_family(family: str, tools, cases: list[tuple[dict, list]],
+                 out=None) -> tuple[list[CaseResult], int]:
+    """(case results, compiled rows without a certainty class) for one family: ``tools``'
+    rows, then each of ``cases`` as (case, the tools it is audited with)."""
     out = out or sys.stdout  # looked up per call: the stream may be replaced after import
     tok = load_tokenizer(family)
     unclassed = print_rows(tok, family, tools, out)
     results = []
-    for case in load_cases(corpus, family):
-        r = audit_case(tok, case, _tools(corpus, case, tools))
+    for case, case_tools in cases:
+        r = audit_case(tok, case, case_tools)
         results.append(r)
         status = "ok" if r.ok else "FAIL"
         fires = {c: sum(f.certainty == c for f in r.fires) for c in CERTAINTIES}
@@ -322,16 +324,15 @@ def run(args: argparse.Namespace) -> int:
     tools = checked_tools(read_json(tools_path, "pass --tools FILE (an OpenAI tools array) or add "
                                                 "tools/default.json to the corpus"), str(tools_path))
     families = list(FAMILIES) if args.family == "all" else [args.family]
-    cases = [case for family in families for case in load_cases(args.corpus, family)]
-    if not cases:
+    cases = {family: [(case, _tools(args.corpus, case, tools))
+                      for case in load_cases(args.corpus, family)] for family in families}
+    if not any(cases.values()):
         raise UserError(f"no audit cases for {args.family} under {args.corpus} (FAMILY/*.json case "
                         f"files whose family matches); pass --corpus DIR (e.g. fixtures/audit)")
-    for case in cases:
-        _tools(args.corpus, case, tools)
     results: list[CaseResult] = []
     unclassed = 0
     for family in families:
-        family_results, family_unclassed = audit_family(family, tools, args.corpus)
+        family_results, family_unclassed = audit_family(family, tools, cases[family])
         results += family_results
         unclassed += family_unclassed
     bad = [r for r in results if not r.ok]

@@ -605,6 +605,8 @@ def main(argv: list[str] | None = None) -> int:
           f"model {model_dir}, plan max_chunk {plan.max_chunk} overhead {plan.round_overhead}",
           file=sys.stderr)
 
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
 
     def finish(result: dict, done: int) -> dict:
@@ -629,7 +631,6 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": round(time.perf_counter() - t0, 1),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
         if args.json:  # after every turn: a run cut short keeps what it measured
-            args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(report, indent=2))
         return report
 
