@@ -85,6 +85,9 @@ READ_TOOLS = frozenset({"read", "read_file", "open", "view"})
 PATH_KEYS = ("path", "file_path", "filename")
 OVERALL = "overall"
 ORACLE = "oracle"
+# the oracle again with its spans cut to at most this many ids: how much of the bound is knowing
+# where a short draft is accepted, how much is knowing how far a long one runs
+ORACLE_CAPS = (1, 2, 4, 8)
 PEER_LOOKUP_TOKENS = 10  # transformers' prompt_lookup_num_tokens=10
 PEER_SUFFIX = SuffixParams(max_spec=64, alpha=1.0, offset=0.0, min_prob=0.1, max_depth=64)
 ORACLE_SPAN = 64  # the longest span the oracle's model-free drafts offer (the session's max_span)
@@ -349,6 +352,7 @@ class Tally:
     rejected: int = 0
     accepted_hist: Counter = field(default_factory=Counter)
     mismatched: int = 0
+    capped: Counter = field(default_factory=Counter)  # the oracle's priced cost per span cap
 
 
 def run(turns: list[ForcedTurn], *, model, tok, plan: DispatchPlan, repeats: int,
@@ -425,6 +429,8 @@ def run(turns: list[ForcedTurn], *, model, tok, plan: DispatchPlan, repeats: int
             o.tokens += n
             o.plain_cost += n + 1
             o.priced += oracle_cost(available, plan)
+            for cap in ORACLE_CAPS:
+                o.capped[cap] += oracle_cost([min(a, cap) for a in available], plan)
             if projection is not None:
                 o.projected += oracle_cost(available, projection)
         if progress is not None:
@@ -448,7 +454,9 @@ def summarize(result: dict, projection: bool, wall: bool = True) -> dict:
             tokens = max(t.tokens, 1)
             priced = round(t.plain_cost / max(t.priced, 1e-9), 3)
             if arm == ORACLE:
-                entry = {"x_plain": priced, "fwd_per_tok": None, "priced_x_plain": priced}
+                entry = {"x_plain": priced, "fwd_per_tok": None, "priced_x_plain": priced,
+                         "priced_x_plain_span_cap": {str(c): round(t.plain_cost / max(t.capped[c], 1e-9), 3)
+                                                     for c in ORACLE_CAPS}}
             else:
                 entry = {"x_plain": round(plain.seconds / max(t.seconds, 1e-12), 3),
                          "fwd_per_tok": round(t.forwards / tokens, 3),
@@ -496,6 +504,9 @@ def print_tables(report: dict, arms: Sequence[str]) -> None:
               f"all: {a['bookkeeping_share']:.2%} of a plain step;  rejected rows per token: "
               f"{a['rejected_per_tok']:.3f}")
         print(f"accepted ids per round (all): {a['accepted_per_round']}")
+    capped = overall[ORACLE]["priced_x_plain_span_cap"]
+    print("oracle priced x plain with spans of at most " + ", ".join(
+        f"{c} ids {x:.3f}" for c, x in capped.items()) + f" (uncapped {overall[ORACLE]['priced_x_plain']:.3f})")
     print(f"identical to plain: {report['identical']}")
 
 

@@ -105,6 +105,10 @@ def test_short_forced_replay_is_identical_and_reports_every_arm(two_sessions, tm
             assert "projected_x_plain" in row[arm]
         for arm in forced.ARMS:
             assert row[arm]["fwd_per_tok"] > 0 and row[arm]["mismatched_turns"] == 0
+        # cutting the oracle's spans shorter never helps it, and it never loses to plain
+        capped = [row["oracle"]["priced_x_plain_span_cap"][str(c)] for c in forced.ORACLE_CAPS]
+        assert 1.0 <= capped[0] and capped == sorted(capped)
+        assert capped[-1] <= row["oracle"]["priced_x_plain"]
     overall = report["rows"]["overall"]
     # the ungated peers propose on these turns, and verify accepts recorded ids
     assert sum(overall["peer-lookup"]["accepted_per_round"].values()) > 0
