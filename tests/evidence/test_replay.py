@@ -332,17 +332,16 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sessions_file(tmp_path_factory):
-    """Two real structured sessions (one with a tools array, one without) and a corrupt line."""
-    picked = {}
+    """Two real structured sessions (one with a tools array, one without; the shortest of each,
+    so the server's prefills stay cheap) and a corrupt line."""
+    picked: dict[str, str] = {}
     with gzip.open(TRANSCRIPTS, "rt", encoding="utf-8") as fh:
         for line in fh:
             session = json.loads(line)
             structured = session["tool_call_style"] == "structured"
             wanted = "tools" if session.get("tools") else "no-tools" if structured else None
-            if wanted and wanted not in picked:
+            if wanted and (wanted not in picked or len(line) < len(picked[wanted])):
                 picked[wanted] = line.strip()
-            if len(picked) == 2:
-                break
     path = tmp_path_factory.mktemp("replay-sessions") / "two.jsonl"
     return _write_lines(path, [picked["tools"], '{"source": "broken', picked["no-tools"]])
 
