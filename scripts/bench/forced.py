@@ -404,6 +404,10 @@ def run(turns: list[ForcedTurn], *, model, tok, plan: DispatchPlan, repeats: int
         available = offline_available(turn, proposals, history)
         if history is not None:
             history.extend(history.open(turn.prompt), turn.output)
+        oracle_priced = oracle_cost(available, plan)
+        oracle_capped = Counter({cap: oracle_cost([min(a, cap) for a in available], plan)
+                                 for cap in ORACLE_CAPS})
+        oracle_projected = oracle_cost(available, projection) if projection is not None else 0.0
         for key in (OVERALL, turn.transcript_source, f"tool:{turn.tool}"):
             g = groups[key]
             for a in arms:
@@ -428,11 +432,9 @@ def run(turns: list[ForcedTurn], *, model, tok, plan: DispatchPlan, repeats: int
             o = g[ORACLE]
             o.tokens += n
             o.plain_cost += n + 1
-            o.priced += oracle_cost(available, plan)
-            for cap in ORACLE_CAPS:
-                o.capped[cap] += oracle_cost([min(a, cap) for a in available], plan)
-            if projection is not None:
-                o.projected += oracle_cost(available, projection)
+            o.priced += oracle_priced
+            o.capped.update(oracle_capped)
+            o.projected += oracle_projected
         if progress is not None:
             progress(t_index + 1, len(turns), turn,
                      {"identical": identical, "groups": dict(groups)})

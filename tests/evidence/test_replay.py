@@ -340,8 +340,9 @@ def sessions_file(tmp_path_factory):
             session = json.loads(line)
             structured = session["tool_call_style"] == "structured"
             wanted = "tools" if session.get("tools") else "no-tools" if structured else None
+            line = line.strip()
             if wanted and (wanted not in picked or len(line) < len(picked[wanted])):
-                picked[wanted] = line.strip()
+                picked[wanted] = line
     path = tmp_path_factory.mktemp("replay-sessions") / "two.jsonl"
     return _write_lines(path, [picked["tools"], '{"source": "broken', picked["no-tools"]])
 
