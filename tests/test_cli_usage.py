@@ -240,15 +240,14 @@ def test_serve_port_in_use_or_out_of_range(tmp_path, capsys):
 
 
 def _no_traceback_line(capsys, call, *needles: str) -> str:
-    """Run ``call()`` (a script's ``main``); assert exit 2 and one stderr line, no traceback,
-    holding every ``needle`` (argparse's usage line aside); return that line."""
+    """Run ``call()`` (a script's ``main``); assert exit 2 and one stderr line, no traceback and
+    no usage, holding every ``needle``; return that line."""
     try:
         code = call()
     except SystemExit as stop:
         code = stop.code
     err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if not line.startswith("usage:")
-             and not line.startswith(" ")]
+    lines = err.splitlines()
     assert code == 2 and "Traceback" not in err and len(lines) == 1, err
     for needle in needles:
         assert needle in lines[0], lines[0]
@@ -299,7 +298,7 @@ def test_bench_scripts_refuse_a_folder_as_json(inputs, capsys):
 
     _no_traceback_line(capsys, lambda: bench.main(["--json", inputs["folder"]]), "bench: ",
                        "argument --json", "is a folder")
-    _no_traceback_line(capsys, lambda: forced.main(["--json", inputs["folder"]]),
+    _no_traceback_line(capsys, lambda: forced.main(["--json", inputs["folder"]]), "forced: ",
                        "argument --json", "is a folder")
 
 
@@ -407,7 +406,11 @@ def test_numbers_out_of_range(argv, needle, inputs, capsys):
     (["--max-context", "0"], "argument --max-context: 0 is not at least 1"),
     (["--per-source", "0"], "argument --per-source: 0 is not at least 1"),
     (["--per-source", "-1"], "argument --per-source: -1 is not at least 1"),
-    (["--curve", "1,2,nan"], "--curve: '1,2,nan' holds a number that is not finite"),
+    (["--curve", "1,2,nan"], "argument --curve: '1,2,nan': a cost curve is positive finite numbers"),
+    (["--curve", "1.2,0"], "argument --curve: '1.2,0': a cost curve is positive finite numbers"),
+    (["--curve", "1.2,x"], "argument --curve: '1.2,x': could not convert string to float"),
+    (["--arms", "plain,bogus"], "forced: --arms must start with plain"),
+    (["--bogus"], "forced: unrecognized arguments: --bogus"),
     (["--curve", "1.1", "--curve-overhead", "nan"], "--curve-overhead: nan is not a finite number"),
 ])
 def test_forced_replay_arguments(argv, needle, capsys):

@@ -99,20 +99,37 @@ class Engine:
 
     def render(self, req: ChatRequest) -> list[int]:
         """The prompt ids; RequestError (400 ``context_length_exceeded``) above
-        ``limits.max_prompt_tokens``."""
-        tools = None if req.tool_choice == "none" else req.tools
-        try:
-            ids = self.tokenizer.apply_chat_template(
-                req.messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                **req.chat_template_kwargs)
-        except Exception as e:  # noqa: BLE001 -- template errors are the request's (e.g. a role it rejects)
-            raise RequestError(400, f"messages: the model's chat template rejected the request "
-                                    f"({type(e).__name__}: {e})", "messages") from None
+        ``limits.max_prompt_tokens``, and (400) when the template rejects the messages or
+        renders nothing of their ``developer`` messages (many templates know no such role and
+        skip it: the request would lose them)."""
+        ids = self._apply_template(req, req.messages)
+        developer = [i for i, m in enumerate(req.messages) if m["role"] == "developer"]
+        if developer:
+            rest = [m for m in req.messages if m["role"] != "developer"]
+            try:
+                dropped = bool(rest) and self._apply_template(req, rest) == ids
+            except RequestError:  # the template needs them: they are rendered
+                dropped = False
+            if dropped:
+                raise RequestError(400, f"messages[{developer[0]}].role: the model's chat "
+                                        f"template does not render 'developer' messages; send "
+                                        f"them as 'system'", f"messages[{developer[0]}].role")
         if len(ids) > self.limits.max_prompt_tokens:
             raise RequestError(400, f"messages: the rendered prompt is {len(ids)} tokens, at most "
                                     f"{self.limits.max_prompt_tokens}", "messages",
                                "context_length_exceeded")
-        return list(ids)
+        return ids
+
+    def _apply_template(self, req: ChatRequest, messages: list[dict]) -> list[int]:
+        """``messages`` rendered with the request's tools and template variables, as ids."""
+        tools = None if req.tool_choice == "none" else req.tools
+        try:
+            return list(self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                **req.chat_template_kwargs))
+        except Exception as e:  # noqa: BLE001 -- template errors are the request's (e.g. a role it rejects)
+            raise RequestError(400, f"messages: the model's chat template rejected the request "
+                                    f"({type(e).__name__}: {e})", "messages") from None
 
     def _session(self, req: ChatRequest, prompt_ids: list[int]):
         from mlx_fill.session import build_session

@@ -21,6 +21,9 @@ from mlx_fill.sources.prediction import prediction_text
 from mlx_fill.strict.schema import tool_schemas
 
 MAX_STOP = 4
+# OpenAI's chat roles a chat template can render. ``function`` (OpenAI's deprecated result role)
+# is refused with a pointer to ``tool``: templates read a function's result from ``tool``.
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _encodable(text: str) -> str:
@@ -115,8 +118,15 @@ def _messages(value: Any) -> list[dict]:
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise RequestError(422, f"{where}: expected an object", where)
-        if not isinstance(m.get("role"), str):
+        role = m.get("role")
+        if not isinstance(role, str):
             raise RequestError(422, f"{where}.role: expected a string", f"{where}.role")
+        if role == "function":
+            raise RequestError(400, f"{where}.role: 'function' is not supported; send the "
+                                    f"function's result as a 'tool' message", f"{where}.role")
+        if role not in ROLES:
+            raise RequestError(400, f"{where}.role: {role!r} is not one of {', '.join(ROLES)}",
+                               f"{where}.role")
         content = m.get("content")
         if content is not None and not isinstance(content, (str, list)):
             raise RequestError(422, f"{where}.content: expected a string or an array", f"{where}.content")

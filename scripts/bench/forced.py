@@ -51,7 +51,6 @@ import argparse
 import copy
 import gzip
 import json
-import math
 import platform
 import statistics
 import sys
@@ -63,6 +62,7 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
+from mlx_fill.cli import _Parser
 from mlx_fill.core.errors import UserError, float_in, output_file, positive_int
 from mlx_fill.core.errors import model_dir as model_folder
 from mlx_fill.core.index import EchoIndex
@@ -534,25 +534,38 @@ def load_model(path: str | None, dtype: str | None):
     return model, tok, model_dir
 
 
+def cost_curve(text: str) -> list[float]:
+    """argparse ``type=``: ``c(2),c(3),...`` as positive finite numbers."""
+    try:
+        curve = [float(x) for x in text.split(",")]
+        curve_plan(curve)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    return curve
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = _Parser(prog="python -m scripts.bench.forced", description=__doc__.splitlines()[0])
     ap.add_argument("--transcripts", type=Path, default=None,
                     help="a transcripts JSONL(.gz) file (default: the held-back sessions)")
     ap.add_argument("--model", default=None, type=model_folder,
                     help="an mlx-lm model dir (default: smollm2-135m)")
-    ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16", "none"))
+    ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16", "none"),
+                    help="cast the model's floating-point weights; none keeps the stored dtype")
     ap.add_argument("--per-source", type=positive_int, default=None, help="turns per source (default: all)")
     ap.add_argument("--max-tokens", type=positive_int, default=None,
                     help="recorded ids per turn (default: all)")
     ap.add_argument("--max-context", type=positive_int, default=None,
                     help="prompt ids kept: the system prompt and tools, then the latest turns")
-    ap.add_argument("--repeats", type=positive_int, default=3)
+    ap.add_argument("--repeats", type=positive_int, default=3,
+                    help="timed decodes of every arm per turn (the median is reported)")
     ap.add_argument("--arms", default=",".join(ARMS),
                     help=f"comma-separated, plain first; also {PREDICTION!r} (`all` with the "
                          "file as last read as the prediction, on turns that have one)")
     ap.add_argument("--rewrites", action="store_true",
                     help="only turns whose reply rewrites a file a read tool returned earlier")
-    ap.add_argument("--curve", default=None, help="c(M) for M = 2, 3, ...: price the trace as 'projected'")
+    ap.add_argument("--curve", type=cost_curve, default=None,
+                    help="c(M) for M = 2, 3, ..., comma-separated: price the trace as 'projected'")
     ap.add_argument("--curve-overhead", type=float_in(0.0), default=0.0,
                     help="the projected curve's round overhead in one-row forwards")
     ap.add_argument("--surrogate", action="store_true",
@@ -564,24 +577,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-cross-request", action="store_true",
                     help="no store of earlier replies: each turn as a freshly started server's first")
     ap.add_argument("--json", type=output_file, default=None)
-    args = ap.parse_args(argv)
 
     def fail(msg: str) -> int:
         print(f"forced: {msg}", file=sys.stderr)
         return 2
 
+    try:
+        args = ap.parse_args(argv)
+    except UserError as err:
+        return fail(str(err))
+
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     if not arms or arms[0] != "plain" or any(a not in (*ARMS, PREDICTION) for a in arms):
         return fail(f"--arms must start with plain and name arms of {','.join(ARMS)},{PREDICTION}")
-    projection = None
-    if args.curve:
-        try:
-            curve = [float(x) for x in args.curve.split(",")]
-            if not all(math.isfinite(c) for c in curve):
-                raise ValueError(f"{args.curve!r} holds a number that is not finite")
-            projection = curve_plan(curve, args.curve_overhead)
-        except ValueError as e:
-            return fail(f"--curve: {e}")
+    projection = curve_plan(args.curve, args.curve_overhead) if args.curve else None
     if args.decide_on_curve and (projection is None or not args.surrogate):
         return fail("--decide-on-curve needs --curve and --surrogate (a wall time is this "
                     "machine's, whatever the curve)")

@@ -14,6 +14,8 @@ every position, a plain step or a round of any accepted length up to what was av
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -97,8 +99,8 @@ def oracle_cost(available: Sequence[int], price: DispatchPlan) -> float:
 def curve_plan(curve: Sequence[float], overhead: float = 0.0) -> DispatchPlan:
     """A plan pricing rounds by a given c(M) for M = 2..len(curve)+1 (chunks up to the
     longest measured M) and a round overhead: for projections onto other hardware."""
-    if not curve or any(c <= 0 for c in curve):
-        raise ValueError("a cost curve is positive numbers, c(2), c(3), ...")
+    if not curve or not all(math.isfinite(c) and c > 0 for c in curve):
+        raise ValueError("a cost curve is positive finite numbers, c(2), c(3), ...")
     cost = {1: 1.0, **{m: float(c) for m, c in enumerate(curve, start=2)}}
     return DispatchPlan(key=None, mode="exact", max_chunk=len(curve) + 1, cost=cost,
                         qualified=True, round_overhead=overhead, note="projected curve")

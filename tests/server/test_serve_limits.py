@@ -122,6 +122,34 @@ def test_tool_without_function_wrapper_in_tool_choice_is_not_a_500(client):
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize(("role", "needle"), [
+    ("bogus", "'bogus' is not one of system, developer, user, assistant, tool"),
+    ("function", "send the function's result as a 'tool' message"),
+])
+def test_a_role_no_template_renders_is_400(client, role, needle):
+    err = error(post(client, {"messages": [*USER, {"role": role, "content": "x"}]}), 400,
+                "messages[1].role")
+    assert needle in err["message"], err
+
+
+# Renders every message under its own role, as ChatML templates that read ``message.role`` do.
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_developer_messages_a_template_skips_are_400_and_rendered_ones_served(client, engine,
+                                                                              monkeypatch):
+    """Qwen3's template has no 'developer' role and renders nothing of such a message: served,
+    the request would silently lose it. A template that renders it serves it."""
+    messages = [{"role": "developer", "content": "Answer in French."}, *USER]
+    err = error(post(client, {"messages": messages}), 400, "messages[0].role")
+    assert "does not render 'developer' messages; send them as 'system'" in err["message"]
+    assert post(client, {"messages": [{**messages[0], "role": "system"}, *USER]}).status_code == 200
+    monkeypatch.setattr(engine.tokenizer._tokenizer, "chat_template", CHATML)
+    r = post(client, {"messages": messages})
+    assert r.status_code == 200, r.text
+
+
 # --- 2. templates only from the model directory -----------------------------------------
 
 @pytest.mark.parametrize("kwargs", [
