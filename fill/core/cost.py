@@ -15,9 +15,12 @@ decoding (a request never gets slower in expectation because a source is on).
 Acceptance is estimated per draft, not per source: a source describes each draft by a hashable
 *key* (echo: anchor length, corroboration, delimiter end; n-gram: matched length; suffix: match
 and score buckets; prediction: in step with the output or re-anchored, and on what). Every key
-has its own :class:`AcceptanceByPosition`, whose prior is the source-wide estimate
-(:class:`DraftAcceptance`: back-off, so a key seen for the first time is priced like the
-source's average draft and moves away from it as its own evidence arrives). A draft is priced
+has its own :class:`AcceptanceByPosition`, whose prior is its parent's estimate: a tuple key's
+parent is the key without its last element, the shortest keys' the source-wide estimate
+(:class:`DraftAcceptance`: back-off, so a key seen for the first time is priced like the drafts
+it shares its coarser description with, and moves away from them as its own evidence arrives;
+echo's anchor length alone then prices an anchor's new corroboration or delimiter case, not the
+average of every anchor). A draft is priced
 on each position's estimate less one standard error of the key's evidence
 (:meth:`AcceptanceByPosition.q_low`): choosing among many keys on noisy estimates proposes
 exactly where they happen to be high. A source with one draft and no choice among keys (a
@@ -216,10 +219,18 @@ def choose_length(plan: DispatchPlan, stats: AcceptanceByPosition, max_len: int,
     return m if pays(rate, min_gain) else 0
 
 
+def _parent(key: Hashable) -> Hashable:
+    """A tuple key's prefix without its last element; any other key's parent is ``()``."""
+    if isinstance(key, tuple) and len(key) > 1:
+        return key[:-1]
+    return ()
+
+
 class DraftAcceptance:
     """Acceptance estimates of one source, per draft key: ``stats(key)`` is the key's
-    :class:`AcceptanceByPosition`, backed off to the source-wide one (``stats(())``), which
-    every round also updates. Keep one per source for a server's lifetime to carry what was
+    :class:`AcceptanceByPosition`, backed off to its parent's (:func:`_parent`; the
+    source-wide one, ``stats(())``, at the root). Every round updates its key and all of the
+    key's ancestors. Keep one per source for a server's lifetime to carry what was
     learned across requests (it is a pure function of the drafts and the emitted ids). ``z``:
     how many standard errors below its estimate every table prices a position
     (:meth:`AcceptanceByPosition.q_low`)."""
@@ -236,13 +247,18 @@ class DraftAcceptance:
             return self.source
         st = self._by_key.get(key)
         if st is None:
+            parent = self.stats(_parent(key))
             st = self._by_key[key] = AcceptanceByPosition(max_len=self.max_len, decay=self.decay,
-                                                          parent=self.source, z=self.z)
+                                                          parent=parent, z=self.z)
         return st
 
     def tables(self, key: Hashable) -> tuple[AcceptanceByPosition, ...]:
-        """The statistics one round of a ``key`` draft updates: the key's and the source's."""
-        return (self.source,) if key == () else (self.stats(key), self.source)
+        """The statistics one round of a ``key`` draft updates: the key's and its ancestors'."""
+        out = []
+        while key != ():
+            out.append(self.stats(key))
+            key = _parent(key)
+        return (*out, self.source)
 
     def observe(self, key: Hashable, drafted: int, accepted: int) -> None:
         for st in self.tables(key):

@@ -8,7 +8,8 @@ in-flight sample of a plain step, or the sample a previous round drew). Both the
 - :class:`Asking` decides when the session is asked and what it is shown: every emitted id ends
   a view once; a view's proposal starts at the in-flight sample's slot (a ``verify`` span must
   start with that sample, an ``assert`` span replaces it); a *chained* view ends with the
-  sample itself (``pending``), which then leads the span.
+  sample itself (``pending``), which then leads the span: after a round, and after a view-end
+  proposal the sample disagreed with.
 - :func:`execute` appends the lead and the span with one call of the append-and-rewind
   primitive, asserts the span or verifies it row by row (the one acceptance rule,
   :mod:`mlx_fill.core.acceptance`), rewinds what is not kept and records the forwards,
@@ -106,7 +107,11 @@ class Asking:
                   remaining: int | None) -> Round | None:
         """The round for the in-flight ``sample``'s slot after ``emitted`` (not chained), or
         None. A ``verify`` proposal whose first id disagrees with the sample is reported as
-        rejected here, before any forward (reading the sample is a sync)."""
+        rejected here, before any forward. Reading the sample was a sync, so the chained
+        round that sample leads (:meth:`after_sample`) is asked for at once, unless it ends
+        the sequence (the tokenizer's end ids, alike on every rank of a sharded model): its
+        draft is looked up with the sample known, and its forward replaces the step that
+        would have fed the sample."""
         if self.shown >= len(emitted) or remaining == 0:
             return None
         self.shown = len(emitted)
@@ -116,7 +121,9 @@ class Asking:
         rnd = make_round(proposal, sample, False, len(emitted), remaining)
         if rnd.proposal.policy == "verify" and sample.id != rnd.proposal.ids[0]:
             self.session.feedback(rnd.proposal, 0, rnd.position)
-            return None
+            if sample.id in self.session.eos_ids:
+                return None
+            return self.after_sample(emitted, sample, remaining)
         return rnd
 
     def after_sample(self, emitted: Sequence[int], sample: Sample, remaining: int | None,

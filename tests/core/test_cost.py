@@ -114,9 +114,28 @@ def test_acceptance_is_estimated_per_draft_key():
     assert choose_length(STEEP, acc.source, 15) == 0  # one estimate per source: nothing pays
     assert gate.length(("anchor", 8)) == 15
     assert gate.length(("anchor", 2)) == 0
-    assert gate.length(("anchor", 4)) == 0  # unseen: priced like the source's average draft
-    assert acc.stats(("anchor", 4)).q(0) == pytest.approx(acc.source.q(0))
+    assert gate.length(("anchor", 4)) == 0  # unseen: priced like its parent, every anchor
+    assert acc.stats(("anchor", 4)).q(0) == pytest.approx(acc.stats(("anchor",)).q(0))
     assert gate.length(("anchor", 8), available=3) == 3  # never more than the draft holds
+
+
+def test_an_unseen_key_backs_off_to_its_shared_prefix():
+    """A tuple key's prior is the key without its last element: a new case of a description
+    that has been right is priced like that description, while a key sharing nothing with
+    the evidence is priced like the source's average draft. Every round updates the key and
+    each of its ancestors."""
+    acc = DraftAcceptance(16, decay=1.0)
+    gate = CostGate(STEEP, 15, acceptance=acc)
+    for _ in range(40):
+        gate.observe(15, 15, key=(8, 3, True))
+        for _ in range(3):
+            gate.observe(15, 0, key=(2, 1, False))
+    assert gate.length((8, 3, False)) == 15  # priced from (8, 3): right every time
+    assert gate.length((8, 1, True)) > 0  # from (8,), through an unseen (8, 1)
+    assert gate.length((4, 3, True)) == 0  # from the source: mostly wrong
+    assert acc.stats((4, 3, True)).q(0) == pytest.approx(acc.source.q(0))
+    assert acc.stats((8,)).rounds == acc.stats((8, 3)).rounds == 40
+    assert acc.source.rounds == 160
 
 
 def test_linear_cost_curve_closes_every_key():

@@ -104,15 +104,25 @@ class _Counting:
 
 
 def test_each_view_is_asked_once_and_a_disagreeing_verify_costs_no_forward():
+    """A view-end proposal whose first id disagrees with the in-flight sample is rejected
+    before any forward; that sample, read by the check, then leads a chained round asked of
+    the view it ends (pending: not in the cache)."""
     src = _Counting([7, 8])
     session = FillSession([src], prompt_ids=PROMPT, plan=PLAN)
     asking = Asking(session, PROMPT)
     sample = Sample(mx.array([9]), mx.zeros((512,)))
-    assert asking.at_sample([1], sample, None) is None  # 7 != 9: rejected before a forward
-    assert session.stats.verify_rejected == 2
-    assert asking.at_sample([1], sample, None) is None and len(src.views) == 1
-    rnd = asking.after_sample([1], sample, None)
-    assert rnd.chained and rnd.feed == [9, 7, 8] and src.views[-1] == ([1, 9], True)
+    rnd = asking.at_sample([1], sample, None)  # 7 != 9: rejected before a forward
+    assert session.stats.verify_rejected == 2 and session.stats.forwards == 0
+    assert rnd.chained and rnd.feed == [9, 7, 8] and src.views == [([1], False), ([1, 9], True)]
+    assert asking.at_sample([1], sample, None) is None and len(src.views) == 2
     assert asking.at_sample([1, 9], sample, None) is None  # that slot was offered chained
     assert asking.after_sample([1, 9], sample, 1) is None  # no slot after the sample
     assert len(src.views) == 2
+
+
+def test_a_disagreeing_sample_that_ends_the_sequence_leads_no_round():
+    src = _Counting([7, 8])
+    session = FillSession([src], prompt_ids=PROMPT, plan=PLAN, eos_ids=[9])
+    asking = Asking(session, PROMPT)
+    assert asking.at_sample([1], Sample(mx.array([9]), mx.zeros((512,))), None) is None
+    assert src.views == [([1], False)]
