@@ -20,11 +20,10 @@ parent is the key without its last element, the shortest keys' the source-wide e
 (:class:`DraftAcceptance`: back-off, so a key seen for the first time is priced like the drafts
 it shares its coarser description with, and moves away from them as its own evidence arrives;
 echo's anchor length alone then prices an anchor's new corroboration or delimiter case, not the
-average of every anchor). A draft is priced
-on each position's estimate less one standard error of the key's evidence
-(:meth:`AcceptanceByPosition.q_low`): choosing among many keys on noisy estimates proposes
-exactly where they happen to be high. A source with one draft and no choice among keys (a
-client's prediction) is priced on the estimate itself (``z = 0``).
+average of every anchor). A draft is priced on each position's estimate less one standard
+error of the key's evidence (:meth:`AcceptanceByPosition.q_low`): choosing among many keys on
+noisy estimates proposes exactly where they happen to be high. A source with one draft and no
+choice among keys (a client's prediction) is priced on the estimate itself (``z = 0``).
 
 :class:`CostGate` ties curve and estimates together for one source and one request (the
 estimates may live across requests: pass the same :class:`DraftAcceptance`). Model-free sources

@@ -15,7 +15,6 @@ every position, a plain step or a round of any accepted length up to what was av
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 from typing import Sequence
 
