@@ -219,11 +219,12 @@ def _round(sf: SeqFill, sample: Sample, room: int) -> Round | None:
     """This step's round for a sequence whose in-flight sample is ``sample`` and that has
     ``room`` slots left: the round at the sample's slot when its session has not yet seen the
     last emitted id as a view's end; otherwise, or when that yields nothing, the round the
-    sample leads (a chained round), unless the sample ends the sequence. That view is priced
-    as one whose last id is emitted (not ``pending``): the serial lane's next view ends at the
-    same sample and is priced so, and both lanes take the same decisions."""
+    sample leads (a chained round; none after an end id), unless the view the sample ends was
+    just asked (:meth:`Asking.at_sample` asks it when the sample disagreed with its draft). That
+    view is priced as one whose last id is emitted (not ``pending``): the serial lane's next
+    view ends at the same sample and is priced so, and both lanes take the same decisions."""
     rnd = sf.asking.at_sample(sf.emitted, sample, room)
-    if rnd is None and sample.id not in sf.session.eos_ids:
+    if rnd is None and sf.asking.shown <= len(sf.emitted):
         rnd = sf.asking.after_sample(sf.emitted, sample, room, pending=False)
     return rnd
 

@@ -185,8 +185,10 @@ class FillSession:
         self.stats.refusals[reason] += 1
 
     def propose(self, view: DecodeView) -> Proposal | None:
-        """The first usable proposal of the armed sources, cut at EOS and ``max_span``."""
-        if self.refused is not None:
+        """The first usable proposal of the armed sources, cut at EOS and ``max_span``; None
+        for a view that ends with an end id (a chained view led by the sample that ends the
+        sequence: nothing follows it)."""
+        if self.refused is not None or (view.emitted and view.emitted[-1] in view.eos_ids):
             return None
         self.pace.first_in_flight = not view.pending
         t0 = time.perf_counter()

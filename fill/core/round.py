@@ -108,10 +108,9 @@ class Asking:
         """The round for the in-flight ``sample``'s slot after ``emitted`` (not chained), or
         None. A ``verify`` proposal whose first id disagrees with the sample is reported as
         rejected here, before any forward. Reading the sample was a sync, so the chained
-        round that sample leads (:meth:`after_sample`) is asked for at once, unless it ends
-        the sequence (the tokenizer's end ids, alike on every rank of a sharded model): its
-        draft is looked up with the sample known, and its forward replaces the step that
-        would have fed the sample."""
+        round that sample leads (:meth:`after_sample`) is asked for at once: its draft is
+        looked up with the sample known, and its forward replaces the step that would have
+        fed the sample."""
         if self.shown >= len(emitted) or remaining == 0:
             return None
         self.shown = len(emitted)
@@ -121,8 +120,6 @@ class Asking:
         rnd = make_round(proposal, sample, False, len(emitted), remaining)
         if rnd.proposal.policy == "verify" and sample.id != rnd.proposal.ids[0]:
             self.session.feedback(rnd.proposal, 0, rnd.position)
-            if sample.id in self.session.eos_ids:
-                return None
             return self.after_sample(emitted, sample, remaining)
         return rnd
 

@@ -126,3 +126,5 @@ def test_a_disagreeing_sample_that_ends_the_sequence_leads_no_round():
     asking = Asking(session, PROMPT)
     assert asking.at_sample([1], Sample(mx.array([9]), mx.zeros((512,))), None) is None
     assert src.views == [([1], False)]
+    assert asking.after_sample([1, 5], Sample(mx.array([9]), mx.zeros((512,))), None) is None
+    assert src.views == [([1], False)]  # a view ending with an end id asks no source
