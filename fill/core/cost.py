@@ -263,10 +263,6 @@ class DraftAcceptance:
         for st in self.tables(key):
             st.observe(drafted, accepted)
 
-    @property
-    def keys(self) -> list[Hashable]:
-        return list(self._by_key)
-
 
 @dataclass
 class _Shadow:
