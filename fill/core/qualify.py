@@ -372,9 +372,11 @@ def qualify(model: Any, *, quick: bool, vocab: int | None = None, repeats: int |
     (keeping its cost curve, ``max_chunk`` and cuts). ``stream``: where the round overhead is
     timed (default: mlx-lm's generation stream; a background measurement passes its own).
 
-    Raises :class:`Stopped` when the process exits meanwhile (:func:`stop_measuring`); never
-    raises on a model or cache it cannot measure: it prints one line on stderr and
-    returns a plan with ``max_chunk=1`` and the ``reason`` (serial decoding, always exact)."""
+    Raises :class:`Stopped` when the process exits meanwhile (:func:`stop_measuring`) and
+    :class:`ImplausibleCost` when every cost measurement was timing noise (a plan measured on a
+    machine too loaded to time it is not one to keep); never raises on a model or cache it
+    cannot measure: it prints one line on stderr and returns a plan with ``max_chunk=1`` and
+    the ``reason`` (serial decoding, always exact)."""
     stamp = f"{'quick' if quick else 'full'} qualify, {date.today().isoformat()}"
     note = f"{note}; {stamp}" if note else stamp
     key = None
@@ -382,7 +384,7 @@ def qualify(model: Any, *, quick: bool, vocab: int | None = None, repeats: int |
         key = config_key(model)
         return _measure(model, key, quick=quick, vocab=vocab, repeats=repeats, bar=bar,
                         note=note, agree=agree, budget_s=budget_s, prior=prior, stream=stream)
-    except Stopped:
+    except (Stopped, ImplausibleCost):
         raise
     except Exception as e:  # noqa: BLE001 -- a model qualify cannot measure gets serial decoding
         reason = str(e) if isinstance(e, Unsupported) else f"{type(e).__name__}: {e}"

@@ -7,7 +7,8 @@ bounded by a budget (``$MLX_FILL_QUALIFY_BUDGET_S``, default 120 s: chunk sizes 
 smallest first until it is spent, the rest by a later process), with one stderr line saying
 what it does and for how long, and one when it is done; the plan is written to the user cache
 under the full key (a process that exits first stops it at its next forward and saves
-nothing). Requests are served meanwhile: with the partial plan's sizes, else one token per
+nothing; so does a measurement whose cost curve was only timing noise, a machine too loaded to
+time, which the next first use measures again). Requests are served meanwhile: with the partial plan's sizes, else one token per
 forward (:func:`~mlx_fill.core.plan.unqualified`, serial decoding itself). The outcome is kept
 for the life of the process, so a configuration is looked up once per process and qualified
 once per machine. A model ``qualify`` cannot measure gets a plan with ``max_chunk=1`` and the
@@ -107,6 +108,12 @@ def _measure(model: Any, lookup: Lookup, prior: DispatchPlan | None, memo: tuple
         outcome = replace(outcome, reason="stopped: the process exited first")
         print("mlx-fill: qualifying stopped, the process is exiting; nothing saved (the next "
               "first use measures again)", file=sys.stderr, flush=True)
+    except measure.ImplausibleCost as e:
+        outcome = replace(outcome, reason="the cost curve measured only timing noise")
+        print(f"mlx-fill: qualifying measured only timing noise ({e}); nothing saved (the next "
+              "first use measures again); "
+              + (f"max_chunk={prior.max_chunk}" if prior else "one token per forward"),
+              file=sys.stderr, flush=True)
     except Exception as e:  # noqa: BLE001 -- a failed measurement must not fail decoding
         print(f"mlx-fill: qualifying failed ({type(e).__name__}: {e}); "
               + (f"max_chunk={prior.max_chunk}" if prior else "one token per forward"),
@@ -211,7 +218,7 @@ def _shared_plan(model: Any, ranks: Any) -> DispatchPlan:
     """The plan every rank of a sharded model uses (:func:`~mlx_fill.core.shared.share_plan`):
     rank 0's lookup, else a quick qualify in lockstep, saved by rank 0 only. Kept on the model
     so later requests exchange nothing."""
-    from .qualify import qualify
+    from .qualify import ImplausibleCost, qualify
     from .shared import share_plan
 
     def lookup() -> DispatchPlan | None:
@@ -219,8 +226,15 @@ def _shared_plan(model: Any, ranks: Any) -> DispatchPlan:
         return res.plan if res.source != "unqualified" else None
 
     def measure() -> DispatchPlan:
-        plan, _ = qualify(model, quick=True, bar=False, agree=ranks.all,
-                          note=f"qualified at first use, rank 0 of {ranks.size}")
+        try:
+            plan, _ = qualify(model, quick=True, bar=False, agree=ranks.all,
+                              note=f"qualified at first use, rank 0 of {ranks.size}")
+        except ImplausibleCost as e:  # raised on every rank alike (``agree``)
+            if ranks.root:
+                print(f"mlx-fill: qualifying the sharded model measured only timing noise ({e}); "
+                      "nothing saved (the next start measures again); one token per forward",
+                      file=sys.stderr, flush=True)
+            return replace(unqualified(config_key(model)), reason=str(e))
         if ranks.root:
             print(f"mlx-fill: qualified the sharded model: max_chunk={plan.max_chunk}, "
                   f"saved to {save_plan(plan)}", file=sys.stderr, flush=True)

@@ -148,7 +148,7 @@ def _openblas() -> str | None:
 
 
 @pytest.mark.skipif(_openblas() is None, reason="libopenblas not installed")
-def test_preloaded_openblas_refuses_a_bundled_blas_plan(tmp_path, model):
+def test_preloaded_openblas_refuses_a_bundled_blas_plan(tmp_path, model, steady_cost):
     """Real kernels: a plan qualified under MLX's bundled BLAS (``MLX_FILL_PLAN``) applies in a
     process without a preload and is refused in one with OpenBLAS preloaded, which qualifies its
     own plan under OpenBLAS and names the differing key fields."""
@@ -183,7 +183,12 @@ def test_preloaded_openblas_refuses_a_bundled_blas_plan(tmp_path, model):
 
 _EXIT_SCRIPT = """
 import sys, time
-from mlx_fill.core import resolve
+from mlx_fill.core import qualify, resolve
+# the tiny model's forwards cost about the same at every M: on a loaded machine every try can
+# time some c(M) below 1, a curve that is not saved (``steady_cost``, in the script's process)
+measured = qualify.measure_cost
+qualify.measure_cost = lambda *a, **k: {m: c if m < 2 else max(c, 1.0)
+                                        for m, c in measured(*a, **k).items()}
 from mlx_fill.assets.random_models import build, config_for
 model = build(config_for("qwen3"), seed=3)[0]
 res = resolve.resolve(model, wait=sys.argv[1] == "wait")
@@ -205,6 +210,25 @@ def test_exit_during_background_qualify_is_clean_and_saves_nothing(tmp_path, aft
     assert proc.stdout.split() == ["qualifying"]
     assert "qualifying stopped, the process is exiting; nothing saved" in proc.stderr, proc.stderr
     assert not list((tmp_path / "cache").rglob("*.json"))
+
+
+def test_a_first_use_measurement_of_timing_noise_saves_nothing(model, plan_dirs, monkeypatch,
+                                                              capsys):
+    """A cost curve timed below one row in every try (a machine too loaded to time) is not a
+    plan to keep: one stderr line says so, nothing is saved, the process decodes one token per
+    forward, and the next process measures again."""
+    monkeypatch.setattr(qualify, "measure_cost",
+                        lambda *a, **k: {1: 1.0, 2: 0.5, 3: 0.6, 4: 0.7})
+    res = resolve.resolve(model, wait=True)
+    assert res.source == "unqualified" and res.plan.max_chunk == 1
+    assert res.reason == "the cost curve measured only timing noise"
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "measured only timing noise (" in err[1], err
+    assert "nothing saved (the next first use measures again); one token per forward" in err[1]
+    assert not list(plan_dirs.parent.rglob("*.json"))
+    monkeypatch.setattr(resolve, "_resolved", {})  # a new process on the same machine
+    assert resolve.resolve(model, wait=False).source == "qualifying"
+    assert resolve.wait_qualified(timeout=600)
 
 
 def test_exit_after_background_qualify_is_clean_and_saves_the_plan(tmp_path):
