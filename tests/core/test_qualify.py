@@ -20,6 +20,8 @@ from mlx_fill.core.proposal import FillSession
 from mlx_fill.core.qualify import Check, derive_plan, qualify
 from mlx_fill.assets.random_models import build, config_for, save
 
+from cli_lines import one_error_line
+
 KEY = PlanKey("cuda", "sm_90 NVIDIA H200", "0.32.4", "0.32.2", "none", "", "", "bfloat16", "none",
               "qwen3 layers=4")
 CPU_KEY = replace(KEY, backend="cpu", device="x86_64", blas="libblas", blas_version="3.10.0")
@@ -112,6 +114,18 @@ def unknown_cache_model():
     model, _ = build(config_for("qwen3"), seed=4)
     model.make_cache = lambda: [ConcatenateKVCache() for _ in model.layers]
     return model
+
+
+def test_qualify_cli_writes_no_plan_from_timing_noise(tiny_dir, tmp_path, monkeypatch, capsys):
+    """A cost curve timed below one row in every try: one line naming what was measured, exit
+    2, no plan written."""
+    from mlx_fill.core import qualify as measure
+    monkeypatch.setattr(measure, "measure_cost", lambda *a, **k: {1: 1.0, 2: 0.5, 4: 0.7})
+    out = tmp_path / "plan.json"
+    line = one_error_line(capsys, ["qualify", "--model", str(tiny_dir), "--quick", "--out", str(out)],
+                          "c(2)=0.50, c(4)=0.70", "qualify again on a quieter machine")
+    assert line.startswith("mlx-fill qualify: the cost curve measured an M-row forward cheaper")
+    assert not out.exists()
 
 
 def test_qualify_never_raises_on_a_cache_it_does_not_know(capsys):
