@@ -34,13 +34,16 @@ def model():
 
 @pytest.fixture
 def plan_dirs(tmp_path, monkeypatch):
-    """An empty user cache and an empty 'shipped' folder (the package's plans hidden)."""
+    """An empty user cache and an empty 'shipped' folder (the package's plans hidden). A
+    measurement a test started in the background ends with the test, inside these folders: it
+    neither writes to the real cache nor speaks into a later test's stderr."""
     monkeypatch.setenv("MLX_FILL_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("MLX_FILL_PLAN", raising=False)
     shipped = tmp_path / "shipped"
     shipped.mkdir()
     monkeypatch.setattr("mlx_fill.core.plan.shipped_dir", lambda: shipped)
-    return shipped
+    yield shipped
+    assert resolve.wait_qualified(timeout=600), "a background measurement outlived its test"
 
 
 @pytest.fixture
