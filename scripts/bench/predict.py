@@ -21,10 +21,12 @@ to ``off``, the prediction's accepted/rejected tokens as ``usage.completion_toke
 reports them (and whether the trace's accepted ids of origin ``prediction`` sum to the same),
 target forwards per token, and whether the model made the requested edit (compared with the
 expected file; reported, not gated). ``coverage`` is the share of the output ids inside blocks
-shared with the prediction (``difflib`` on ids); ``bound`` is the decode ratio the dispatch plan
-allows for that coverage: covered ids at the best rate of one verify round
-(``max n / plan.rows_cost(n)``, the largest exact chunk at its measured cost), the rest one per
-forward.
+shared with the prediction (``difflib`` on ids); ``bound`` is the decode ratio that coverage
+allows: covered ids at the best rate of one verify round (``max n / rows_cost(n)``, the
+largest exact chunk at its cost), the rest one per forward, priced on the cost curve measured
+at the start of this run (qualify's measure on a 512-id cache, the plan's sizes), since what a
+multi-row forward costs against a step differs between machines and with their load;
+``bound_plan`` prices it on the plan's stored curve, the one the cost gates decide on.
 
     python -m scripts.bench.predict [--fixture qwen25-coder-0.5b] [--tasks a,b] [--repeats 1]
         [--dtype bfloat16] [--json out.json]
@@ -167,6 +169,24 @@ def best_round_rate(plan, max_span: int) -> float:
     return max(n / plan.rows_cost(n) for n in range(1, max_span + 2))
 
 
+def measured_curve(model, plan, repeats: int = 3):
+    """``plan`` with its cost curve measured now on this machine: qualify's ``c(M)`` on a
+    512-id cache at the plan's sizes (median of ``repeats``, timing noise retried as qualify
+    does)."""
+    from dataclasses import replace
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_fill.core import qualify
+
+    vocab = qualify.vocab_of(model)
+    cache = make_prompt_cache(model)
+    qualify._grow(model, cache, qualify.COST_KV, vocab)
+    sizes = tuple(sorted(int(m) for m in plan.cost)) or (1, plan.max_chunk)
+    cost = qualify.measure_plausible_cost(model, cache, sizes, vocab, repeats)
+    return replace(plan, cost=cost)
+
+
 def bound_for(share: float, rate: float) -> float:
     """The decode ratio to plain when a ``share`` of the output is emitted at ``rate`` tokens per
     forward and the rest one per forward."""
@@ -203,7 +223,7 @@ def session_for(arm: str, *, model, tok, ids: list[int], messages: list[dict], p
 
 
 def run_task(task: EditTask, *, model, tok, repeats: int, max_tokens: int, rate: float,
-             acceptance_check: bool = True) -> dict:
+             plan_rate: float | None = None) -> dict:
     """Every arm on one task (see module docstring); one result row."""
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
@@ -256,6 +276,8 @@ def run_task(task: EditTask, *, model, tok, repeats: int, max_tokens: int, rate:
               "coverage": round(coverage(off, tok.encode(task.prediction(), add_special_tokens=False)), 3),
               "prefill_s": round(prefill_s, 2), "arms": {}}
     result["bound"] = round(bound_for(result["coverage"], rate), 2)
+    if plan_rate is not None:
+        result["bound_plan"] = round(bound_for(result["coverage"], plan_rate), 2)
     off_s = statistics.median(times["off"])
     for arm in ARMS:
         row, seconds = rows[arm], statistics.median(times[arm])
@@ -299,7 +321,14 @@ def run(fixture: str, task_names: list[str], repeats: int, dtype: str | None,
     if dtype is not None:
         model.set_dtype(getattr(mx, dtype))
     plan = plan_for(model)
-    rate = best_round_rate(plan, env_max_span())
+    curve = plan
+    if plan.max_chunk > 1:
+        from mlx_fill.core.qualify import ImplausibleCost
+        try:
+            curve = measured_curve(model, plan)
+        except ImplausibleCost as e:
+            print(f"the bound keeps the plan's cost curve: {e}", file=sys.stderr, flush=True)
+    rate, plan_rate = (best_round_rate(p, env_max_span()) for p in (curve, plan))
     by_name = {t.name: t for t in TASKS}
     unknown = [n for n in task_names if n not in by_name]
     if unknown:
@@ -307,12 +336,14 @@ def run(fixture: str, task_names: list[str], repeats: int, dtype: str | None,
     results = []
     for name in task_names:
         results.append(run_task(by_name[name], model=model, tok=tok, repeats=repeats,
-                                max_tokens=max_tokens, rate=rate))
+                                max_tokens=max_tokens, rate=rate, plan_rate=plan_rate))
         print(f"done {name}: {json.dumps(results[-1])}", file=sys.stderr, flush=True)
     return {"fixture": fixture, "dtype": dtype, "repeats": repeats,
             "machine": f"{platform.machine()} {platform.system()}, mlx {mx.__version__}",
             "plan": {"max_chunk": plan.max_chunk, "cost": plan.cost,
-                     "round_overhead": plan.round_overhead, "best_round_rate": round(rate, 2)},
+                     "round_overhead": plan.round_overhead,
+                     "best_round_rate": round(plan_rate, 2)},
+            "measured_cost": {"cost": curve.cost, "best_round_rate": round(rate, 2)},
             "date": time.strftime("%Y-%m-%d %H:%M"), "tasks": results}
 
 
@@ -328,6 +359,7 @@ def main() -> int:
     args = ap.parse_args()
     report = run(args.fixture, args.tasks.split(","), args.repeats, args.dtype, args.max_tokens)
     print(f"plan: {report['plan']}")
+    print(f"cost curve measured in this run (the bound's): {report['measured_cost']}")
     print_table(report["tasks"])
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
