@@ -68,3 +68,19 @@ def test_a_prediction_the_model_follows_is_accepted_and_counted_as_the_trace_sho
     assert accepted > 0
     assert details == {"accepted_prediction_tokens": min(accepted, predicted),
                        "rejected_prediction_tokens": predicted - min(accepted, predicted)}
+
+
+def test_the_bound_is_priced_on_a_curve_measured_in_the_run(loaded, monkeypatch):
+    """``bound`` uses the cost curve the run measures (at the plan's sizes), ``bound_plan`` the
+    stored one: a curve twice as steep as the plan's gives a lower bound than the plan's."""
+    model, tok = loaded
+    plan = plan_for(model)
+    steep = {m: 1.0 if m == 1 else 2 * c for m, c in plan.cost.items()}
+    monkeypatch.setattr("mlx_fill.core.qualify.measure_cost", lambda *a, **k: steep)
+    curve = predict.measured_curve(model, plan)
+    assert curve.cost == steep and curve.max_chunk == plan.max_chunk
+    report = predict.run("qwen3-json", ["useless-prediction"], 1, None, 8)
+    assert report["measured_cost"]["cost"] == steep
+    assert report["measured_cost"]["best_round_rate"] < report["plan"]["best_round_rate"]
+    task = report["tasks"][0]
+    assert task["coverage"] > 0 and task["bound"] < task["bound_plan"]
