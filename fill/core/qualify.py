@@ -243,6 +243,14 @@ def confirm_plan(model: Any, plan: DispatchPlan, kv_lengths: tuple[int, ...], vo
     return True
 
 
+def cost_cache(model: Any, vocab: int) -> list[Any]:
+    """A fresh cache grown to ``COST_KV`` seeded random ids: where the cost curve and the round
+    overhead are measured."""
+    cache = make_prompt_cache(model)
+    _grow(model, cache, COST_KV, vocab)
+    return cache
+
+
 def measure_cost(model: Any, cache: list[Any], sizes: tuple[int, ...], vocab: int,
                  repeats: int, shape: str = "native") -> dict[int, float]:
     """c(M): median over interleaved repeats of time(M-row verify forward) / time(1-row), on
@@ -406,8 +414,7 @@ def _measure(model: Any, key: PlanKey, *, quick: bool, vocab: int | None, repeat
     vocab = vocab or vocab_of(model)
     rings = ring_lengths(ring_window(make_prompt_cache(model)))
     repeats = repeats or (3 if quick else 7)
-    cache = make_prompt_cache(model)  # grown once: both measures run at KV length COST_KV
-    _grow(model, cache, COST_KV, vocab)
+    cache = cost_cache(model, vocab)  # grown once: both measures run on it
     costs = {shape: measure_plausible_cost(model, cache, sizes, vocab, repeats, shape, agree)
              for shape in SHAPES}
     overhead = measure_round_overhead(model, cache, repeats, stream=stream)

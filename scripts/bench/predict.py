@@ -170,21 +170,19 @@ def best_round_rate(plan, max_span: int) -> float:
 
 
 def measured_curve(model, plan, repeats: int = 3):
-    """``plan`` with its cost curve measured now on this machine: qualify's ``c(M)`` on a
-    512-id cache at the plan's sizes (median of ``repeats``, timing noise retried as qualify
-    does)."""
+    """``plan`` with its cost curve measured now on this machine: qualify's ``c(M)`` on its
+    cost cache at the plan's sizes, each size in the append shape the plan runs it with
+    (median of ``repeats``, timing noise retried as qualify does)."""
     from dataclasses import replace
-
-    from mlx_lm.models.cache import make_prompt_cache
 
     from mlx_fill.core import qualify
 
     vocab = qualify.vocab_of(model)
-    cache = make_prompt_cache(model)
-    qualify._grow(model, cache, qualify.COST_KV, vocab)
-    sizes = tuple(sorted(int(m) for m in plan.cost)) or (1, plan.max_chunk)
-    cost = qualify.measure_plausible_cost(model, cache, sizes, vocab, repeats)
-    return replace(plan, cost=cost)
+    cache = qualify.cost_cache(model, vocab)
+    sizes = tuple(sorted(plan.cost)) or (1, plan.max_chunk)  # a plan stored without a curve
+    costs = {shape: qualify.measure_plausible_cost(model, cache, sizes, vocab, repeats, shape)
+             for shape in {plan.shape_for(m) for m in sizes}}
+    return replace(plan, cost={m: costs[plan.shape_for(m)][m] for m in sizes})
 
 
 def bound_for(share: float, rate: float) -> float:
