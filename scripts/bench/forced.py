@@ -444,8 +444,9 @@ def run(turns: list[ForcedTurn], *, model, tok, plan: DispatchPlan, repeats: int
 def summarize(result: dict, projection: bool, wall: bool = True) -> dict:
     """The JSON report's ``rows`` (sources and ``overall``) and ``by_tool``: per arm, wall x
     plain, forwards per token, priced x plain (and projected), rejected rows per token,
-    bookkeeping share of a plain step, accepted ids per round. Without ``wall`` (a surrogate
-    decode) ``x_plain`` is the priced ratio."""
+    bookkeeping per token (ms, and as a share of a plain step), accepted ids per round. Without
+    ``wall`` (a surrogate decode) ``x_plain`` is the priced ratio and the share is None (the
+    surrogate's step is not the model's)."""
     rows: dict[str, dict] = {}
     by_tool: dict[str, dict] = {}
     for key, g in result["groups"].items():
@@ -464,7 +465,9 @@ def summarize(result: dict, projection: bool, wall: bool = True) -> dict:
                          "fwd_per_tok": round(t.forwards / tokens, 3),
                          "priced_x_plain": priced,
                          "rejected_per_tok": round(t.rejected / tokens, 3),
-                         "bookkeeping_share": round(t.source_ms / tokens / max(step_ms, 1e-9), 4),
+                         "bookkeeping_ms_per_tok": round(t.source_ms / tokens, 4),
+                         "bookkeeping_share": (round(t.source_ms / tokens / max(step_ms, 1e-9), 4)
+                                               if wall else None),
                          "accepted_per_round": {str(k): v for k, v in sorted(t.accepted_hist.items())},
                          "mismatched_turns": t.mismatched}
             if not wall:
@@ -497,14 +500,17 @@ def print_tables(report: dict, arms: Sequence[str]) -> None:
     block("priced x plain (the plan's c(M) and round overhead)", rows, "priced_x_plain")
     if report.get("projected_curve"):
         block(f"projected x plain (c(M) = {report['projected_curve']})", rows, "projected_x_plain")
-    block("per tool: decode wall x plain", report["by_tool"], "x_plain")
+    block("per tool: " + ("decode wall x plain" if report.get("wall", True)
+                          else "x plain priced on the plan's c(M)"), report["by_tool"], "x_plain")
     overall = report["rows"][OVERALL]
     if "all" in overall:
         a = overall["all"]
+        share = ("" if a["bookkeeping_share"] is None
+                 else f" ({a['bookkeeping_share']:.2%} of a plain step)")
         print(f"\nall / oracle: {report['all_over_oracle']:.3f} (wall x plain over the oracle's "
               f"priced), {report['all_over_oracle_priced']:.3f} (both priced);  bookkeeping of "
-              f"all: {a['bookkeeping_share']:.2%} of a plain step;  rejected rows per token: "
-              f"{a['rejected_per_tok']:.3f}")
+              f"all: {a['bookkeeping_ms_per_tok']:.3f} ms per token{share};  rejected rows per "
+              f"token: {a['rejected_per_tok']:.3f}")
         print(f"accepted ids per round (all): {a['accepted_per_round']}")
     capped = overall[ORACLE]["priced_x_plain_span_cap"]
     print("oracle priced x plain with spans of at most " + ", ".join(

@@ -105,6 +105,8 @@ def test_short_forced_replay_is_identical_and_reports_every_arm(two_sessions, tm
             assert "projected_x_plain" in row[arm]
         for arm in forced.ARMS:
             assert row[arm]["fwd_per_tok"] > 0 and row[arm]["mismatched_turns"] == 0
+            assert row[arm]["bookkeeping_ms_per_tok"] >= 0
+            assert row[arm]["bookkeeping_share"] >= 0  # timed: a share of the model's step
         # cutting the oracle's spans shorter never helps it, and it never loses to plain
         capped = [row["oracle"]["priced_x_plain_span_cap"][str(c)] for c in forced.ORACLE_CAPS]
         assert 1.0 <= capped[0] and capped == sorted(capped)
@@ -256,3 +258,4 @@ def test_deciding_on_a_curve_prices_on_it(two_sessions, tmp_path, capsys):
     for row in report["rows"].values():
         for arm in ("plain", "all", "peer-suffix"):
             assert row[arm]["priced_x_plain"] == row[arm]["projected_x_plain"], (arm, row[arm])
+            assert row[arm]["bookkeeping_share"] is None  # the surrogate's step is not the model's
