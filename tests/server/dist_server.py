@@ -6,7 +6,10 @@ fill proposal step raises from the third proposal point of every request after t
 divergence that, without agreement, would leave that rank decoding differently from the others.
 With ``PIN_COST=1`` every request's plan keeps its qualified chunking but prices rows as free:
 the cost gates then decide alike in every configuration (a sharded model's measured curve is its
-own), so the telemetry of a sharded and an unsharded run can be compared field by field.
+own), so the telemetry of a sharded and an unsharded run can be compared field by field. The
+ranks' qualify then times nothing either (:func:`pin_cost_measure`): on a loaded machine their
+timings can read an M-row forward cheaper than one row, and such a curve is refused (one token
+per forward) though the exactness checks pass.
 """
 
 import itertools
@@ -20,7 +23,16 @@ from mlx_lm.server import main
 import mlx_fill.session
 from mlx_fill.core.proposal import FillSession
 
+
+def pin_cost_measure() -> None:
+    """Make qualify's cost curve flat (every size costs one row) instead of timing it; the
+    exactness checks, which decide the chunking, still run."""
+    import mlx_fill.core.qualify as qualify
+    qualify.measure_plausible_cost = lambda model, cache, sizes, *args: {m: 1.0 for m in sizes}
+
+
 if os.environ.get("PIN_COST") == "1":
+    pin_cost_measure()
     _plan_for = mlx_fill.session.plan_for
     mlx_fill.session.plan_for = lambda model, group=None: replace(_plan_for(model, group), cost={64: 1.0})
 

@@ -149,12 +149,20 @@ def qualified(model: Path) -> None:
     """Measure the unsharded model's plan into the user cache before its server starts: a
     server measures a missing plan in the background and serves one token per forward
     meanwhile, which would make its telemetry depend on timing (the ranks of a sharded model
-    measure theirs in lockstep before the first request)."""
+    measure theirs in lockstep before the first request). Its cost curve is flat, as the ranks'
+    (``dist_server.pin_cost_measure``): the servers price rows as free, and a curve timed on a
+    loaded machine can be refused as noise."""
     from mlx_lm import load
 
+    import mlx_fill.core.qualify as qualify
     from mlx_fill.core.resolve import resolve
     loaded, _ = load(str(model))
-    resolve(loaded, wait=True)
+    timed = qualify.measure_plausible_cost
+    qualify.measure_plausible_cost = lambda model, cache, sizes, *args: {m: 1.0 for m in sizes}
+    try:
+        resolve(loaded, wait=True)
+    finally:
+        qualify.measure_plausible_cost = timed
 
 
 @pytest.fixture(scope="module")
