@@ -157,12 +157,10 @@ def qualified(model: Path) -> None:
     import mlx_fill.core.qualify as qualify
     from mlx_fill.core.resolve import resolve
     loaded, _ = load(str(model))
-    timed = qualify.measure_plausible_cost
-    qualify.measure_plausible_cost = lambda model, cache, sizes, *args: {m: 1.0 for m in sizes}
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(qualify, "measure_plausible_cost",
+                      lambda model, cache, sizes, *args: {m: 1.0 for m in sizes})
         resolve(loaded, wait=True)
-    finally:
-        qualify.measure_plausible_cost = timed
 
 
 @pytest.fixture(scope="module")
