@@ -84,7 +84,6 @@ from mlx_fill.adapters.server import batch_fill
 from mlx_fill.adapters.server.batch_fill import SeqFill
 from mlx_fill.adapters.server.template_vars import template_variables
 
-ROUTED_KEYS = ("tools", "tool_choice", "prediction")
 log = logging.getLogger("mlx_fill")
 
 
