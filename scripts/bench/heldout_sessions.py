@@ -5,8 +5,10 @@ The split is the training scripts' own (``scripts.training.fixture_data.split_se
 0): about 12% of the sessions of every source held back whole; pi's single session contributes
 its last turns (its system message and the messages from the training cut on), so those turns
 are replayed with only the held-back part of the conversation as history.
+``--trained`` writes the complement instead: the sessions of those sources that training read
+(pi's cut before its held-back turns), for checking a policy on turns it was not tuned on.
 
-    python -m scripts.bench.heldout_sessions OUT.jsonl.gz [--seed 0] [--per-source N]
+    python -m scripts.bench.heldout_sessions OUT.jsonl.gz [--seed 0] [--per-source N] [--trained]
 """
 
 from __future__ import annotations
@@ -22,12 +24,37 @@ from scripts.training import fixture_data
 TAIL = "#tail"
 
 
+def _training_sources_rows() -> dict[tuple[str, str], dict]:
+    """The raw transcript rows of the training sources, by (source, session id)."""
+    with gzip.open(fixture_data.transcripts_path() / "dev.jsonl.gz", "rt", encoding="utf-8") as fh:
+        rows = [json.loads(line) for line in fh]
+    return {(r["source"], r["session_id"]): r for r in rows if r["source"] in fixture_data.SOURCES}
+
+
+def trained_rows(seed: int, per_source: int | None = None) -> list[dict]:
+    """The raw transcript rows of the sessions training read, at most ``per_source`` of each
+    source, in split order; a session split by turns keeps the messages before its held-back
+    ``#tail``."""
+    raw = _training_sources_rows()
+    train, held = fixture_data.split_sessions(fixture_data.load_recordings(), seed)
+    tails = {s.session_id.removesuffix(TAIL): s for s in held if s.session_id.endswith(TAIL)}
+    out: list[dict] = []
+    for session in train:
+        if per_source is not None and sum(r["source"] == session.source for r in out) >= per_source:
+            continue
+        row = dict(raw[(session.source, session.session_id)])
+        tail = tails.get(session.session_id)
+        if tail is not None:
+            system = [m for m in row["messages"][:1] if m["role"] == "system"]
+            row["messages"] = row["messages"][:len(row["messages"]) - (len(tail.messages) - len(system))]
+        out.append(row)
+    return out
+
+
 def heldout_rows(seed: int, per_source: int | None = None) -> list[dict]:
     """The raw transcript rows of the held-back sessions (a ``#tail`` session cut as in the
     split), at most ``per_source`` of each source, in split order."""
-    with gzip.open(fixture_data.transcripts_path() / "dev.jsonl.gz", "rt", encoding="utf-8") as fh:
-        rows = [json.loads(line) for line in fh]
-    raw = {(r["source"], r["session_id"]): r for r in rows if r["source"] in fixture_data.SOURCES}
+    raw = _training_sources_rows()
     _, held = fixture_data.split_sessions(fixture_data.load_recordings(), seed)
     out: list[dict] = []
     for session in held:
@@ -51,12 +78,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", type=Path)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--per-source", type=int, default=None, help="at most N sessions of each source")
+    ap.add_argument("--trained", action="store_true",
+                    help="write the sessions training read instead of the held-back ones")
     args = ap.parse_args(argv)
-    rows = heldout_rows(args.seed, args.per_source)
+    rows = (trained_rows if args.trained else heldout_rows)(args.seed, args.per_source)
     with gzip.open(args.out, "wt", encoding="utf-8") as fh:
         for row in rows:
             fh.write(json.dumps(row) + "\n")
-    print(f"{len(rows)} held-back sessions -> {args.out}", file=sys.stderr)
+    what = "trained" if args.trained else "held-back"
+    print(f"{len(rows)} {what} sessions -> {args.out}", file=sys.stderr)
     return 0
 
 
