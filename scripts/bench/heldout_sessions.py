@@ -17,8 +17,8 @@ import argparse
 import gzip
 import json
 import sys
-from pathlib import Path
 
+from mlx_fill.core.errors import output_file, positive_int
 from scripts.training import fixture_data
 
 TAIL = "#tail"
@@ -75,13 +75,15 @@ def heldout_rows(seed: int, per_source: int | None = None) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("out", type=Path)
+    ap.add_argument("out", type=output_file)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--per-source", type=int, default=None, help="at most N sessions of each source")
+    ap.add_argument("--per-source", type=positive_int, default=None,
+                    help="at most N sessions of each source")
     ap.add_argument("--trained", action="store_true",
                     help="write the sessions training read instead of the held-back ones")
     args = ap.parse_args(argv)
     rows = (trained_rows if args.trained else heldout_rows)(args.seed, args.per_source)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     with gzip.open(args.out, "wt", encoding="utf-8") as fh:
         for row in rows:
             fh.write(json.dumps(row) + "\n")
