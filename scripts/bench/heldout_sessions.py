@@ -31,6 +31,14 @@ def _training_sources_rows() -> dict[tuple[str, str], dict]:
     return {(r["source"], r["session_id"]): r for r in rows if r["source"] in fixture_data.SOURCES}
 
 
+def _cut(messages: list[dict], tail: fixture_data.Session) -> tuple[list[dict], int]:
+    """For a session split by turns: its leading system message (none or one) and the index of
+    its first held-back message in the raw ``messages``. The held-back ``tail`` is that system
+    message, then the raw messages from the cut on, one for one."""
+    system = [m for m in messages[:1] if m["role"] == "system"]
+    return system, len(messages) - (len(tail.messages) - len(system))
+
+
 def trained_rows(seed: int, per_source: int | None = None) -> list[dict]:
     """The raw transcript rows of the sessions training read, at most ``per_source`` of each
     source, in split order; a session split by turns keeps the messages before its held-back
@@ -45,8 +53,8 @@ def trained_rows(seed: int, per_source: int | None = None) -> list[dict]:
         row = dict(raw[(session.source, session.session_id)])
         tail = tails.get(session.session_id)
         if tail is not None:
-            system = [m for m in row["messages"][:1] if m["role"] == "system"]
-            row["messages"] = row["messages"][:len(row["messages"]) - (len(tail.messages) - len(system))]
+            _, cut = _cut(row["messages"], tail)
+            row["messages"] = row["messages"][:cut]
         out.append(row)
     return out
 
@@ -63,10 +71,7 @@ def heldout_rows(seed: int, per_source: int | None = None) -> list[dict]:
         base = session.session_id.removesuffix(TAIL)
         row = dict(raw[(session.source, base)])
         if session.session_id.endswith(TAIL):
-            # the held-back tail: the same messages as the normalized session, one for one
-            # (a leading system message, when the session has one, then the tail)
-            system = [m for m in row["messages"][:1] if m["role"] == "system"]
-            cut = len(row["messages"]) - (len(session.messages) - len(system))
+            system, cut = _cut(row["messages"], session)
             row["messages"] = system + row["messages"][cut:]
             row["session_id"] = session.session_id
         out.append(row)

@@ -35,4 +35,3 @@ def test_trained_and_held_back_sessions_split_the_recordings():
 def test_per_source_caps_each_source():
     rows = trained_rows(0, per_source=2)
     assert max(Counter(r["source"] for r in rows).values()) == 2
-
