@@ -28,7 +28,8 @@ turn as a freshly started server's first). On request (``--arms``),
 tool last returned it (:func:`rewritten_file`; ``--rewrites`` replays only such turns; elsewhere
 it is ``all``). ``oracle`` is the bound
 (:mod:`scripts.bench.oracle`): per turn, the best span any source offered at every position,
-priced by the plan's c(M) and round overhead (the store's drafts included).
+priced by the plan's c(M) and round overhead (the store's drafts included); where ``all`` ran,
+also restricted to its accepted spans and to its round positions (:func:`own_spans`).
 
 Reported per transcript source, overall and per tool (the first call's name; ``(prose)`` for a
 structured turn without calls, ``(inline)`` for harnesses whose calls are text): decode wall time
@@ -336,6 +337,23 @@ def offline_available(turn: ForcedTurn, proposals: Sequence[tuple[int, Sequence[
     return available
 
 
+def own_spans(turn: ForcedTurn, proposals: Sequence[tuple[int, Sequence[int]]],
+              available: Sequence[int]) -> tuple[list[int], list[int]]:
+    """What an arm's rounds (``proposals``: position and ids) had, as two inputs of
+    :func:`oracle_cost`, so that the oracle restricted to them bounds the arm: ``accepted[p]``,
+    the span the arm's round at output slot ``p + 1`` had accepted (its choices of draft and
+    position, without a rejected row or a wasted round), and ``positions[p]``, the longest span
+    any source offered there (``available``), only where the arm ran a round."""
+    n = len(turn.output)
+    accepted, positions = [0] * n, [0] * n
+    for position, ids in proposals:
+        if 1 <= position < n:
+            accepted[position - 1] = max(accepted[position - 1],
+                                         accepted_prefix(ids, turn.output, position))
+            positions[position - 1] = available[position - 1]
+    return accepted, positions
+
+
 # ----------------------------------------------------------------------------- run
 
 @dataclass
@@ -353,6 +371,10 @@ class Tally:
     accepted_hist: Counter = field(default_factory=Counter)
     mismatched: int = 0
     capped: Counter = field(default_factory=Counter)  # the oracle's priced cost per span cap
+    # the oracle restricted to what `all` had (see :func:`own_spans`): its accepted spans at its
+    # round positions, and any source's longest span at those positions
+    own_accepted: float = 0.0
+    own_positions: float = 0.0
 
 
 def run(turns: list[ForcedTurn], *, model, tok, plan: DispatchPlan, repeats: int,
@@ -408,6 +430,10 @@ def run(turns: list[ForcedTurn], *, model, tok, plan: DispatchPlan, repeats: int
         oracle_capped = Counter({cap: oracle_cost([min(a, cap) for a in available], plan)
                                  for cap in ORACLE_CAPS})
         oracle_projected = oracle_cost(available, projection) if projection is not None else 0.0
+        own_accepted = own_positions = 0.0
+        if "all" in last:
+            accepted, positions = own_spans(turn, last["all"][2].proposed, available)
+            own_accepted, own_positions = oracle_cost(accepted, plan), oracle_cost(positions, plan)
         for key in (OVERALL, turn.transcript_source, f"tool:{turn.tool}"):
             g = groups[key]
             for a in arms:
@@ -435,6 +461,8 @@ def run(turns: list[ForcedTurn], *, model, tok, plan: DispatchPlan, repeats: int
             o.priced += oracle_priced
             o.capped.update(oracle_capped)
             o.projected += oracle_projected
+            o.own_accepted += own_accepted
+            o.own_positions += own_positions
         if progress is not None:
             progress(t_index + 1, len(turns), turn,
                      {"identical": identical, "groups": dict(groups)})
@@ -460,6 +488,10 @@ def summarize(result: dict, projection: bool, wall: bool = True) -> dict:
                 entry = {"x_plain": priced, "fwd_per_tok": None, "priced_x_plain": priced,
                          "priced_x_plain_span_cap": {str(c): round(t.plain_cost / max(t.capped[c], 1e-9), 3)
                                                      for c in ORACLE_CAPS}}
+                if "all" in g:
+                    entry["priced_x_plain_own"] = {
+                        "accepted": round(t.plain_cost / max(t.own_accepted, 1e-9), 3),
+                        "positions": round(t.plain_cost / max(t.own_positions, 1e-9), 3)}
             else:
                 entry = {"x_plain": round(plain.seconds / max(t.seconds, 1e-12), 3),
                          "fwd_per_tok": round(t.forwards / tokens, 3),
@@ -512,6 +544,11 @@ def print_tables(report: dict, arms: Sequence[str]) -> None:
               f"all: {a['bookkeeping_ms_per_tok']:.3f} ms per token{share};  rejected rows per "
               f"token: {a['rejected_per_tok']:.3f}")
         print(f"accepted ids per round (all): {a['accepted_per_round']}")
+        own = overall[ORACLE]["priced_x_plain_own"]
+        print(f"the oracle priced x plain on all's accepted spans {own['accepted']:.3f} (no "
+              f"rejected row or wasted round), on any source's span at all's positions "
+              f"{own['positions']:.3f}, anywhere {overall[ORACLE]['priced_x_plain']:.3f}; "
+              f"all {a['priced_x_plain']:.3f}")
     capped = overall[ORACLE]["priced_x_plain_span_cap"]
     print("oracle priced x plain with spans of at most " + ", ".join(
         f"{c} ids {x:.3f}" for c, x in capped.items()) + f" (uncapped {overall[ORACLE]['priced_x_plain']:.3f})")

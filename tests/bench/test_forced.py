@@ -43,6 +43,16 @@ def test_priced_cost_counts_steps_rounds_and_overhead():
     assert rounds[0].emitted == 3 and rounds[1].rows == 0
 
 
+def test_own_spans_read_an_arms_rounds_at_their_positions():
+    from types import SimpleNamespace
+    turn = SimpleNamespace(output=[5, 6, 7, 8, 9])
+    # a round drafting slots 1.. (its third id wrong) and one drafting slots 3..
+    proposals = [(1, [6, 7, 0]), (3, [8, 9])]
+    accepted, positions = forced.own_spans(turn, proposals, available=[3, 1, 2, 1, 0])
+    assert accepted == [2, 0, 2, 0, 0]
+    assert positions == [3, 0, 2, 0, 0]  # any source's longest span, only where the arm drafted
+
+
 def test_curve_plan_rejects_a_bad_curve():
     with pytest.raises(ValueError):
         curve_plan([])
@@ -111,6 +121,11 @@ def test_short_forced_replay_is_identical_and_reports_every_arm(two_sessions, tm
         capped = [row["oracle"]["priced_x_plain_span_cap"][str(c)] for c in forced.ORACLE_CAPS]
         assert 1.0 <= capped[0] and capped == sorted(capped)
         assert capped[-1] <= row["oracle"]["priced_x_plain"]
+        # restricting the oracle to what `all` had: its own rounds are one choice among its
+        # accepted spans, which are among the spans offered at its positions
+        own = row["oracle"]["priced_x_plain_own"]
+        assert (row["all"]["priced_x_plain"] <= own["accepted"] <= own["positions"]
+                <= row["oracle"]["priced_x_plain"])
     overall = report["rows"]["overall"]
     # the ungated peers propose on these turns, and verify accepts recorded ids
     assert sum(overall["peer-lookup"]["accepted_per_round"].values()) > 0
