@@ -6,7 +6,10 @@ a recording (tools recorded or synthesized, inline-text harnesses without tools)
 
 :func:`render_recording` renders the WHOLE conversation once (non-thinking mode) and cuts it at
 every assistant turn: the turn's output runs from after the template's assistant opener to its
-end-of-turn token inclusive; everything else is prompt. Segments are tokenized separately, so
+end-of-turn token inclusive; everything else is prompt. A reply whose own text holds the
+end-of-turn marker (an agent quoting a chat template) is not a turn: the marker, tokenized as the
+special token it names, would end it early; its ids stay in the stream, as the history a later
+request re-sends. Segments are tokenized separately, so
 the token stream is append-only across turns (the history a later request re-sends is the same
 ids), which is what lets the study index a session once. The one exception is the template's
 empty ``<think></think>`` block that the non-thinking generation prompt appends: it is part of
@@ -15,6 +18,7 @@ turn ``i``'s prompt (``think_ids``) but not of the later history.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,7 +118,7 @@ def render_recording(session: dict, tokenizer: Any, mk: TemplateMarkers | None =
     if len(starts) != len(assistants):
         raise ValueError(f"found {len(starts)} assistant openers for {len(assistants)} replies")
     pieces: list[str] = []
-    outputs: list[tuple[str, list[str], int]] = []
+    outputs: list[tuple[str, list[str], int, bool]] = []  # (text, call names, message, a turn)
     prev = 0
     for s, (mi, msg) in zip(starts, assistants):
         if mk.think and text.startswith(mk.think, s):
@@ -125,7 +129,8 @@ def render_recording(session: dict, tokenizer: Any, mk: TemplateMarkers | None =
         e += len(mk.closer)
         pieces.append(text[prev:s])
         names = [c["function"]["name"] for c in msg.get("tool_calls") or []]
-        outputs.append((text[s:e], names, mi))
+        whole = mk.closer not in json.dumps(msg, ensure_ascii=False)
+        outputs.append((text[s:e], names, mi, whole))
         pieces.append(text[s:e])
         prev = e
     pieces.append(text[prev:])
@@ -134,8 +139,8 @@ def render_recording(session: dict, tokenizer: Any, mk: TemplateMarkers | None =
     tokens: list[int] = []
     turns: list[RenderedTurn] = []
     for j, enc in enumerate(encs):
-        if j % 2 == 1:
-            out_text, names, mi = outputs[j // 2]
+        if j % 2 == 1 and outputs[j // 2][3]:
+            out_text, names, mi, _ = outputs[j // 2]
             spans = _call_spans(out_text, names)
             labels = []
             for a, _ in enc.offsets:

@@ -92,6 +92,18 @@ def test_render_cuts_assistant_outputs_and_labels_tool_calls(tok):
     assert '"name": "read"' in tok.decode(r.tokens[:r.turns[0].start])  # the tools block
 
 
+def test_a_reply_quoting_the_end_of_turn_marker_is_not_cut_into_a_turn(tok):
+    session = _sessions()[0]
+    quoting = session["messages"][4]
+    quoting["content"] = "Qwen ends a turn with <|im_end|>; now the helper."
+    r = render_recording(session, tok, markers(tok))
+    # the marker inside the reply would end it early: that reply is not a turn, the others are
+    assert [t.message_index for t in r.turns] == [2, 6]
+    last = tok.decode(r.tokens[r.turns[1].start:r.turns[1].end])
+    assert last == "main() returns util.run(), which returns 42.<|im_end|>"
+    assert "now the helper." in tok.decode(r.tokens[r.turns[0].end:r.turns[1].start])
+
+
 def test_baseline_row_equals_from_scratch_reference(transcripts, tok):
     result = run_study(transcripts, "qwen3", ["ngram", "echo", "suffix", "all", "strict", "best"],
                        workers=1, progress=False)
