@@ -9,11 +9,11 @@ every assistant turn: the turn's output runs from after the template's assistant
 end-of-turn token inclusive; everything else is prompt. A reply whose own text holds the
 end-of-turn marker (an agent quoting a chat template) is not a turn: the marker, tokenized as the
 special token it names, would end it early; its ids stay in the stream, as the history a later
-request re-sends. Segments are tokenized separately, so
-the token stream is append-only across turns (the history a later request re-sends is the same
-ids), which is what lets the study index a session once. The one exception is the template's
-empty ``<think></think>`` block that the non-thinking generation prompt appends: it is part of
-turn ``i``'s prompt (``think_ids``) but not of the later history.
+request re-sends. Segments are tokenized separately, so the token stream is append-only across
+turns (the history a later request re-sends is the same ids), which is what lets the study index
+a session once. The one exception is the template's empty ``<think></think>`` block that the
+non-thinking generation prompt appends: it is part of turn ``i``'s prompt (``think_ids``) but not
+of the later history.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def render_recording(session: dict, tokenizer: Any, mk: TemplateMarkers | None =
     if len(starts) != len(assistants):
         raise ValueError(f"found {len(starts)} assistant openers for {len(assistants)} replies")
     pieces: list[str] = []
-    outputs: list[tuple[str, list[str], int, bool]] = []  # (text, call names, message, a turn)
+    outputs: list[tuple[str, list[str], int, bool]] = []  # text, call names, message index, whole
     prev = 0
     for s, (mi, msg) in zip(starts, assistants):
         if mk.think and text.startswith(mk.think, s):
@@ -129,7 +129,7 @@ def render_recording(session: dict, tokenizer: Any, mk: TemplateMarkers | None =
         e += len(mk.closer)
         pieces.append(text[prev:s])
         names = [c["function"]["name"] for c in msg.get("tool_calls") or []]
-        whole = mk.closer not in json.dumps(msg, ensure_ascii=False)
+        whole = mk.closer not in json.dumps(msg, ensure_ascii=False)  # ends at its own marker
         outputs.append((text[s:e], names, mi, whole))
         pieces.append(text[s:e])
         prev = e
