@@ -325,16 +325,24 @@ def offline_available(turn: ForcedTurn, proposals: Sequence[tuple[int, Sequence[
                                     params=SuffixParams(max_spec=ORACLE_SPAN)))
     for d in drafters:
         d.prefill(turn.prompt)
-    available = [0] * n
+    available = proposed_spans(out, proposals)
     for p in range(n - 1):
         for d in drafters:  # each keeps its own count of the shared index's fed ids
             ids = d.draft([out[p]], ORACLE_SPAN)
             available[p] = max(available[p], accepted_prefix(ids, out, p + 1))
-    for position, ids in proposals:
-        if 1 <= position < n:
-            available[position - 1] = max(available[position - 1],
-                                          accepted_prefix(ids, out, position))
     return available
+
+
+def proposed_spans(output: Sequence[int], proposals: Sequence[tuple[int, Sequence[int]]]
+                   ) -> list[int]:
+    """``spans[p]``: the longest prefix of ``output`` after slot ``p`` that a proposal made at
+    position ``p + 1`` (``proposals``: position and ids) had accepted; 0 where none was made."""
+    spans = [0] * len(output)
+    for position, ids in proposals:
+        if 1 <= position < len(output):
+            spans[position - 1] = max(spans[position - 1],
+                                      accepted_prefix(ids, output, position))
+    return spans
 
 
 def own_spans(turn: ForcedTurn, proposals: Sequence[tuple[int, Sequence[int]]],
@@ -345,13 +353,9 @@ def own_spans(turn: ForcedTurn, proposals: Sequence[tuple[int, Sequence[int]]],
     position, without a rejected row or a wasted round), and ``positions[p]``, the longest span
     any source offered there (``available``), only where the arm ran a round."""
     n = len(turn.output)
-    accepted, positions = [0] * n, [0] * n
-    for position, ids in proposals:
-        if 1 <= position < n:
-            accepted[position - 1] = max(accepted[position - 1],
-                                         accepted_prefix(ids, turn.output, position))
-            positions[position - 1] = available[position - 1]
-    return accepted, positions
+    drafted = {position - 1 for position, _ in proposals if 1 <= position < n}
+    positions = [available[p] if p in drafted else 0 for p in range(n)]
+    return proposed_spans(turn.output, proposals), positions
 
 
 # ----------------------------------------------------------------------------- run
