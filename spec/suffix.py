@@ -24,11 +24,13 @@ from __future__ import annotations
 from array import array
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from mlx_fill.core.index import EchoIndex, IndexedDraft
 
 _END_BITS = 32
+STORE_TOKENS = 2_000_000  # a cross-request store's default bound in ids (~0.3 GB per million)
+STORE_IDS_PER_RESPONSE = 200  # its bound in responses: one per this many ids of its bound
 
 
 @dataclass(frozen=True)
@@ -117,8 +119,9 @@ def speculate(cands: list[tuple[Sequence[int], int, int]], p: SuffixParams,
 
 
 class GlobalSuffixTree:
-    """Earlier responses across requests (server lifetime): bounded by ``max_responses`` and
-    ``max_tokens``, oldest response evicted first. Each response is stored with the last
+    """Earlier responses across requests (server lifetime): bounded by ``max_responses``
+    (default: one per :data:`STORE_IDS_PER_RESPONSE` ids of ``max_tokens``) and ``max_tokens``,
+    oldest response evicted first. Each response is stored with the last
     ``context_tokens`` ids of its prompt in front, so the opening of a reply has context.
 
     Responses grow incrementally (``open``/``extend``), each in its own document, so concurrent
@@ -126,8 +129,10 @@ class GlobalSuffixTree:
     dropped by compaction once they outnumber live ones (memory stays O(live tokens)).
     """
 
-    def __init__(self, *, max_responses: int = 10_000, max_tokens: int = 2_000_000,
+    def __init__(self, *, max_responses: int | None = None, max_tokens: int = STORE_TOKENS,
                  ks: Sequence[int] = (1, 2, 4, 8), context_tokens: int = 8):
+        if max_responses is None:
+            max_responses = max(1, max_tokens // STORE_IDS_PER_RESPONSE)
         self.max_responses = max_responses
         self.max_tokens = max_tokens
         self.ks = tuple(sorted(set(ks)))
@@ -141,6 +146,29 @@ class GlobalSuffixTree:
 
     def __len__(self) -> int:
         return self._tokens
+
+    @property
+    def next_doc(self) -> int:
+        """The id the next :meth:`open` returns (a mark for :meth:`forget_since`)."""
+        return self._next_id
+
+    def forget_since(self, mark: int) -> None:
+        """Drop every response opened since ``mark`` (a :attr:`next_doc` value): lookups then
+        find what they found at the mark, less any evicted since. Ids are never reused, so
+        the dropped responses' bucket entries are skipped until compaction removes them."""
+        for doc_id in [d for d in self.docs if d >= mark]:
+            self._drop(self.docs.pop(doc_id))
+        self._evict()
+
+    def seed(self, responses: Iterable[tuple[Sequence[int], Sequence[int]]]) -> None:
+        """Add finished responses, each ``(prompt ids before it, its ids)``, in order, as if
+        this server had served them (within its bounds: the oldest are evicted first)."""
+        for prompt, ids in responses:
+            self.extend(self.open(prompt), ids)
+
+    def _drop(self, doc: list[int]) -> None:
+        self._tokens -= len(doc)
+        self._dead += sum(max(0, len(doc) - k + 1) for k in self.ks)
 
     def open(self, prompt_tail: Sequence[int]) -> int:
         """Start a response document; returns its id."""
@@ -175,9 +203,7 @@ class GlobalSuffixTree:
         while self.docs and (len(self.docs) > self.max_responses or self._tokens > self.max_tokens):
             if len(self.docs) == 1:
                 break
-            _, doc = self.docs.popitem(last=False)
-            self._tokens -= len(doc)
-            self._dead += sum(max(0, len(doc) - k + 1) for k in self.ks)
+            self._drop(self.docs.popitem(last=False)[1])
         if self._dead > max(1024, self._entries - self._dead):
             self._compact()
 

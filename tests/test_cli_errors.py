@@ -71,6 +71,16 @@ def test_serve_bad_model_path(tmp_path, capsys):
     one_error_line(capsys, ["serve", "--model", str(tmp_path), "--draft-model", "./none"], "has no config.json")
 
 
+def test_serve_store_seed_errors(tmp_path, capsys):
+    """Said before the model loads."""
+    from mlx_fill.assets.fixtures import fixture_path
+    serve = ["serve", "--model", str(fixture_path("qwen3-json")), "--port", "0", "--fill", "all"]
+    one_error_line(capsys, [*serve, "--store-seed", str(tmp_path / "none.jsonl")], "cannot read transcripts")
+    (tmp_path / "bad.jsonl").write_text("not json\n")
+    one_error_line(capsys, [*serve, "--store-seed", str(tmp_path / "bad.jsonl")], "holds no session", "line 1")
+    one_error_line(capsys, [*serve, "--store-tokens", "0"], "--store-tokens: 0 is not at least 1")
+
+
 def test_study_missing_or_malformed_inputs(tmp_path, capsys):
     one_error_line(capsys, ["study", "--transcripts", str(tmp_path / "none.jsonl")], "no such file")
     one_error_line(capsys, ["study", "--family", "qwen4"], "invalid choice: 'qwen4'")

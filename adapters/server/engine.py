@@ -11,6 +11,7 @@ from typing import Any
 
 from mlx_fill.core.errors import UserError
 from mlx_fill.limits import DEFAULT_LIMITS, Limits, over_compile_budget
+from mlx_fill.spec.suffix import STORE_TOKENS
 from .openai_request import ChatRequest, RequestError, parse_chat_request
 from .output import OutputSplitter
 from .template_vars import tokenizer_template_variables
@@ -44,7 +45,8 @@ class Engine:
     def __init__(self, model_path: str, *, mode: str = "strict", draft_model: str | None = None,
                  prompt_cache_size: int = 8, max_tokens: int = DEFAULT_MAX_TOKENS,
                  limits: Limits = DEFAULT_LIMITS, prefill_step_size: int = DEFAULT_PREFILL_STEP,
-                 prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES, dtype: str | None = None):
+                 prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES, dtype: str | None = None,
+                 store_tokens: int = STORE_TOKENS, store_seed: list[dict] | None = None):
         from mlx_lm.models.cache import LRUPromptCache
 
         from mlx_fill.core.model_folder import load_model_folder
@@ -52,6 +54,9 @@ class Engine:
         from mlx_fill.session import check_env, check_mode
         self.model_path = model_path
         self.mode = check_mode(mode)
+        if store_seed and self.mode != "all":
+            raise UserError("--store-seed fills the cross-request store, which only --fill all "
+                            "drafts from; pass --fill all")
         check_env()
         from mlx_fill.core.resolve import prepare  # dispatch plans: qualified at start-up, not in a request
         self.model, self.tokenizer = load_model_folder(model_path)
@@ -89,9 +94,15 @@ class Engine:
             self.ledger = server_ledger(str(model_path), self.tokenizer)
         self.acceptance: dict = {}  # per-draft acceptance estimates, kept for the server's lifetime
         self.global_tree = None
+        self.seeded: tuple[int, int] = (0, 0)  # replies of ``store_seed`` stored, sessions not rendered
         if self.mode == "all":
+            from mlx_fill.evidence.transcripts import recorded_responses
             from mlx_fill.spec.suffix import GlobalSuffixTree
-            self.global_tree = GlobalSuffixTree()
+            self.global_tree = GlobalSuffixTree(max_tokens=store_tokens)
+            if store_seed:
+                responses, unrendered = recorded_responses(store_seed, self.tokenizer)
+                self.global_tree.seed(responses)
+                self.seeded = (len(responses), unrendered)
 
     def parse(self, body: Any) -> ChatRequest:
         """:func:`parse_chat_request` under this engine's limits and template variables."""

@@ -24,8 +24,8 @@ from typing import Any
 
 from .replay import _render_history, load_recordings, synthesize_tools
 
-__all__ = ["RenderedTurn", "RenderedSession", "TemplateMarkers", "markers", "render_recording",
-           "load_recordings"]
+__all__ = ["RenderedTurn", "RenderedSession", "TemplateMarkers", "markers", "recorded_responses",
+           "render_recording", "load_recordings"]
 
 TEXT_LABEL = "(text)"
 
@@ -150,3 +150,29 @@ def render_recording(session: dict, tokenizer: Any, mk: TemplateMarkers | None =
     think_ids = backend.encode(mk.think, add_special_tokens=False).ids if mk.think else []
     return RenderedSession(str(session.get("session_id", "")), str(session.get("source", "")),
                            tokens, turns, list(think_ids), origin, history, tools)
+
+
+# Prompt ids kept in front of a recorded response: more than a store keeps of its prompt
+# (:class:`~mlx_fill.spec.suffix.GlobalSuffixTree`'s ``context_tokens``).
+RESPONSE_CONTEXT = 64
+
+
+def recorded_responses(sessions: list[dict], tokenizer: Any
+                       ) -> tuple[list[tuple[list[int], list[int]]], int]:
+    """Every assistant reply of ``sessions`` rendered through ``tokenizer``'s template
+    (:func:`render_recording`), in order, as ``(the last RESPONSE_CONTEXT prompt ids before
+    it, its ids)``: what a server that had served these sessions would have stored. Returns
+    the pairs and how many sessions could not be rendered (skipped)."""
+    mk = markers(tokenizer)
+    out: list[tuple[list[int], list[int]]] = []
+    skipped = 0
+    for session in sessions:
+        try:
+            rendered = render_recording(session, tokenizer, mk)
+        except (ValueError, KeyError, TypeError):
+            skipped += 1
+            continue
+        tokens = rendered.tokens
+        out += [(tokens[max(0, t.start - RESPONSE_CONTEXT):t.start], tokens[t.start:t.end])
+                for t in rendered.turns]
+    return out, skipped

@@ -52,6 +52,7 @@ import argparse
 import copy
 import gzip
 import json
+import pickle
 import platform
 import statistics
 import sys
@@ -71,10 +72,10 @@ from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.proposal import FillSession, Pace
 from mlx_fill.core.resolve import plan_for
 from mlx_fill.evidence.replay import arguments_object, read_sessions
-from mlx_fill.evidence.transcripts import markers, render_recording
+from mlx_fill.evidence.transcripts import markers, recorded_responses, render_recording
 from mlx_fill.spec.base import DraftProposalSource
 from mlx_fill.spec.ngram import NgramDraft
-from mlx_fill.spec.suffix import GlobalSuffixTree, SuffixDraft, SuffixParams
+from mlx_fill.spec.suffix import STORE_TOKENS, GlobalSuffixTree, SuffixDraft, SuffixParams
 from mlx_fill.sources.echo import EchoDraft
 
 from .__main__ import forcing_processor, timed_decode
@@ -312,7 +313,7 @@ def offline_available(turn: ForcedTurn, proposals: Sequence[tuple[int, Sequence[
     output slot ``p``: the model-free drafts (echo, prompt lookup, suffix, and suffix over
     ``store``, the earlier turns' replies; ungated, up to :data:`ORACLE_SPAN`) on the recorded
     prefix through ``p``, and every proposal an arm made (strict's included) at ``p + 1``.
-    ``store`` is read from a copy."""
+    ``store`` is left as it was found."""
     out = turn.output
     n = len(out)
     index = EchoIndex()
@@ -320,9 +321,9 @@ def offline_available(turn: ForcedTurn, proposals: Sequence[tuple[int, Sequence[
                 NgramDraft(index, n_min=1, n_max=3, k=ORACLE_SPAN),
                 NgramDraft(index, n_min=1, n_max=2, k=ORACLE_SPAN, occurrence="first"),
                 SuffixDraft(index, params=SuffixParams(max_spec=ORACLE_SPAN))]
+    mark = store.next_doc if store is not None else 0
     if store is not None:
-        drafters.append(SuffixDraft(index, global_tree=copy.deepcopy(store),
-                                    params=SuffixParams(max_spec=ORACLE_SPAN)))
+        drafters.append(SuffixDraft(index, global_tree=store, params=SuffixParams(max_spec=ORACLE_SPAN)))
     for d in drafters:
         d.prefill(turn.prompt)
     available = proposed_spans(out, proposals)
@@ -330,6 +331,8 @@ def offline_available(turn: ForcedTurn, proposals: Sequence[tuple[int, Sequence[
         for d in drafters:  # each keeps its own count of the shared index's fed ids
             ids = d.draft([out[p]], ORACLE_SPAN)
             available[p] = max(available[p], accepted_prefix(ids, out, p + 1))
+    if store is not None:
+        store.forget_since(mark)
     return available
 
 
@@ -383,48 +386,60 @@ class Tally:
 
 def run(turns: list[ForcedTurn], *, model, tok, plan: DispatchPlan, repeats: int,
         projection: DispatchPlan | None, arms: Sequence[str] = ARMS,
-        cross_request: bool = True, progress=None) -> dict:
+        cross_request: bool = True, store: GlobalSuffixTree | None = None,
+        progress=None) -> dict:
     """Every arm on every turn; returns the tallies per group (source, ``overall``, and
     ``tool:<name>``) and whether every arm emitted exactly plain's ids. With ``cross_request``
     the arms in :data:`STORE_ARMS` keep a cross-request store of the earlier turns' replies, as
     a server serving the turns in this order does (each repeat of a turn starts from the store
-    as the turn found it, so no repeat reads its own reply), and so does the oracle."""
+    as the turn found it, so no repeat reads its own reply), and so does the oracle; each
+    starts as a copy of ``store`` (a server's store before the first turn; None: empty)."""
     from mlx_lm.models.cache import trim_prompt_cache
 
     from .__main__ import prefilled
 
     groups: dict[str, dict[str, Tally]] = defaultdict(lambda: {a: Tally() for a in [*arms, ORACLE]})
     learned: dict[str, dict] = {a: {} for a in arms}
-    stores = {a: GlobalSuffixTree() if cross_request and a in STORE_ARMS else None for a in arms}
-    history = GlobalSuffixTree() if cross_request else None  # the oracle's: the replies so far
+    def start_store() -> GlobalSuffixTree | None:
+        if not cross_request:
+            return None
+        return pickle.loads(pickle.dumps(store)) if store is not None else GlobalSuffixTree()
+
+    stores = {a: start_store() if a in STORE_ARMS else None for a in arms}
+    history = start_store()  # the oracle's: the replies so far
     identical = True
     for t_index, turn in enumerate(turns):
         cache = prefilled(model, turn.prompt)
         force = [forcing_processor(1, turn.output)]
         n = len(turn.output)
 
-        def run_arm(a: str, state: dict, store: GlobalSuffixTree | None
-                    ) -> tuple[list[int], float, FillSession | None, RoundLog | None]:
-            s = arm_session(a, turn, model=model, tok=tok, plan=plan, acceptance=state, store=store)
+        def run_arm(a: str, keep: bool
+                    ) -> tuple[list[int], float, FillSession | None, RoundLog | None, dict]:
+            """One decode of arm ``a`` from the state the turn found (its estimates copied, its
+            store marked); ``keep``: the store keeps this decode's reply, else it is forgotten."""
+            state, arm_store = copy.deepcopy(learned[a]), stores[a]
+            mark = arm_store.next_doc if arm_store is not None else 0
+            s = arm_session(a, turn, model=model, tok=tok, plan=plan, acceptance=state, store=arm_store)
             log = RoundLog(s) if s is not None else None
             ids, dt = timed_decode(turn.prompt[-1:], model, s, max_tokens=n, eos=frozenset(),
                                    processors=force, cache=cache)
             trim_prompt_cache(cache, cache[0].offset - (len(turn.prompt) - 1))
-            return ids, dt, s, log
+            if arm_store is not None and not keep:
+                arm_store.forget_since(mark)
+            return ids, dt, s, log, state
 
-        run_arm(arms[0], *copy.deepcopy((learned[arms[0]], stores[arms[0]])))  # the first decode after a prefill is slower
+        run_arm(arms[0], keep=False)  # the first decode after a prefill is slower
         times: dict[str, list[float]] = {a: [] for a in arms}
         last: dict[str, tuple] = {}
         for r in range(repeats):
             shift = (t_index + r) % len(arms)
-            for a in [*arms[shift:], *arms[:shift]]:
-                state, store = copy.deepcopy((learned[a], stores[a]))  # every repeat decides as the first did
-                ids, dt, s, log = run_arm(a, state, store)
+            for a in [*arms[shift:], *arms[:shift]]:  # every repeat decides as the first did
+                ids, dt, s, log, state = run_arm(a, keep=r == repeats - 1)
                 times[a].append(dt)
-                last[a] = (ids, s, log, (state, store))
+                last[a] = (ids, s, log, state)
         proposals = []
         for a in arms:
-            ids, s, log, (learned[a], stores[a]) = last[a]
+            ids, s, log, learned[a] = last[a]
             if log is not None:
                 proposals += log.proposed
         available = offline_available(turn, proposals, history)
@@ -623,6 +638,11 @@ def main(argv: list[str] | None = None) -> int:
                          "such hardware would qualify), priced on it")
     ap.add_argument("--no-cross-request", action="store_true",
                     help="no store of earlier replies: each turn as a freshly started server's first")
+    ap.add_argument("--store-seed", type=Path, default=None,
+                    help="a transcripts file whose replies fill the cross-request store before the "
+                         "first turn (a server that served those sessions)")
+    ap.add_argument("--store-tokens", type=positive_int, default=STORE_TOKENS,
+                    help=f"the cross-request store's bound in ids (default {STORE_TOKENS:,})")
     ap.add_argument("--json", type=output_file, default=None)
 
     def fail(msg: str) -> int:
@@ -641,18 +661,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.decide_on_curve and (projection is None or not args.surrogate):
         return fail("--decide-on-curve needs --curve and --surrogate (a wall time is this "
                     "machine's, whatever the curve)")
-    if args.transcripts is not None:
-        if not args.transcripts.is_file():
-            return fail(f"no transcripts file {args.transcripts}")
-        try:
-            sessions, corrupt = read_sessions(args.transcripts)
-        except UserError as e:
-            return fail(str(e))
+    if args.store_seed is not None and args.no_cross_request:
+        return fail("--store-seed fills the cross-request store; drop --no-cross-request")
+
+    def sessions_of(path: Path) -> list[dict]:
+        if not path.is_file():
+            raise UserError(f"no transcripts file {path}")
+        sessions, corrupt = read_sessions(path)
         if corrupt:
-            print(f"forced: skipped {len(corrupt)} corrupt lines (line {corrupt[0].line}: "
-                  f"{corrupt[0].reason})", file=sys.stderr)
-    else:
-        sessions = default_sessions()
+            print(f"forced: {path}: skipped {len(corrupt)} corrupt lines (line "
+                  f"{corrupt[0].line}: {corrupt[0].reason})", file=sys.stderr)
+        return sessions
+
+    try:
+        sessions = sessions_of(args.transcripts) if args.transcripts is not None else default_sessions()
+        seed_sessions = sessions_of(args.store_seed) if args.store_seed is not None else []
+    except UserError as e:
+        return fail(str(e))
     try:
         model, tok, model_dir = load_model(args.model, None if args.dtype == "none" else args.dtype)
     except UserError as e:
@@ -670,6 +695,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"forced: {k} sessions not rendered ({reason})", file=sys.stderr)
     if not turns:
         return fail("no assistant turn to replay")
+    store = GlobalSuffixTree(max_tokens=args.store_tokens)
+    if seed_sessions:
+        responses, unrendered = recorded_responses(seed_sessions, tok)
+        store.seed(responses)
+        print(f"forced: store seeded from {args.store_seed}: {len(responses)} replies, "
+              f"{len(store.docs)} kept ({len(store):,} ids), {unrendered} sessions not rendered",
+              file=sys.stderr)
     print(f"forced replay: {len(turns)} turns, {sum(len(t.output) for t in turns)} recorded ids, "
           f"model {model_dir}, plan max_chunk {plan.max_chunk} overhead {plan.round_overhead}",
           file=sys.stderr)
@@ -694,6 +726,8 @@ def main(argv: list[str] | None = None) -> int:
             "max_context": args.max_context, "surrogate": args.surrogate,
             "decided_on_curve": args.decide_on_curve, "cross_request": not args.no_cross_request,
             "transcripts": str(args.transcripts) if args.transcripts else "held-back split",
+            "store_seed": str(args.store_seed) if args.store_seed else None,
+            "store_tokens": args.store_tokens,
             "plan": {"cost": plan.cost, "max_chunk": plan.max_chunk,
                      "round_overhead": plan.round_overhead},
             "machine": f"{platform.machine()} {platform.system()}, mlx {mx.__version__}",
@@ -710,7 +744,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result = run(turns, model=model, tok=tok, plan=plan, repeats=args.repeats,
                  projection=projection, arms=arms, cross_request=not args.no_cross_request,
-                 progress=progress)
+                 store=store, progress=progress)
     report = finish(result, len(turns))
     print_tables(report, arms)
     return 0 if report["identical"] else 1

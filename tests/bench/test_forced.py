@@ -179,6 +179,38 @@ def test_a_store_of_earlier_replies_serves_a_later_turn_never_the_turns_own_repe
     assert fresh[0] == fresh[1] == first, fresh  # the second repeat read no reply of its turn
 
 
+def test_a_seeded_store_serves_the_first_turn_and_every_repeat_starts_from_it(two_sessions, capsys):
+    """A store seeded with the sessions' own replies (a server that served them) holds the
+    turn's reply: the first turn already costs ``peer-suffix`` and the oracle less than from an
+    empty store; repeats read no reply of their own turn; the caller's store is not changed."""
+    from mlx_fill.assets.fixtures import fixture_path
+    from mlx_fill.evidence.replay import load_recordings
+    from mlx_fill.evidence.transcripts import recorded_responses
+    model, tok, _ = forced.load_model(str(fixture_path("qwen3-json")), None)
+    sessions, _ = load_recordings(two_sessions)
+    turns, _ = forced.forced_turns(tok, sessions, per_source=1, max_tokens=12, max_context=384)
+    turn = next(t for t in turns if t.transcript_source == "aider_examples")
+    plan = forced.plan_for(model)
+    seeded = forced.GlobalSuffixTree()
+    seeded.seed(recorded_responses(sessions, tok)[0])
+    size = (len(seeded), seeded.next_doc)
+
+    def cost(repeats: int, store) -> tuple[float, float, bool]:
+        r = forced.run([turn], model=model, tok=tok, plan=plan, repeats=repeats, projection=None,
+                       arms=("plain", "peer-suffix"), store=store)
+        g = r["groups"]["overall"]
+        return g["peer-suffix"].forwards, g["oracle"].priced, r["identical"]
+
+    empty, warm = cost(1, None), cost(1, seeded)
+    assert warm[0] < empty[0] and warm[1] < empty[1] and warm[2] and empty[2], (empty, warm)
+    assert cost(2, seeded) == warm and (len(seeded), seeded.next_doc) == size
+    assert forced.main(["--store-seed", str(two_sessions) + ".missing", "--surrogate"]) == 2
+    assert forced.main(["--store-seed", str(two_sessions), "--no-cross-request"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"forced: no transcripts file {two_sessions}.missing",
+                   "forced: --store-seed fills the cross-request store; drop --no-cross-request"]
+
+
 FILE = 'def area(r):\n    return 3.14 * r * r\n\n\nprint("area", area(2))\n'
 
 

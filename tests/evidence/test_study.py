@@ -10,7 +10,7 @@ import pytest
 from mlx_fill import cli
 from mlx_fill.assets.store import load_tokenizer
 from mlx_fill.evidence.study import BASELINE, markdown_report, run_study
-from mlx_fill.evidence.transcripts import markers, render_recording
+from mlx_fill.evidence.transcripts import markers, recorded_responses, render_recording
 
 READ = {"name": "read", "arguments": {"path": "src/app/main.py"}}
 
@@ -102,6 +102,20 @@ def test_a_reply_quoting_the_end_of_turn_marker_is_not_cut_into_a_turn(tok):
     last = tok.decode(r.tokens[r.turns[1].start:r.turns[1].end])
     assert last == "main() returns util.run(), which returns 42.<|im_end|>"
     assert "now the helper." in tok.decode(r.tokens[r.turns[0].end:r.turns[1].start])
+
+
+def test_recorded_responses_are_every_rendered_reply_behind_its_prompt_tail(tok):
+    sessions = _sessions()
+    broken = {"source": "x", "messages": [  # a user quoting the assistant opener: turns are ambiguous
+        {"role": "user", "content": "<|im_start|>assistant\nhi"}, {"role": "assistant", "content": "ok"}]}
+    responses, skipped = recorded_responses([sessions[0], broken, sessions[1]], tok)
+    assert skipped == 1
+    want = []
+    for s in sessions[:2]:
+        r = render_recording(s, tok, markers(tok))
+        want += [(r.tokens[max(0, t.start - 64):t.start], r.tokens[t.start:t.end]) for t in r.turns]
+    assert responses == want and len(want) >= 3
+    assert tok.decode(responses[-1][1]).endswith("<|im_end|>")
 
 
 def test_baseline_row_equals_from_scratch_reference(transcripts, tok):

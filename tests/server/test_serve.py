@@ -23,6 +23,8 @@ from adapter_models import (
     wait_ready,
 )
 
+from mlx_fill.assets.checkout import TRANSCRIPTS
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
@@ -254,6 +256,30 @@ def test_engine_keeps_a_persisted_evidence_ledger(tmp_path, monkeypatch):
     assert path.is_file() and path.parent == tmp_path / "ledger"
     assert json.loads(path.read_text())["model"] == str(model)
     assert Engine(str(model), mode="off").ledger is None
+
+
+def test_a_store_seed_fills_the_all_engines_store_and_is_refused_without_it():
+    """``--store-seed``: the replies of the recorded sessions, rendered through the model's
+    template, are in the store before the first request; every reply is kept within the
+    bound, the oldest evicted past it; a mode that drafts from no store refuses a seed."""
+    from mlx_fill.adapters.server.serve import Engine
+    from mlx_fill.core.errors import UserError
+    from mlx_fill.evidence.replay import load_recordings
+    from mlx_fill.evidence.transcripts import recorded_responses
+
+    model, _ = serving_model_dir()
+    sessions = load_recordings(TRANSCRIPTS)[0][:3]
+    engine = Engine(str(model), mode="all", store_seed=sessions)
+    responses, unrendered = recorded_responses(sessions, engine.tokenizer)
+    assert engine.seeded == (len(responses), unrendered) and len(responses) > 3
+    tree = engine.global_tree
+    assert [doc[-len(ids):] for doc, (_, ids) in zip(tree.docs.values(), responses)] == [
+        list(ids) for _, ids in responses]
+    small = Engine(str(model), mode="all", store_seed=sessions, store_tokens=400).global_tree
+    assert len(small) <= 400 + max(len(d) for d in small.docs.values())
+    assert list(small.docs.values())[-1] == list(tree.docs.values())[-1]  # the newest kept
+    with pytest.raises(UserError, match="pass --fill all"):
+        Engine(str(model), mode="echo", store_seed=sessions)
 
 
 def test_dtype_cast_engine_generates_on_its_worker_thread():

@@ -84,3 +84,36 @@ def test_request_tree_draft_and_confidence_key():
     d.prefill([1, 2, 3, 4, 5, 1, 2, 3])
     assert d.draft([], 5)[:2] == [4, 5]
     assert d.last.store == "request" and d.confidence()[0] == "request"
+
+
+def test_a_seeded_store_predicts_a_served_reply_opening():
+    g = GlobalSuffixTree(ks=(1, 2, 4, 8), context_tokens=4)
+    g.seed([([100, 101, 102, 103], [5, 6, 7, 8, 9, 10]), ([1, 2], [3, 4])])
+    assert len(g.docs) == 2 and len(g) == 4 + 6 + 2 + 2  # each reply behind its prompt's tail
+    d = SuffixDraft(EchoIndex(), global_tree=g, params=SuffixParams(alpha=4.0))
+    d.prefill([1, 2, 100, 101, 102, 103])
+    assert d.draft([], 8)[:4] == [5, 6, 7, 8] and d.last.store == "global"
+    bounded = GlobalSuffixTree(max_tokens=8, ks=(1, 2), context_tokens=0)
+    bounded.seed([([], [1, 2, 3, 4, 5]), ([], [6, 7, 8, 9, 10])])
+    assert [list(doc) for doc in bounded.docs.values()] == [[6, 7, 8, 9, 10]]  # the oldest evicted
+
+
+def test_forgetting_since_a_mark_restores_what_lookups_find():
+    g = GlobalSuffixTree(ks=(1, 2), context_tokens=0)
+    g.seed([([], [1, 2, 3])])
+    p = SuffixParams(global_anchors=(2, 1))
+    before = g.candidates([9, 1, 2], exclude=0, p=p)
+    tokens, mark = len(g), g.next_doc
+    for _ in range(3):
+        d = g.open([])
+        g.extend(d, [1, 2, 4, 1, 2, 5])
+    assert len(g.candidates([9, 1, 2], exclude=0, p=p)) > len(before)
+    g.forget_since(mark)
+    assert g.candidates([9, 1, 2], exclude=0, p=p) == before and len(g) == tokens
+    assert g.open([]) > mark + 2  # ids are not reused: a forgotten response's entries stay dead
+    many = GlobalSuffixTree(ks=(1, 2), context_tokens=0)
+    for _ in range(300):  # forgotten entries are compacted away once they outnumber live ones
+        m = many.next_doc
+        many.extend(many.open([]), list(range(10)))
+        many.forget_since(m)
+    assert many._entries < 2 * 1024 + 20 and len(many) == 0
