@@ -23,7 +23,8 @@ as Arctic Inference ships it: ``max_spec_factor = 1`` times the match length, ``
 store of earlier responses). As a server serving the turns in this order, ``suffix``, ``all``
 and ``peer-suffix`` keep a store of the earlier turns' replies (each repeat of a turn starts from
 the store as the turn found it, so no repeat reads its own reply; ``--no-cross-request``: every
-turn as a freshly started server's first). On request (``--arms``),
+turn as a freshly started server's first; ``--store-seed FILE``: the store starts with FILE's
+replies, as a server that served those sessions). On request (``--arms``),
 ``prediction``: ``all`` with OpenAI's ``prediction`` set to the file the reply rewrites as a read
 tool last returned it (:func:`rewritten_file`; ``--rewrites`` replays only such turns; elsewhere
 it is ``all``). ``oracle`` is the bound
