@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "fixture": ("mlx_fill.assets.fixtures", "print the path of a loadable fixture model directory"),
     "assets": ("mlx_fill.assets.store", "resolve or fetch tokenizer/template assets"),
     "audit": ("mlx_fill.evidence.audit", "compile strict rows for tools and audit them on a corpus"),
-    "serve": ("mlx_fill.adapters.server.serve", "OpenAI-compatible endpoint with fill"),
+    "serve": ("mlx_fill.serve_cli", "OpenAI-compatible endpoint with fill"),
     "study": ("mlx_fill.evidence.study", "model-free corpus study of proposal sources"),
     "replay": ("mlx_fill.evidence.replay", "replay agent sessions against an OpenAI endpoint"),
     "ab": ("mlx_fill.evidence.replay", "paired A/B replay: a reference endpoint against one or more candidates"),

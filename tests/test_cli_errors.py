@@ -79,6 +79,7 @@ def test_serve_store_seed_errors(tmp_path, capsys):
     (tmp_path / "bad.jsonl").write_text("not json\n")
     one_error_line(capsys, [*serve, "--store-seed", str(tmp_path / "bad.jsonl")], "holds no session", "line 1")
     one_error_line(capsys, [*serve, "--store-tokens", "0"], "--store-tokens: 0 is not at least 1")
+    one_error_line(capsys, [*serve[:-2], "--store-seed", str(tmp_path / "bad.jsonl")], "pass --fill all")
 
 
 def test_study_missing_or_malformed_inputs(tmp_path, capsys):

@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("mlx_fill.spec",),  # the speculative roster
     ("mlx_fill.session",),
     ("mlx_fill.adapters", "mlx_fill.evidence"),
-    ("mlx_fill.cli",),  # the command
+    ("mlx_fill.cli", "mlx_fill.serve_cli"),  # the commands
 )
 
 

@@ -18,6 +18,11 @@ from .template_vars import tokenizer_template_variables
 
 
 DEFAULT_MAX_TOKENS = 512
+# What a store is seeded with: the finished responses, each (prompt ids before it, its ids), and
+# how many recorded sessions could not be rendered into any.
+StoreSeed = tuple[list[tuple[list[int], list[int]]], int]
+STORE_SEED_NEEDS_ALL = ("--store-seed fills the cross-request store, which only --fill all drafts "
+                        "from; pass --fill all")
 DEFAULT_PREFILL_STEP = 2048
 DEFAULT_PROMPT_CACHE_BYTES = 8 << 30
 
@@ -40,13 +45,16 @@ class Outcome:
 
 class Engine:
     """The model, its tokenizer, the prompt cache and the fill configuration. Not thread-safe:
-    :class:`App` calls it from one worker thread only."""
+    :class:`App` calls it from one worker thread only. With ``mode="all"`` the suffix source
+    drafts from a cross-request store bounded by ``store_tokens`` ids, which ``store_seed``
+    (called once with the tokenizer; refused in other modes) fills at start."""
 
     def __init__(self, model_path: str, *, mode: str = "strict", draft_model: str | None = None,
                  prompt_cache_size: int = 8, max_tokens: int = DEFAULT_MAX_TOKENS,
                  limits: Limits = DEFAULT_LIMITS, prefill_step_size: int = DEFAULT_PREFILL_STEP,
                  prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES, dtype: str | None = None,
-                 store_tokens: int = STORE_TOKENS, store_seed: list[dict] | None = None):
+                 store_tokens: int = STORE_TOKENS,
+                 store_seed: Callable[[Any], StoreSeed] | None = None):
         from mlx_lm.models.cache import LRUPromptCache
 
         from mlx_fill.core.model_folder import load_model_folder
@@ -54,9 +62,8 @@ class Engine:
         from mlx_fill.session import check_env, check_mode
         self.model_path = model_path
         self.mode = check_mode(mode)
-        if store_seed and self.mode != "all":
-            raise UserError("--store-seed fills the cross-request store, which only --fill all "
-                            "drafts from; pass --fill all")
+        if store_seed is not None and self.mode != "all":
+            raise UserError(STORE_SEED_NEEDS_ALL)
         check_env()
         from mlx_fill.core.resolve import prepare  # dispatch plans: qualified at start-up, not in a request
         self.model, self.tokenizer = load_model_folder(model_path)
@@ -96,11 +103,10 @@ class Engine:
         self.global_tree = None
         self.seeded: tuple[int, int] = (0, 0)  # replies of ``store_seed`` stored, sessions not rendered
         if self.mode == "all":
-            from mlx_fill.evidence.transcripts import recorded_responses
             from mlx_fill.spec.suffix import GlobalSuffixTree
             self.global_tree = GlobalSuffixTree(max_tokens=store_tokens)
-            if store_seed:
-                responses, unrendered = recorded_responses(store_seed, self.tokenizer)
+            if store_seed is not None:
+                responses, unrendered = store_seed(self.tokenizer)
                 self.global_tree.seed(responses)
                 self.seeded = (len(responses), unrendered)
 

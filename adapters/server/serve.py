@@ -10,14 +10,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from pathlib import Path
+from typing import Any
+from collections.abc import Callable
 
 from mlx_fill.core.errors import UserError, model_ref, positive_int
-from mlx_fill.evidence.replay import read_sessions
 from mlx_fill.limits import Limits
 from mlx_fill.spec.suffix import STORE_TOKENS
 from .app import create_app
-from .engine import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP, DEFAULT_PROMPT_CACHE_BYTES, Engine
+from .engine import (DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP, DEFAULT_PROMPT_CACHE_BYTES, Engine,
+                     StoreSeed)
 
 __all__ = ["Engine", "add_arguments", "check_listen", "create_app", "limits_from", "run"]
 
@@ -43,11 +44,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-step-size", type=positive_int, default=DEFAULT_PREFILL_STEP,
                         help="prompt tokens per prefill chunk (a cancelled request stops "
                              "between chunks)")
-    parser.add_argument("--store-seed", type=Path, default=None,
-                        help="with --fill all: a transcripts file (JSONL, gzip or plain; the "
-                             "repository's format or OpenAI chat messages) whose assistant replies, "
-                             "rendered through the model's template, fill the cross-request store "
-                             "at start, as if this server had served those sessions")
     parser.add_argument("--store-tokens", type=positive_int, default=STORE_TOKENS,
                         help=f"the cross-request store's bound in ids, oldest replies evicted "
                              f"first (default {STORE_TOKENS:,}; about 0.3 GB per million)")
@@ -81,7 +77,10 @@ def check_listen(host: str, port: int) -> None:
                         f"--host") from err
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, store_seed: Callable[[Any], StoreSeed] | None = None,
+        seed_name: str = "") -> int:
+    """Serve until stopped. ``store_seed``: what :class:`Engine` seeds its store with
+    (``seed_name`` names it in the start-up line)."""
     import uvicorn
     try:
         limits = limits_from(args)
@@ -91,21 +90,15 @@ def run(args: argparse.Namespace) -> int:
     if args.max_tokens > limits.max_tokens_ceiling:
         raise UserError(f"--max-tokens {args.max_tokens} is above --max-tokens-ceiling "
                         f"{limits.max_tokens_ceiling}; lower it or raise the ceiling")
-    seed = None
-    if args.store_seed is not None:
-        seed, corrupt = read_sessions(args.store_seed)
-        if corrupt:
-            print(f"mlx-fill serve: {args.store_seed}: skipped {len(corrupt)} corrupt lines "
-                  f"(line {corrupt[0].line}: {corrupt[0].reason})", file=sys.stderr)
     engine = Engine(args.model, mode=args.fill, draft_model=args.draft_model,
                     prompt_cache_size=args.prompt_cache_size, max_tokens=args.max_tokens,
                     limits=limits, prefill_step_size=args.prefill_step_size,
                     prompt_cache_bytes=args.prompt_cache_bytes, dtype=args.dtype,
-                    store_tokens=args.store_tokens, store_seed=seed)
-    if seed is not None:
+                    store_tokens=args.store_tokens, store_seed=store_seed)
+    if store_seed is not None:
         stored, unrendered = engine.seeded
         tree = engine.global_tree
-        print(f"mlx-fill serve: store seeded from {args.store_seed}: {stored} replies, "
+        print(f"mlx-fill serve: store seeded from {seed_name}: {stored} replies, "
               f"{len(tree.docs)} kept ({len(tree):,} ids), {unrendered} sessions not rendered",
               file=sys.stderr)
     uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level=args.log_level,

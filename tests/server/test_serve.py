@@ -269,17 +269,18 @@ def test_a_store_seed_fills_the_all_engines_store_and_is_refused_without_it():
 
     model, _ = serving_model_dir()
     sessions = load_recordings(TRANSCRIPTS)[0][:3]
-    engine = Engine(str(model), mode="all", store_seed=sessions)
-    responses, unrendered = recorded_responses(sessions, engine.tokenizer)
+    seed = lambda tokenizer: recorded_responses(sessions, tokenizer)  # noqa: E731
+    engine = Engine(str(model), mode="all", store_seed=seed)
+    responses, unrendered = seed(engine.tokenizer)
     assert engine.seeded == (len(responses), unrendered) and len(responses) > 3
     tree = engine.global_tree
     assert [doc[-len(ids):] for doc, (_, ids) in zip(tree.docs.values(), responses)] == [
         list(ids) for _, ids in responses]
-    small = Engine(str(model), mode="all", store_seed=sessions, store_tokens=400).global_tree
+    small = Engine(str(model), mode="all", store_seed=seed, store_tokens=400).global_tree
     assert len(small) <= 400 + max(len(d) for d in small.docs.values())
     assert list(small.docs.values())[-1] == list(tree.docs.values())[-1]  # the newest kept
     with pytest.raises(UserError, match="pass --fill all"):
-        Engine(str(model), mode="echo", store_seed=sessions)
+        Engine(str(model), mode="echo", store_seed=seed)
 
 
 def test_dtype_cast_engine_generates_on_its_worker_thread():
