@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from typing import Any
 from collections.abc import Callable
+from typing import Any
 
 from mlx_fill.core.errors import UserError, model_ref, positive_int
 from mlx_fill.limits import Limits
