@@ -12,7 +12,7 @@ from mlx_fill.adapters.server import serve
 from mlx_fill.adapters.server.engine import STORE_SEED_NEEDS_ALL
 from mlx_fill.core.errors import UserError
 from mlx_fill.evidence.replay import read_sessions
-from mlx_fill.evidence.transcripts import recorded_responses
+from mlx_fill.evidence.transcripts import seed_store
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,5 +33,8 @@ def run(args: argparse.Namespace) -> int:
     if corrupt:
         print(f"mlx-fill serve: {args.store_seed}: skipped {len(corrupt)} corrupt lines "
               f"(line {corrupt[0].line}: {corrupt[0].reason})", file=sys.stderr)
-    return serve.run(args, store_seed=lambda tokenizer: recorded_responses(sessions, tokenizer),
-                     seed_name=str(args.store_seed))
+
+    def seed(tokenizer, store) -> None:
+        line = seed_store(store, sessions, tokenizer)
+        print(f"mlx-fill serve: store seeded from {args.store_seed}: {line}", file=sys.stderr)
+    return serve.run(args, store_seed=seed)

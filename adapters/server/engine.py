@@ -18,9 +18,6 @@ from .template_vars import tokenizer_template_variables
 
 
 DEFAULT_MAX_TOKENS = 512
-# What a store is seeded with: the finished responses, each (prompt ids before it, its ids), and
-# how many recorded sessions could not be rendered into any.
-StoreSeed = tuple[list[tuple[list[int], list[int]]], int]
 STORE_SEED_NEEDS_ALL = ("--store-seed fills the cross-request store, which only --fill all drafts "
                         "from; pass --fill all")
 DEFAULT_PREFILL_STEP = 2048
@@ -47,14 +44,15 @@ class Engine:
     """The model, its tokenizer, the prompt cache and the fill configuration. Not thread-safe:
     :class:`App` calls it from one worker thread only. With ``mode="all"`` the suffix source
     drafts from a cross-request store bounded by ``store_tokens`` ids, which ``store_seed``
-    (called once with the tokenizer; refused in other modes) fills at start."""
+    (called once with the tokenizer and the empty store; refused in other modes) fills at
+    start."""
 
     def __init__(self, model_path: str, *, mode: str = "strict", draft_model: str | None = None,
                  prompt_cache_size: int = 8, max_tokens: int = DEFAULT_MAX_TOKENS,
                  limits: Limits = DEFAULT_LIMITS, prefill_step_size: int = DEFAULT_PREFILL_STEP,
                  prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES, dtype: str | None = None,
                  store_tokens: int = STORE_TOKENS,
-                 store_seed: Callable[[Any], StoreSeed] | None = None):
+                 store_seed: Callable[[Any, Any], None] | None = None):
         from mlx_lm.models.cache import LRUPromptCache
 
         from mlx_fill.core.model_folder import load_model_folder
@@ -101,14 +99,11 @@ class Engine:
             self.ledger = server_ledger(str(model_path), self.tokenizer)
         self.acceptance: dict = {}  # per-draft acceptance estimates, kept for the server's lifetime
         self.global_tree = None
-        self.seeded: tuple[int, int] = (0, 0)  # replies of ``store_seed`` stored, sessions not rendered
         if self.mode == "all":
             from mlx_fill.spec.suffix import GlobalSuffixTree
             self.global_tree = GlobalSuffixTree(max_tokens=store_tokens)
             if store_seed is not None:
-                responses, unrendered = store_seed(self.tokenizer)
-                self.global_tree.seed(responses)
-                self.seeded = (len(responses), unrendered)
+                store_seed(self.tokenizer, self.global_tree)
 
     def parse(self, body: Any) -> ChatRequest:
         """:func:`parse_chat_request` under this engine's limits and template variables."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -17,8 +16,7 @@ from mlx_fill.core.errors import UserError, model_ref, positive_int
 from mlx_fill.limits import Limits
 from mlx_fill.spec.suffix import STORE_TOKENS
 from .app import create_app
-from .engine import (DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP, DEFAULT_PROMPT_CACHE_BYTES, Engine,
-                     StoreSeed)
+from .engine import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP, DEFAULT_PROMPT_CACHE_BYTES, Engine
 
 __all__ = ["Engine", "add_arguments", "check_listen", "create_app", "limits_from", "run"]
 
@@ -77,10 +75,8 @@ def check_listen(host: str, port: int) -> None:
                         f"--host") from err
 
 
-def run(args: argparse.Namespace, store_seed: Callable[[Any], StoreSeed] | None = None,
-        seed_name: str = "") -> int:
-    """Serve until stopped. ``store_seed``: what :class:`Engine` seeds its store with
-    (``seed_name`` names it in the start-up line)."""
+def run(args: argparse.Namespace, store_seed: Callable[[Any, Any], None] | None = None) -> int:
+    """Serve until stopped. ``store_seed``: fills :class:`Engine`'s store at start."""
     import uvicorn
     try:
         limits = limits_from(args)
@@ -95,12 +91,6 @@ def run(args: argparse.Namespace, store_seed: Callable[[Any], StoreSeed] | None 
                     limits=limits, prefill_step_size=args.prefill_step_size,
                     prompt_cache_bytes=args.prompt_cache_bytes, dtype=args.dtype,
                     store_tokens=args.store_tokens, store_seed=store_seed)
-    if store_seed is not None:
-        stored, unrendered = engine.seeded
-        tree = engine.global_tree
-        print(f"mlx-fill serve: store seeded from {seed_name}: {stored} replies, "
-              f"{len(tree.docs)} kept ({len(tree):,} ids), {unrendered} sessions not rendered",
-              file=sys.stderr)
     uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=limits.shutdown_grace_s)
     return 0

@@ -25,7 +25,7 @@ from typing import Any
 from .replay import _render_history, load_recordings, synthesize_tools
 
 __all__ = ["RenderedTurn", "RenderedSession", "TemplateMarkers", "markers", "recorded_responses",
-           "render_recording", "load_recordings"]
+           "render_recording", "load_recordings", "seed_store"]
 
 TEXT_LABEL = "(text)"
 
@@ -176,3 +176,14 @@ def recorded_responses(sessions: list[dict], tokenizer: Any
         out += [(tokens[max(0, t.start - RESPONSE_CONTEXT):t.start], tokens[t.start:t.end])
                 for t in rendered.turns]
     return out, skipped
+
+
+def seed_store(store: Any, sessions: list[dict], tokenizer: Any) -> str:
+    """Fill ``store`` (a :class:`~mlx_fill.spec.suffix.GlobalSuffixTree`) with the replies of
+    ``sessions`` (:func:`recorded_responses`), as a server that served them; returns a line
+    saying how many were stored, how many its bounds kept, and how many sessions could not be
+    rendered."""
+    responses, unrendered = recorded_responses(sessions, tokenizer)
+    store.seed(responses)
+    return (f"{len(responses)} replies stored, {len(store.docs)} kept ({len(store):,} ids), "
+            f"{unrendered} sessions not rendered")

@@ -73,7 +73,7 @@ from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.proposal import FillSession, Pace
 from mlx_fill.core.resolve import plan_for
 from mlx_fill.evidence.replay import arguments_object, read_sessions
-from mlx_fill.evidence.transcripts import markers, recorded_responses, render_recording
+from mlx_fill.evidence.transcripts import markers, render_recording, seed_store
 from mlx_fill.spec.base import DraftProposalSource
 from mlx_fill.spec.ngram import NgramDraft
 from mlx_fill.spec.suffix import STORE_TOKENS, GlobalSuffixTree, SuffixDraft, SuffixParams
@@ -322,8 +322,8 @@ def offline_available(turn: ForcedTurn, proposals: Sequence[tuple[int, Sequence[
                 NgramDraft(index, n_min=1, n_max=3, k=ORACLE_SPAN),
                 NgramDraft(index, n_min=1, n_max=2, k=ORACLE_SPAN, occurrence="first"),
                 SuffixDraft(index, params=SuffixParams(max_spec=ORACLE_SPAN))]
-    mark = store.next_doc if store is not None else 0
     if store is not None:
+        mark = store.next_doc  # what this turn's drafts add is forgotten at the end
         drafters.append(SuffixDraft(index, global_tree=store, params=SuffixParams(max_spec=ORACLE_SPAN)))
     for d in drafters:
         d.prefill(turn.prompt)
@@ -698,11 +698,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail("no assistant turn to replay")
     store = GlobalSuffixTree(max_tokens=args.store_tokens)
     if seed_sessions:
-        responses, unrendered = recorded_responses(seed_sessions, tok)
-        store.seed(responses)
-        print(f"forced: store seeded from {args.store_seed}: {len(responses)} replies, "
-              f"{len(store.docs)} kept ({len(store):,} ids), {unrendered} sessions not rendered",
-              file=sys.stderr)
+        print(f"forced: store seeded from {args.store_seed}: "
+              f"{seed_store(store, seed_sessions, tok)}", file=sys.stderr)
     print(f"forced replay: {len(turns)} turns, {sum(len(t.output) for t in turns)} recorded ids, "
           f"model {model_dir}, plan max_chunk {plan.max_chunk} overhead {plan.round_overhead}",
           file=sys.stderr)

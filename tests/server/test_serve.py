@@ -265,15 +265,18 @@ def test_a_store_seed_fills_the_all_engines_store_and_is_refused_without_it():
     from mlx_fill.adapters.server.serve import Engine
     from mlx_fill.core.errors import UserError
     from mlx_fill.evidence.replay import load_recordings
-    from mlx_fill.evidence.transcripts import recorded_responses
+    from mlx_fill.evidence.transcripts import recorded_responses, seed_store
 
     model, _ = serving_model_dir()
     sessions = load_recordings(TRANSCRIPTS)[0][:3]
-    seed = lambda tokenizer: recorded_responses(sessions, tokenizer)  # noqa: E731
+    lines = []
+    seed = lambda tokenizer, store: lines.append(seed_store(store, sessions, tokenizer))  # noqa: E731
     engine = Engine(str(model), mode="all", store_seed=seed)
-    responses, unrendered = seed(engine.tokenizer)
-    assert engine.seeded == (len(responses), unrendered) and len(responses) > 3
+    responses, unrendered = recorded_responses(sessions, engine.tokenizer)
+    assert len(responses) > 3 and unrendered == 0
     tree = engine.global_tree
+    assert lines == [f"{len(responses)} replies stored, {len(responses)} kept ({len(tree):,} ids), "
+                     f"0 sessions not rendered"]
     assert [doc[-len(ids):] for doc, (_, ids) in zip(tree.docs.values(), responses)] == [
         list(ids) for _, ids in responses]
     small = Engine(str(model), mode="all", store_seed=seed, store_tokens=400).global_tree
