@@ -68,12 +68,14 @@ from typing import Any
 from mlx_fill.sources.ledger import Ledger
 from mlx_fill.limits import over_compile_budget
 from mlx_fill.core.proposal import FillSession
+from mlx_fill.spec.suffix import GlobalSuffixTree
 from mlx_fill.session import (
     attach_shared,
     build_session,
     follower_session,
     check_env,
     end_session,
+    env_store_tokens,
     predicted_count,
     server_ledger,
     usage_extra,
@@ -132,7 +134,9 @@ class ServerFill:
     """The hook's state for one patched ``mlx_lm.server``: fill ``mode``; whether the batched
     lane fills (``batch_lane``: its seam matched); per model key and template the evidence
     ledger, per model key the cost-gated sources' acceptance estimates (kept for the process
-    lifetime), per template its variables; per loaded model its distributed group and whether
+    lifetime), in mode ``all`` the cross-request store of the model last served (its replies,
+    bounded by ``MLX_FILL_STORE_TOKENS``; another model starts a new one), per template its
+    variables; per loaded model its distributed group and whether
     its caches batch-fill; the request parked between ``_tokenize`` and ``insert_segments``;
     the serial request published on the generation thread (a context variable)."""
 
@@ -141,6 +145,7 @@ class ServerFill:
         self.batch_lane = batch_lane
         self.ledgers: dict[tuple[str, str], Ledger | None] = {}
         self.acceptance: dict[str, dict] = {}
+        self.store: tuple[str, GlobalSuffixTree] | None = None
         self.template_vars: dict[str, frozenset[str]] = {}
         self.groups: dict[int, Any] = {}  # id(model) -> the distributed group it was sharded over
         self.batchable: dict[int, bool] = {}  # id(model) -> its caches batch-fill
@@ -164,6 +169,15 @@ class ServerFill:
                 log.warning("mlx-fill: evidence ledger disabled (%s)", e)
                 self.ledgers[key] = None
         return self.ledgers[key]
+
+    def store_for(self, model_key: str) -> GlobalSuffixTree | None:
+        """The suffix source's cross-request store for ``model_key`` in mode ``all`` (one store,
+        the model last served: a request for another model replaces it), else None."""
+        if self.mode != "all":
+            return None
+        if self.store is None or self.store[0] != model_key:
+            self.store = (model_key, GlobalSuffixTree(max_tokens=env_store_tokens()))
+        return self.store[1]
 
     def allowed_kwargs(self, tokenizer: Any) -> frozenset[str]:
         """The ``chat_template_kwargs`` keys the tokenizer's template reads, computed once per
@@ -216,7 +230,8 @@ class ServerFill:
                 response_format=body.get("response_format"),
                 media=kwargs.get("input_embeddings") is not None,
                 prediction=body.get("prediction"), ledger=ledger,
-                acceptance=self.acceptance.setdefault(model_key, {}), group=group)
+                acceptance=self.acceptance.setdefault(model_key, {}),
+                global_tree=self.store_for(model_key), group=group)
         except ValueError as e:
             session = FillSession([], prompt_ids=prompt_ids)
             session.refuse("invalid_request")

@@ -45,6 +45,7 @@ from mlx_fill.core.cost import CostGate
 from mlx_fill.strict.schema import tool_schemas
 from mlx_fill.strict.source import lazy_strict_source
 from mlx_fill.spec.roster import NAMES, make_sources, source_acceptance
+from mlx_fill.spec.suffix import STORE_TOKENS
 from mlx_fill.core.proposal import DEFAULT_MAX_SPAN, MEDIA_REFUSAL, FillSession, Pace, ProposalSource
 
 log = logging.getLogger("mlx_fill")
@@ -53,6 +54,7 @@ _MODE_SOURCES = {"strict": (), "echo": ("echo",), "all": ("echo", "suffix", "ngr
 
 
 MAX_SPAN_CEILING = 4096  # ids one proposal may hold (MLX_FILL_MAX_SPAN)
+STORE_TOKENS_CEILING = 1_000_000_000  # ids a cross-request store may hold (MLX_FILL_STORE_TOKENS)
 
 
 class BadEnvironment(UserError, ValueError):
@@ -78,6 +80,12 @@ def _env_count(name: str, default: int, ceiling: int) -> int:
 def env_max_span() -> int:
     """``MLX_FILL_MAX_SPAN``: ids per proposal (default :data:`DEFAULT_MAX_SPAN`)."""
     return _env_count("MLX_FILL_MAX_SPAN", DEFAULT_MAX_SPAN, MAX_SPAN_CEILING)
+
+
+def env_store_tokens() -> int:
+    """``MLX_FILL_STORE_TOKENS``: the in-server hook's cross-request store bound in ids, for
+    mode ``all`` (default :data:`~mlx_fill.spec.suffix.STORE_TOKENS`)."""
+    return _env_count("MLX_FILL_STORE_TOKENS", STORE_TOKENS, STORE_TOKENS_CEILING)
 
 
 def source_names(names: str | Sequence[str] | None) -> list[str]:
@@ -111,6 +119,7 @@ def check_env() -> None:
     """Validate the environment knobs once (at patch / server start): :class:`BadEnvironment`
     naming the variable, instead of every request failing later."""
     env_max_span()
+    env_store_tokens()
     env_promote()
     unknown = [n for n in source_names(None) if n not in NAMES]
     if unknown:

@@ -87,7 +87,8 @@ def running_server(argv: list[str], port: int, *, env: dict[str, str] | None = N
                    log: Path, ready_path: str = "/v1/models", timeout: float = 120.0):
     """Start ``argv`` (a server listening on 127.0.0.1:``port``), wait until ``ready_path``
     answers, yield the base URL, then stop it. Its stdout+stderr go to ``log``."""
-    knobs = ("MLX_FILL", "MLX_FILL_MAX_SPAN", "MLX_FILL_TRACE", "MLX_FILL_PLAN", "MLX_FILL_SOURCES")
+    knobs = ("MLX_FILL", "MLX_FILL_MAX_SPAN", "MLX_FILL_TRACE", "MLX_FILL_PLAN", "MLX_FILL_SOURCES",
+             "MLX_FILL_STORE_TOKENS")
     full_env = {k: v for k, v in os.environ.items() if k not in knobs}
     full_env.update(env or {})
     with open(log, "wb") as out:

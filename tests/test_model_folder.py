@@ -79,6 +79,7 @@ def test_serve_settings_it_cannot_use(flags, needle, capsys):
 @pytest.mark.parametrize(("name", "value", "needle"), [
     ("MLX_FILL_MAX_SPAN", "abc", "MLX_FILL_MAX_SPAN='abc' is not a whole number"),
     ("MLX_FILL_MAX_SPAN", "99999999999999999999", "is outside 1..4096"),
+    ("MLX_FILL_STORE_TOKENS", "0", "MLX_FILL_STORE_TOKENS=0 is outside 1..1000000000"),
     ("MLX_FILL_SOURCES", "bogus", "MLX_FILL_SOURCES: unknown sources ['bogus']"),
     ("MLX_FILL_PROMOTE_AFTER", "0", "MLX_FILL_PROMOTE_AFTER=0 is outside"),
     ("MLX_FILL_TRACE", "{tmp}", "is not a file path in an existing folder"),

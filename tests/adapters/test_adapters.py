@@ -150,7 +150,8 @@ def test_prediction_source_follows_and_reanchors():
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:
-    knobs = ("MLX_FILL", "MLX_FILL_MAX_SPAN", "MLX_FILL_TRACE", "MLX_FILL_PLAN", "MLX_FILL_SOURCES")
+    knobs = ("MLX_FILL", "MLX_FILL_MAX_SPAN", "MLX_FILL_TRACE", "MLX_FILL_PLAN", "MLX_FILL_SOURCES",
+             "MLX_FILL_STORE_TOKENS")
     full = {k: v for k, v in os.environ.items() if k not in knobs}
     return subprocess.run([sys.executable, *code.split("\0")], capture_output=True, text=True, check=False,
                           env={**full, **env}, timeout=120)
@@ -294,3 +295,39 @@ def test_round_overhead_is_the_plans_in_the_loop_and_nothing_in_mlx_lm_server(lm
     served = server_patch.ServerFill("all").open_session(request, args,
                                                          {"tokenizer": tok, "model": model})
     assert served.stats.refusals == {} and served.pace.round_overhead == 0.0
+
+
+def test_hook_all_drafts_from_one_store_of_the_replies_it_served(lm, monkeypatch):
+    """``MLX_FILL=all`` in ``mlx_lm.server``: every request's suffix source reads and extends
+    one cross-request store of the served model's replies, bounded by
+    ``MLX_FILL_STORE_TOKENS``; a request for another model starts a new one; other modes keep
+    none. Decoding through it changes no token."""
+    from types import SimpleNamespace
+
+    from mlx_fill.adapters import server_patch
+    from mlx_fill.spec.suffix import SuffixDraft
+    model, tok, prompt = lm
+    monkeypatch.setenv("MLX_FILL_STORE_TOKENS", "5000")
+    msgs = [{"role": "user", "content": "hello"}]
+    args = SimpleNamespace(sampling=SimpleNamespace(temperature=0.0), seed=None, logprobs=False,
+                           top_logprobs=-1)
+    state = server_patch.ServerFill("all")
+
+    def serve(model_key: str) -> tuple[list[int], SuffixDraft]:
+        request = server_patch.FillRequest("all", {"messages": msgs, "tools": TOOLS},
+                                           prompt_ids=list(prompt))
+        session = state.open_session(request, args, {"tokenizer": tok, "model": model},
+                                     model_key=model_key)
+        suffix = [s.source.source for s in session.sources if s.name == "suffix"]
+        return tokens_of(stream_generate(model, tok, prompt, max_tokens=24, fill=session)), suffix[0]
+
+    stock = tokens_of(stock_stream_generate(model, tok, prompt, max_tokens=24))
+    first, first_suffix = serve("m")
+    store = state.store_for("m")
+    assert first == stock and store.max_tokens == 5000 and first_suffix.global_tree is store
+    (doc,) = store.docs.values()
+    assert doc[:8] == list(prompt[-8:]) and len(doc) > 8 and doc[8:] == first[:len(doc) - 8]
+    second, second_suffix = serve("m")
+    assert second == stock and second_suffix.global_tree is store and len(store.docs) == 2
+    assert state.store_for("other") is not store and len(state.store_for("other")) == 0
+    assert server_patch.ServerFill("strict").store_for("m") is None
