@@ -136,9 +136,9 @@ class ServerFill:
     ledger, per model key the cost-gated sources' acceptance estimates (kept for the process
     lifetime), in mode ``all`` the cross-request store of the model last served (its replies,
     bounded by ``MLX_FILL_STORE_TOKENS``; another model starts a new one), per template its
-    variables; per loaded model its distributed group and whether
-    its caches batch-fill; the request parked between ``_tokenize`` and ``insert_segments``;
-    the serial request published on the generation thread (a context variable)."""
+    variables; per loaded model its distributed group and whether its caches batch-fill; the
+    request parked between ``_tokenize`` and ``insert_segments``; the serial request published
+    on the generation thread (a context variable)."""
 
     def __init__(self, mode: str, batch_lane: bool = True):
         self.mode = mode
