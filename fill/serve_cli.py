@@ -11,7 +11,7 @@ from pathlib import Path
 from mlx_fill.adapters.server import serve
 from mlx_fill.adapters.server.engine import STORE_SEED_NEEDS_ALL
 from mlx_fill.core.errors import UserError
-from mlx_fill.evidence.replay import read_sessions
+from mlx_fill.evidence.replay import read_sessions, skipped_lines
 from mlx_fill.evidence.transcripts import seed_store
 
 
@@ -31,8 +31,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(STORE_SEED_NEEDS_ALL)
     sessions, corrupt = read_sessions(args.store_seed)
     if corrupt:
-        print(f"mlx-fill serve: {args.store_seed}: skipped {len(corrupt)} corrupt lines "
-              f"(line {corrupt[0].line}: {corrupt[0].reason})", file=sys.stderr)
+        print(f"mlx-fill serve: {args.store_seed}: {skipped_lines(corrupt)}", file=sys.stderr)
 
     def seed(tokenizer, store) -> None:
         line = seed_store(store, sessions, tokenizer)

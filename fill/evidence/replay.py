@@ -98,6 +98,12 @@ def load_recordings(path: str | Path) -> tuple[list[dict], list[CorruptLine]]:
     return sessions, corrupt
 
 
+def skipped_lines(corrupt: list[CorruptLine]) -> str:
+    """What a command that goes on without ``corrupt`` (not empty) says about them: how many,
+    and the first one's line and reason."""
+    return f"skipped {len(corrupt)} corrupt lines (line {corrupt[0].line}: {corrupt[0].reason})"
+
+
 def read_sessions(path: Path) -> tuple[list[dict], list[CorruptLine]]:
     """:func:`load_recordings` for a command: a file that cannot be read, or holds no session,
     is a :class:`UserError` that says so (with the first corrupt line's reason)."""

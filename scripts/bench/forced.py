@@ -72,7 +72,7 @@ from mlx_fill.core.index import EchoIndex
 from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.proposal import FillSession, Pace
 from mlx_fill.core.resolve import plan_for
-from mlx_fill.evidence.replay import arguments_object, read_sessions
+from mlx_fill.evidence.replay import arguments_object, read_sessions, skipped_lines
 from mlx_fill.evidence.transcripts import markers, render_recording, seed_store
 from mlx_fill.spec.base import DraftProposalSource
 from mlx_fill.spec.ngram import NgramDraft
@@ -670,8 +670,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"no transcripts file {path}")
         sessions, corrupt = read_sessions(path)
         if corrupt:
-            print(f"forced: {path}: skipped {len(corrupt)} corrupt lines (line "
-                  f"{corrupt[0].line}: {corrupt[0].reason})", file=sys.stderr)
+            print(f"forced: {path}: {skipped_lines(corrupt)}", file=sys.stderr)
         return sessions
 
     try:
