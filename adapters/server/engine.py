@@ -11,7 +11,6 @@ from typing import Any
 
 from mlx_fill.core.errors import UserError
 from mlx_fill.limits import DEFAULT_LIMITS, Limits, over_compile_budget
-from mlx_fill.spec.suffix import STORE_TOKENS
 from .openai_request import ChatRequest, RequestError, parse_chat_request
 from .output import OutputSplitter
 from .template_vars import tokenizer_template_variables
@@ -43,7 +42,8 @@ class Outcome:
 class Engine:
     """The model, its tokenizer, the prompt cache and the fill configuration. Not thread-safe:
     :class:`App` calls it from one worker thread only. With ``mode="all"`` the suffix source
-    drafts from a cross-request store bounded by ``store_tokens`` ids, which ``store_seed``
+    drafts from a cross-request store bounded by ``store_tokens`` ids (default
+    ``MLX_FILL_STORE_TOKENS``, as the in-server hook's store), which ``store_seed``
     (called once with the tokenizer and the empty store; refused in other modes) fills at
     start."""
 
@@ -51,13 +51,13 @@ class Engine:
                  prompt_cache_size: int = 8, max_tokens: int = DEFAULT_MAX_TOKENS,
                  limits: Limits = DEFAULT_LIMITS, prefill_step_size: int = DEFAULT_PREFILL_STEP,
                  prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES, dtype: str | None = None,
-                 store_tokens: int = STORE_TOKENS,
+                 store_tokens: int | None = None,
                  store_seed: Callable[[Any, Any], None] | None = None):
         from mlx_lm.models.cache import LRUPromptCache
 
         from mlx_fill.core.model_folder import load_model_folder
 
-        from mlx_fill.session import check_env, check_mode
+        from mlx_fill.session import check_env, check_mode, env_store_tokens
         self.model_path = model_path
         self.mode = check_mode(mode)
         if store_seed is not None and self.mode != "all":
@@ -101,7 +101,8 @@ class Engine:
         self.global_tree = None
         if self.mode == "all":
             from mlx_fill.spec.suffix import GlobalSuffixTree
-            self.global_tree = GlobalSuffixTree(max_tokens=store_tokens)
+            self.global_tree = GlobalSuffixTree(
+                max_tokens=store_tokens if store_tokens is not None else env_store_tokens())
             if store_seed is not None:
                 store_seed(self.tokenizer, self.global_tree)
 

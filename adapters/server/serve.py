@@ -42,9 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-step-size", type=positive_int, default=DEFAULT_PREFILL_STEP,
                         help="prompt tokens per prefill chunk (a cancelled request stops "
                              "between chunks)")
-    parser.add_argument("--store-tokens", type=positive_int, default=STORE_TOKENS,
+    parser.add_argument("--store-tokens", type=positive_int, default=None,
                         help=f"the cross-request store's bound in ids, oldest replies evicted "
-                             f"first (default {STORE_TOKENS:,}; about 0.3 GB per million)")
+                             f"first (default MLX_FILL_STORE_TOKENS, else {STORE_TOKENS:,}; "
+                             f"about 0.3 GB per million)")
     for f in dataclasses.fields(Limits):
         parser.add_argument("--" + f.name.replace("_", "-"), type=int,
                             default=f.default, help=f"{f.metadata['help']} (default {f.default})")

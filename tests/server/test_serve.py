@@ -258,7 +258,7 @@ def test_engine_keeps_a_persisted_evidence_ledger(tmp_path, monkeypatch):
     assert Engine(str(model), mode="off").ledger is None
 
 
-def test_a_store_seed_fills_the_all_engines_store_and_is_refused_without_it():
+def test_a_store_seed_fills_the_all_engines_store_and_is_refused_without_it(monkeypatch):
     """``--store-seed``: the replies of the recorded sessions, rendered through the model's
     template, are in the store before the first request; every reply is kept within the
     bound, the oldest evicted past it; a mode that drafts from no store refuses a seed."""
@@ -282,6 +282,9 @@ def test_a_store_seed_fills_the_all_engines_store_and_is_refused_without_it():
     small = Engine(str(model), mode="all", store_seed=seed, store_tokens=400).global_tree
     assert len(small) <= 400 + max(len(d) for d in small.docs.values())
     assert list(small.docs.values())[-1] == list(tree.docs.values())[-1]  # the newest kept
+    monkeypatch.setenv("MLX_FILL_STORE_TOKENS", "400")  # the knob bounds it where the flag is absent
+    assert list(Engine(str(model), mode="all", store_seed=seed).global_tree.docs.values()) == list(
+        small.docs.values())
     with pytest.raises(UserError, match="pass --fill all"):
         Engine(str(model), mode="echo", store_seed=seed)
 
