@@ -167,6 +167,17 @@ def request_body(handler: Any) -> Any:
     return getattr(handler, "body", None)
 
 
+def request_temperature(handler: Any) -> Any:
+    """The temperature ``APIHandler`` samples the request at (the body's, else the server's
+    ``--temp``), None if absent."""
+    return getattr(handler, "temperature", None)
+
+
+def text_prompt(request: Any) -> Any:
+    """The ``prompt`` of a ``/v1/completions`` ``CompletionRequest``; None for a chat request."""
+    return getattr(request, "prompt", None) if getattr(request, "request_type", None) == "text" else None
+
+
 def response_generator(handler: Any) -> Any:
     """The ``ResponseGenerator`` an ``APIHandler`` hands its requests to (None if absent)."""
     return getattr(handler, "response_generator", None)

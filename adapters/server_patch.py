@@ -318,7 +318,7 @@ def _add_usage(response: Any, fill_request: FillRequest | None) -> Any:
 def _handle_completion(state: ServerFill, original: Callable) -> Callable:
     """HTTP thread: mark a request fill may serve (on the handler and on the request)."""
     def handle_completion(self, request, stop_words, *a, **kw):
-        if stock_guard.refused(self):  # answered 400: the value would stop mlx-lm's generation thread
+        if stock_guard.refused(self, request):  # answered 400: the value would stop mlx-lm's generation thread
             return None
         self.mlx_fill = state.receive(seam.request_body(self))
         if self.mlx_fill is not None:

@@ -10,8 +10,9 @@ response after its headers.
 :func:`refusal` names the first such field of a body that mlx-lm's own checks
 (``validate_model_parameters``) already passed; the ``MLX_FILL`` hook answers it with a 400 in
 mlx-lm's own shape (:func:`refused`) before the request reaches the thread. Everything
-else is left to mlx-lm. The checks hold whatever the temperature: a request without one samples
-at the server's ``--temp``.
+else is left to mlx-lm. The sampler's checks (``top_k``, ``min_p``, ``xtc_*``) hold where the
+request samples (its temperature, else the server's ``--temp``, is not 0); at 0 mlx-lm's greedy
+sampler never reads those fields, and the request is served as stock serves it.
 """
 
 from __future__ import annotations
@@ -44,22 +45,16 @@ def _stop_refusal(stop: Any) -> str | None:
     return None
 
 
-def refusal(body: Any, vocab_size: int | None = None) -> str | None:
-    """Why mlx-lm's generation thread cannot serve ``body`` (one line), or None. ``vocab_size``:
-    the loaded model's logits width; without it the checks that need it (``top_k``,
-    ``logit_bias`` ids) are skipped. Assumes the types mlx-lm's ``validate_model_parameters``
-    already enforced (``seed``, ``top_k`` and the context sizes ints, penalties numbers,
-    ``logit_bias`` a dict of int-like keys)."""
-    if not isinstance(body, dict):
-        return None
-    why = _stop_refusal(body.get("stop"))
-    if why is not None:
-        return why
-    seed = body.get("seed")
-    if isinstance(seed, int) and not 0 <= seed < UINT64:
-        return "seed must be between 0 and 2**64 - 1"
-    if body.get("top_logprobs") is True:  # an int to mlx-lm's check, not an MLX slice index
-        return "top_logprobs must be an integer, got a boolean"
+def _prompt_refusal(prompt: Any) -> str | None:
+    """A ``/v1/completions`` ``prompt`` that is a list of strings tokenizes as a batch (a list
+    of id lists), which mlx-lm's prompt-cache lookup cannot hash."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return "prompt must be a string, got a list of strings"
+    return None
+
+
+def _sampler_refusal(body: dict, vocab_size: int | None) -> str | None:
+    """The fields only a sampling (temperature > 0) sampler reads."""
     top_k = body.get("top_k")
     if vocab_size is not None and isinstance(top_k, int) and top_k >= vocab_size:
         return f"top_k must be less than the vocabulary size ({vocab_size})"
@@ -70,6 +65,30 @@ def refusal(body: Any, vocab_size: int | None = None) -> str | None:
     if (isinstance(xtc_probability, float) and xtc_probability > 0
             and isinstance(xtc_threshold, float) and not 0 <= xtc_threshold <= 0.5):
         return "xtc_threshold must be between 0 and 0.5"
+    return None
+
+
+def refusal(body: Any, vocab_size: int | None = None, *, temperature: Any = None,
+            text_prompt: Any = None) -> str | None:
+    """Why mlx-lm's generation thread cannot serve ``body`` (one line), or None. ``vocab_size``:
+    the loaded model's logits width; without it the checks that need it (``top_k``,
+    ``logit_bias`` ids) are skipped. ``temperature``: the one the request samples at (None:
+    unknown, the sampler's checks apply); 0 skips them. ``text_prompt``: a ``/v1/completions``
+    request's ``prompt`` (None for a chat request). Assumes the types mlx-lm's
+    ``validate_model_parameters`` already enforced (``seed``, ``top_k`` and the context sizes
+    ints, penalties numbers, ``logit_bias`` a dict of int-like keys)."""
+    if not isinstance(body, dict):
+        return None
+    why = _prompt_refusal(text_prompt) or _stop_refusal(body.get("stop"))
+    if why is None and temperature != 0:
+        why = _sampler_refusal(body, vocab_size)
+    if why is not None:
+        return why
+    seed = body.get("seed")
+    if isinstance(seed, int) and not 0 <= seed < UINT64:
+        return "seed must be between 0 and 2**64 - 1"
+    if body.get("top_logprobs") is True:  # an int to mlx-lm's check, not an MLX slice index
+        return "top_logprobs must be an integer, got a boolean"
     for name in INT64_NUMBERS:
         value = body.get(name)
         if isinstance(value, int) and not -INT64 <= value < INT64:
@@ -96,12 +115,15 @@ def vocab_size(model: Any) -> int | None:
     return size if isinstance(size, int) and size > 0 else None
 
 
-def refused(handler: Any) -> bool:
-    """On an ``mlx_lm.server.APIHandler`` whose body passed mlx-lm's checks: when
-    :func:`refusal` names a field, answer as mlx-lm answers a parameter it rejects (400,
-    ``{"error": message}``) and return True; else False, nothing sent."""
+def refused(handler: Any, request: Any) -> bool:
+    """On an ``mlx_lm.server.APIHandler`` handling ``request`` (its ``CompletionRequest``)
+    whose body passed mlx-lm's checks: when :func:`refusal` names a field, answer as mlx-lm
+    answers a parameter it rejects (400, ``{"error": message}``) and return True; else False,
+    nothing sent."""
     provider = seam.model_provider(seam.response_generator(handler))
-    why = refusal(seam.request_body(handler), vocab_size(seam.loaded_model(provider)))
+    why = refusal(seam.request_body(handler), vocab_size(seam.loaded_model(provider)),
+                  temperature=seam.request_temperature(handler),
+                  text_prompt=seam.text_prompt(request))
     if why is None:
         return False
     seam.send_error(handler, 400, {"error": why})

@@ -51,6 +51,11 @@ ACCEPTED = [
     ("xtc_threshold without xtc", '"temperature": 1, "xtc_threshold": 0.7'),
     ("repetition_penalty at int64 max", f'"repetition_penalty": {2 ** 63 - 1}'),
     ("logit_bias last id", f'"logit_bias": {{"{VOCAB - 1}": 1}}'),
+    # greedy (the request's temperature, else the server's --temp 0): no sampler reads these
+    ("top_k at the vocabulary, greedy", f'"temperature": 0, "top_k": {VOCAB}'),
+    ("top_k at the vocabulary, the server's temperature", f'"top_k": {VOCAB}'),
+    ("min_p NaN, greedy", '"temperature": 0.0, "min_p": NaN'),
+    ("xtc_threshold over 0.5, greedy", '"xtc_probability": 0.5, "xtc_threshold": 0.7'),
 ]
 
 
@@ -81,6 +86,15 @@ def test_each_refused_request_is_a_400_and_the_server_keeps_serving(server):
     assert server.get("/health").json() == {"status": "ok"}
 
 
+def test_a_list_of_prompts_is_a_400_and_the_server_keeps_serving(server):
+    """``/v1/completions`` with ``prompt`` a list of strings: tokenized as a batch, it would
+    kill the thread in mlx-lm's prompt-cache lookup; other prompts are left to mlx-lm."""
+    r = server.post("/v1/completions", json={"prompt": ["hi", "there"], "max_tokens": 2})
+    assert r.status_code == 400 and r.json() == {"error": "prompt must be a string, got a list of strings"}
+    assert server.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    assert server.get("/health").json() == {"status": "ok"}
+
+
 def test_values_at_the_edge_are_served_as_stock(server):
     for name, fields in ACCEPTED:
         r = server.post("/v1/chat/completions", content=body(fields))
@@ -91,7 +105,7 @@ def test_values_at_the_edge_are_served_as_stock(server):
 @pytest.mark.parametrize("name, fields", REFUSED + ACCEPTED, ids=[n for n, _ in REFUSED + ACCEPTED])
 def test_refusal_is_the_pure_rule(name, fields):
     decoded = json.loads(body(fields))
-    why = refusal(decoded, VOCAB)
+    why = refusal(decoded, VOCAB, temperature=decoded.get("temperature", 0.0))
     assert (why is not None) == ((name, fields) in REFUSED), why
     assert why is None or "\n" not in why
 
@@ -102,3 +116,18 @@ def test_refusal_without_a_vocabulary_skips_only_the_vocabulary_checks():
     assert refusal({"stop": 1}) is not None
     assert refusal({"min_p": math.nan}) is not None
     assert refusal([1]) is None
+
+
+def test_the_sampler_checks_apply_unless_the_request_is_greedy():
+    for fields in ({"top_k": VOCAB}, {"min_p": math.nan},
+                   {"xtc_probability": 0.5, "xtc_threshold": 0.7}):
+        assert refusal(fields, VOCAB, temperature=0) is None, fields
+        assert refusal(fields, VOCAB, temperature=0.7) is not None, fields
+        assert refusal(fields, VOCAB) is not None, fields  # temperature unknown
+
+
+def test_only_a_text_prompt_that_is_a_list_of_strings_is_refused():
+    assert refusal({}, text_prompt=["a", "b"]) is not None
+    assert refusal({}, text_prompt=["a"]) is not None
+    for prompt in ("a", [], [1, 2], ["a", 1], None):  # mlx-lm answers these itself
+        assert refusal({}, text_prompt=prompt) is None, prompt
