@@ -104,12 +104,23 @@ def split_output(tokenizer: Any, text: str, tools: list | None) -> tuple[str, st
         body, sep, rest = rest.partition(call_end) if call_end else (rest, "", "")
         try:
             parsed = parser(body.strip(), tools)
-        except (ValueError, json.JSONDecodeError):
+        except Exception:  # noqa: BLE001 -- mlx-lm's parser on model text: any failure is unparsable
+            parsed = None
+        found = [openai_call(c) for c in (parsed if isinstance(parsed, list) else [parsed])]
+        if not found or None in found:
             content.append(call_start + body + sep)
             continue
-        for call in parsed if isinstance(parsed, list) else [parsed]:
-            calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                          "function": {"name": call["name"],
-                                       "arguments": json.dumps(call["arguments"], ensure_ascii=False)}})
+        calls.extend(found)
     content.append(rest)
     return "".join(content), reasoning, calls
+
+
+def openai_call(call: Any) -> dict | None:
+    """An OpenAI ``tool_calls`` item for one call mlx-lm's parser returned (``{"name",
+    "arguments"}``; a call without arguments takes none, ``{}``), or None for a shape that is
+    not a call (no string name)."""
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+        return None
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": call["name"],
+                         "arguments": json.dumps(call.get("arguments", {}), ensure_ascii=False)}}
