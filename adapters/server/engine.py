@@ -118,12 +118,10 @@ class Engine:
         ids = self._apply_template(req, req.messages)
         developer = [i for i, m in enumerate(req.messages) if m["role"] == "developer"]
         if developer:
-            rest = [m for m in req.messages if m["role"] != "developer"]
-            try:
-                dropped = bool(rest) and self._apply_template(req, rest) == ids
-            except RequestError:  # the template needs them: they are rendered
-                dropped = False
-            if dropped:
+            def probed(text: str) -> list[int]:  # every developer message's content replaced
+                return self._apply_template(req, [{**m, "content": text} if m["role"] == "developer"
+                                                  else m for m in req.messages])
+            if probed("a") == probed("b"):
                 raise RequestError(400, f"messages[{developer[0]}].role: the model's chat "
                                         f"template does not render 'developer' messages; send "
                                         f"them as 'system'", f"messages[{developer[0]}].role")

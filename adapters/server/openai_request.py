@@ -154,7 +154,9 @@ def _messages(value: Any) -> list[dict]:
 
 
 def _call_for_template(call: Any, where: str) -> dict:
-    """Templates expect ``function.arguments`` as a mapping; OpenAI sends a JSON string."""
+    """Templates expect ``function.arguments`` as a mapping; OpenAI sends a JSON string. A
+    string holding JSON other than an object stays the string (templates write a string
+    argument verbatim, so the prompt holds what the model wrote)."""
     if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
         raise RequestError(422, f"{where}.function: expected an object", f"{where}.function")
     fn = dict(call["function"])
@@ -166,10 +168,12 @@ def _call_for_template(call: Any, where: str) -> dict:
                            f"{where}.function.arguments")
     if isinstance(args, str):
         try:
-            fn["arguments"] = json.loads(args) if args.strip() else {}
+            decoded = json.loads(args) if args.strip() else {}
         except json.JSONDecodeError as e:
             raise RequestError(400, f"{where}.function.arguments: invalid JSON ({e})",
                                f"{where}.function.arguments") from None
+        if isinstance(decoded, dict):
+            fn["arguments"] = decoded
     return dict(call, function=fn)
 
 
@@ -252,7 +256,7 @@ def parse_chat_request(body: Any, *, limits: Limits = DEFAULT_LIMITS,
     if "chat_template" in body:
         raise RequestError(400, "chat_template: templates come only from the model directory",
                            "chat_template")
-    if body.get("n") not in (None, 1):
+    if _typed(body, "n", (int,), "an integer") not in (None, 1):
         raise RequestError(400, "n: only n=1 is supported", "n")
     if "messages" not in body:
         raise RequestError(400, "messages: required", "messages")

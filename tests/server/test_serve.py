@@ -172,6 +172,22 @@ def test_bad_input_gets_openai_error(server, status, param, body):
     assert err["param"].startswith(param) and err["message"] and err["type"] == "invalid_request_error"
 
 
+def test_history_arguments_reach_the_template_as_an_object_or_as_written():
+    """A JSON object string becomes the mapping templates expect; any other JSON stays the string
+    the model wrote (templates write string arguments verbatim)."""
+    from mlx_fill.adapters.server.openai_request import parse_chat_request
+
+    def passed(arguments: str):
+        call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        req = parse_chat_request({"messages": [{"role": "user", "content": "x"},
+                                               {"role": "assistant", "tool_calls": [call]}]})
+        return req.messages[1]["tool_calls"][0]["function"]["arguments"]
+
+    assert passed('{"a": 1}') == {"a": 1} and passed("  ") == {}
+    for written in ('"x"', "[1]", "5", "null"):
+        assert passed(written) == written
+
+
 def test_invalid_json_and_oversized_bodies(server):
     r = post(server, None, content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "invalid JSON" in r.json()["error"]["message"]

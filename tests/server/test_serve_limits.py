@@ -106,6 +106,11 @@ def test_seed_outside_uint64_is_400_before_any_chunk(client, seed, stream):
     error(post(client, {"messages": USER, "seed": seed, "stream": stream}), 400, "seed")
 
 
+@pytest.mark.parametrize(("n", "status"), [(True, 422), (1.0, 422), ("1", 422), (2, 400)])
+def test_n_other_than_the_integer_1_is_refused(client, n, status):
+    error(post(client, {"messages": USER, "n": n}), status, "n")
+
+
 def test_404_and_405_are_openai_shaped(client):
     assert error(client.get("/v1/nope"), 404)["code"] == "not_found"
     assert error(client.get("/v1/chat/completions"), 405)["code"] == "method_not_allowed"
@@ -140,10 +145,12 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_
 def test_developer_messages_a_template_skips_are_400_and_rendered_ones_served(client, engine,
                                                                               monkeypatch):
     """Qwen3's template has no 'developer' role and renders nothing of such a message: served,
-    the request would silently lose it. A template that renders it serves it."""
+    the request would silently lose it (alone in the request too). A template that renders it
+    serves it."""
     messages = [{"role": "developer", "content": "Answer in French."}, *USER]
-    err = error(post(client, {"messages": messages}), 400, "messages[0].role")
-    assert "does not render 'developer' messages; send them as 'system'" in err["message"]
+    for sent in (messages, messages[:1]):
+        err = error(post(client, {"messages": sent}), 400, "messages[0].role")
+        assert "does not render 'developer' messages; send them as 'system'" in err["message"]
     assert post(client, {"messages": [{**messages[0], "role": "system"}, *USER]}).status_code == 200
     monkeypatch.setattr(engine.tokenizer._tokenizer, "chat_template", CHATML)
     r = post(client, {"messages": messages})
