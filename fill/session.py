@@ -33,10 +33,12 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from mlx_fill.core.errors import UserError
-from mlx_fill.core.plan import unqualified
+from mlx_fill.core.errors import UserError, unwritable
+from mlx_fill.core.paths import user_cache_dir
+from mlx_fill.core.plan import read_plan_file, unqualified
 from mlx_fill.modes import check_mode
 from mlx_fill.core.resolve import plan_for
 from mlx_fill.sources.prediction import ORIGIN as PREDICTION
@@ -117,7 +119,8 @@ def server_ledger(model_key: str, tokenizer: Any):
 
 def check_env() -> None:
     """Validate the environment knobs once (at patch / server start): :class:`BadEnvironment`
-    naming the variable, instead of every request failing later."""
+    (or the cache folder's :class:`UserError`) naming the variable, instead of every request
+    failing later."""
     env_max_span()
     env_store_tokens()
     env_promote()
@@ -128,6 +131,17 @@ def check_env() -> None:
     if trace and (os.path.isdir(trace) or not os.path.isdir(os.path.dirname(os.path.abspath(trace)))):
         raise BadEnvironment(f"MLX_FILL_TRACE={trace} is not a file path in an existing folder; "
                              f"name a file to append the trace to")
+    if trace:
+        problem = (unwritable(Path(trace).parent) if not os.path.exists(trace)
+                   else None if os.access(trace, os.W_OK) else "the file is read-only")
+        if problem:
+            raise BadEnvironment(f"MLX_FILL_TRACE={trace} cannot be appended to: {problem}; "
+                                 f"name a file to append the trace to")
+    plan_file = os.environ.get("MLX_FILL_PLAN")
+    if plan_file and isinstance(problem := read_plan_file(Path(plan_file)), str):
+        raise BadEnvironment(f"MLX_FILL_PLAN={plan_file} is {problem}; name a plan file "
+                             f"`mlx-fill qualify` wrote, or unset it")
+    user_cache_dir()  # MLX_FILL_CACHE / XDG_CACHE_HOME: a folder that can hold files
 
 
 def _strict_source(tokenizer: Any, messages: Any, tools: Any, template_kwargs: Any, ledger: Any,

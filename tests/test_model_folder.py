@@ -83,8 +83,15 @@ def test_serve_settings_it_cannot_use(flags, needle, capsys):
     ("MLX_FILL_SOURCES", "bogus", "MLX_FILL_SOURCES: unknown sources ['bogus']"),
     ("MLX_FILL_PROMOTE_AFTER", "0", "MLX_FILL_PROMOTE_AFTER=0 is outside"),
     ("MLX_FILL_TRACE", "{tmp}", "is not a file path in an existing folder"),
+    # /proc takes no new file (on a system without it, the folder check above answers)
+    ("MLX_FILL_TRACE", "/proc/mlx-fill.jsonl", "MLX_FILL_TRACE=/proc/mlx-fill.jsonl "),
+    ("MLX_FILL_PLAN", "{tmp}/missing.json", "MLX_FILL_PLAN={tmp}/missing.json is unreadable "
+                                            "(FileNotFoundError"),
+    ("MLX_FILL_PLAN", "{tmp}", "MLX_FILL_PLAN={tmp} is unreadable (IsADirectoryError"),
+    ("MLX_FILL_CACHE", "/proc/mlx-fill-cache", "MLX_FILL_CACHE=/proc/mlx-fill-cache cannot hold"),
 ])
 def test_serve_environment_it_cannot_use(name, value, needle, tmp_path, monkeypatch, capsys):
+    model = fixture_path("qwen3-json")
     monkeypatch.setenv(name, value.format(tmp=tmp_path))
-    one_error_line(capsys, ["serve", "--model", str(fixture_path("qwen3-json")), "--port",
-                            str(free_port())], needle)
+    one_error_line(capsys, ["serve", "--model", str(model), "--port", str(free_port())],
+                   needle.format(tmp=tmp_path))

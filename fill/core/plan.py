@@ -277,11 +277,18 @@ def _plan_files() -> list[tuple[str, Path]]:
     return files
 
 
-def _candidate(origin: str, path: Path, key: PlanKey) -> Candidate:
+def read_plan_file(path: Path) -> DispatchPlan | str:
+    """The plan in ``path``, or why it cannot be read (``unreadable (...)``, one line)."""
     try:
-        plan = DispatchPlan.from_json(json.loads(path.read_text()))
+        return DispatchPlan.from_json(json.loads(path.read_text()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        return Candidate(path, origin, None, f"unreadable ({type(e).__name__}: {e})")
+        return f"unreadable ({type(e).__name__}: {e})"
+
+
+def _candidate(origin: str, path: Path, key: PlanKey) -> Candidate:
+    plan = read_plan_file(path)
+    if isinstance(plan, str):
+        return Candidate(path, origin, None, plan)
     if not plan.qualified:
         return Candidate(path, origin, plan, "not qualified")
     if plan.key is None:

@@ -211,8 +211,9 @@ def test_hook_fails_open_with_one_warning(monkeypatch):
 
 
 @pytest.mark.parametrize("env", [{"MLX_FILL": "turbo"},
-                                 {"MLX_FILL": "all", "MLX_FILL_SOURCES": "echo,warp"}],
-                         ids=["bad-mode", "bad-spec"])
+                                 {"MLX_FILL": "all", "MLX_FILL_SOURCES": "echo,warp"},
+                                 {"MLX_FILL": "strict", "MLX_FILL_PLAN": "/nonexistent/plan.json"}],
+                         ids=["bad-mode", "bad-spec", "missing-plan"])
 def test_bad_configuration_fails_open_in_server_process(env):
     r = _python(PATCHED, **env)
     assert json.loads(r.stdout) == [False, "mlx_lm.generate"]
