@@ -384,7 +384,9 @@ def qualify(model: Any, *, quick: bool, vocab: int | None = None, repeats: int |
     :class:`ImplausibleCost` when every cost measurement was timing noise (a plan measured on a
     machine too loaded to time it is not one to keep); never raises on a model or cache it
     cannot measure: it prints one line on stderr and returns a plan with ``max_chunk=1`` and
-    the ``reason`` (serial decoding, always exact)."""
+    the ``reason`` (serial decoding, always exact), qualified (kept) where the primitive
+    refuses the cache (:class:`~mlx_fill.core.primitive.Unsupported`, a property of the model)
+    and not qualified (measured again at the next first use) for any other failure."""
     stamp = f"{'quick' if quick else 'full'} qualify, {date.today().isoformat()}"
     note = f"{note}; {stamp}" if note else stamp
     key = None
@@ -398,8 +400,8 @@ def qualify(model: Any, *, quick: bool, vocab: int | None = None, repeats: int |
         reason = str(e) if isinstance(e, Unsupported) else f"{type(e).__name__}: {e}"
         print(f"mlx-fill qualify: cannot measure chunked appends ({reason}); the plan is "
               "max_chunk=1, one token per forward", file=sys.stderr, flush=True)
-        return DispatchPlan(key=key, max_chunk=1, qualified=key is not None, reason=reason,
-                            note=note), []
+        return DispatchPlan(key=key, max_chunk=1, reason=reason, note=note,
+                            qualified=key is not None and isinstance(e, Unsupported)), []
 
 
 def _measure(model: Any, key: PlanKey, *, quick: bool, vocab: int | None, repeats: int | None,

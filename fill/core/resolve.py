@@ -140,6 +140,9 @@ def _start_measuring(model: Any, lookup: Lookup, prior: DispatchPlan | None,
           + (f"max_chunk={prior.max_chunk}" if prior is not None else "one token per forward"),
           file=sys.stderr, flush=True)
     from . import qualify  # noqa: F401 -- imported here: the exit hook may not import
+    # weights a lazy cast (``model.set_dtype``) left as a graph on this thread's stream: the
+    # measuring thread could not evaluate them ("There is no Stream(cpu, 0) in current thread")
+    mx.eval(model.parameters())
     atexit.unregister(_stop_at_exit)  # registered once however many measurements start
     atexit.register(_stop_at_exit)
     thread = threading.Thread(target=_measure, args=(model, lookup, prior, memo), daemon=True,

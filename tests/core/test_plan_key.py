@@ -118,6 +118,26 @@ def test_auto_qualify_happens_once_and_is_cached(model, plan_dirs, qualify_calls
     assert len(qualify_calls) == 1
 
 
+def test_a_lazily_cast_model_is_measured_in_the_background(model, plan_dirs, capsys):
+    """Weights cast with ``set_dtype`` and not yet evaluated are a graph on the caller's stream;
+    the measuring thread measures the model, not the error evaluating them there."""
+    model.set_dtype(mx.bfloat16)
+    res = resolve.resolve(model, wait=True)
+    assert res.source == "qualified now" and res.plan.qualified and not res.plan.reason, res
+    assert "Stream" not in capsys.readouterr().err
+
+
+def test_a_failed_measurement_is_not_kept(model, monkeypatch, capsys):
+    """A failure that is not the primitive refusing the cache says so, and the plan it gives
+    (one token per forward) is not qualified: the next first use measures again."""
+    def broken(*a, **k):
+        raise RuntimeError("no stream")
+    monkeypatch.setattr(qualify, "_measure", broken)
+    plan, checks = qualify.qualify(model, quick=True, bar=False)
+    assert plan.max_chunk == 1 and not plan.qualified and checks == []
+    assert plan.reason == "RuntimeError: no stream" and "no stream" in capsys.readouterr().err
+
+
 def test_the_loop_uses_the_sessions_plan(model, plan_dirs, monkeypatch):
     session = session_for(model)
     monkeypatch.setattr("mlx_fill.core.loop.plan_for", lambda m: pytest.fail("resolved twice"))
