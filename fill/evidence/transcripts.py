@@ -102,6 +102,8 @@ def render_recording(session: dict, tokenizer: Any, mk: TemplateMarkers | None =
         tools, origin = None, "none"
     elif session.get("tools"):
         tools, origin = session["tools"], "recorded"
+        if not isinstance(tools, list):
+            raise ValueError(f"tools: expected a list of tool objects, got {type(tools).__name__}")
     else:
         tools, origin = synthesize_tools(session["messages"]) or None, "synthesized"
     history = _render_history(session)

@@ -92,6 +92,13 @@ def test_render_cuts_assistant_outputs_and_labels_tool_calls(tok):
     assert '"name": "read"' in tok.decode(r.tokens[:r.turns[0].start])  # the tools block
 
 
+@pytest.mark.parametrize("tools", [7, True, "bash"])
+def test_recorded_tools_that_are_not_a_list_are_a_session_not_rendered(tok, tools):
+    session = dict(_sessions()[0], tool_call_style="structured", tools=tools)
+    with pytest.raises(ValueError, match="tools: expected a list of tool objects"):
+        render_recording(session, tok, markers(tok))
+
+
 def test_a_reply_quoting_the_end_of_turn_marker_is_not_cut_into_a_turn(tok):
     session = _sessions()[0]
     quoting = session["messages"][4]
