@@ -57,6 +57,18 @@ def test_serve_broken_tokenizer_and_missing_template(tmp_path, capsys):
     one_error_line(capsys, argv, "has no chat template")
 
 
+def test_serve_a_template_that_does_not_compile_or_no_tokenizer_files(tmp_path, capsys):
+    folder = _copy("qwen3-json", tmp_path / "m")
+    argv = ["serve", "--model", str(folder), "--port", str(free_port())]
+    template = folder / "chat_template.jinja"
+    template.write_text("{% for x in %}")
+    one_error_line(capsys, argv, f"{folder}: the chat template does not compile (TemplateSyntaxError")
+    template.unlink()
+    (folder / "tokenizer.json").unlink()
+    (folder / "tokenizer_config.json").unlink()
+    one_error_line(capsys, argv, f"{folder}: the tokenizer encodes text to no ids")
+
+
 def test_serve_draft_model_with_another_tokenizer(capsys):
     one_error_line(capsys, ["serve", "--model", str(fixture_path("qwen3-json")), "--port",
                             str(free_port()), "--fill", "off", "--draft-model",

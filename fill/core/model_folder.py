@@ -27,7 +27,7 @@ def load_model_folder(ref: str | Path, *, tokenizer: bool = True) -> tuple[Any, 
     from mlx_lm import load
     from mlx_lm.utils import load_model
     try:
-        return load(str(ref)) if tokenizer else load_model(Path(ref))
+        loaded = load(str(ref)) if tokenizer else load_model(Path(ref))
     except Exception as err:  # noqa: BLE001 -- see the docstring
         if not Path(ref).exists():
             raise UserError(f"could not download {ref} from the Hugging Face Hub ({_first_line(err)}); "
@@ -35,3 +35,26 @@ def load_model_folder(ref: str | Path, *, tokenizer: bool = True) -> tuple[Any, 
         raise UserError(f"{ref}: mlx-lm cannot load this model ({_first_line(err)}); pass an "
                         f"mlx-lm model directory, such as the one `mlx-fill fixture qwen3-json` "
                         f"prints") from err
+    if tokenizer:
+        check_tokenizer(ref, loaded[1])
+    return loaded
+
+
+def check_tokenizer(ref: str | Path, tokenizer: Any) -> None:
+    """:class:`UserError` when the folder's tokenizer cannot serve a request: it encodes text
+    to no ids (mlx-lm builds an empty one when the tokenizer files are missing), or its chat
+    template does not compile (a template that refuses this one message is left to requests)."""
+    import jinja2
+    if not tokenizer.encode("hello", add_special_tokens=False):
+        raise UserError(f"{ref}: the tokenizer encodes text to no ids (are tokenizer.json and "
+                        f"tokenizer_config.json missing?); pass a model directory with its tokenizer")
+    if not isinstance(getattr(tokenizer, "chat_template", None), str):
+        return
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False,
+                                      add_generation_prompt=True)
+    except jinja2.TemplateSyntaxError as err:
+        raise UserError(f"{ref}: the chat template does not compile ({_first_line(err)}, line "
+                        f"{err.lineno}); fix the folder's chat template") from err
+    except Exception:  # noqa: BLE001 -- a template may refuse one lone message; requests say so
+        pass
