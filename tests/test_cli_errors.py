@@ -90,6 +90,24 @@ def test_study_missing_or_malformed_inputs(tmp_path, capsys):
     one_error_line(capsys, ["study", "--cost-curve", str(curve)], "is not a DispatchPlan JSON", "mlx-fill qualify")
 
 
+@pytest.mark.parametrize(("url", "needle"), [
+    ("http://h:abc/v1", "is not a valid URL (Port"), ("http://[::1", "is not a valid URL"),
+    ("http://[zz]/v1", "is not a valid URL"), ("http://h:99999/v1", "is not a valid URL (Port"),
+    ("notaurl", "is not an http:// or https:// URL"), ("ftp://x/v1", "is not an http://"),
+    ("http://", "names no host"), ("http://h/\nv1", "holds white space")])
+@pytest.mark.parametrize("flag", ["--url", "--url-a", "--url-b"])
+def test_replay_and_ab_endpoint_urls_are_checked_before_anything_runs(flag, url, needle, tmp_path, capsys):
+    good = "http://127.0.0.1:9"
+    urls = {"--url": ["replay", "--url", url], "--url-a": ["ab", "--url-a", url, "--url-b", good],
+            "--url-b": ["ab", "--url-a", good, "--url-b", url]}[flag]
+    if flag == "--url-b" and needle.startswith("is not an http"):
+        needle = "is neither URL nor NAME=URL"
+    out = tmp_path / "out"
+    one_error_line(capsys, [urls[0], "--sessions", str(tmp_path / "none.jsonl"), *urls[1:],
+                            "--out", str(out)], needle)
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("command", ["replay", "ab"])
 def test_replay_and_ab_missing_transcripts(command, tmp_path, capsys):
     urls = ["--url", "http://127.0.0.1:9"] if command == "replay" else [

@@ -470,6 +470,29 @@ def _split_candidate(value: str) -> tuple[str | None, str]:
     return None, value
 
 
+def url_problem(url: str) -> str | None:
+    """Why ``url`` is not an endpoint base URL a client can reach (one phrase), or None."""
+    from urllib.parse import urlsplit
+    if not url.startswith(("http://", "https://")):
+        return "is not an http:// or https:// URL"
+    if any(c.isspace() for c in url):
+        return "holds white space"
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 -- parsed here: a port out of range or not a number raises
+    except ValueError as err:
+        return f"is not a valid URL ({err})"
+    return None if parts.hostname else "names no host"
+
+
+def endpoint_url(value: str) -> str:
+    """argparse ``type=``: an endpoint base URL (:func:`url_problem`)."""
+    problem = url_problem(value)
+    if problem:
+        raise argparse.ArgumentTypeError(f"{value!r} {problem}; pass e.g. http://127.0.0.1:8080/v1")
+    return value
+
+
 def candidate_arms(values: list[str]) -> dict[str, str]:
     """Candidate arm name -> URL for the ``--url-b`` values, in the order given.
 
@@ -484,6 +507,8 @@ def candidate_arms(values: list[str]) -> dict[str, str]:
         if not url.startswith(("http://", "https://")):
             raise UserError(f"--url-b {url!r} is neither URL nor NAME=URL; pass e.g. "
                             f"http://127.0.0.1:8402 or strict=http://127.0.0.1:8402 (NAME: {ARM_NAME.pattern})")
+        if problem := url_problem(url):
+            raise UserError(f"--url-b {url!r} {problem}; pass e.g. http://127.0.0.1:8402")
         name = name or ("B" if len(split) == 1 else f"B{k}")
         if name == "A" or name in arms:
             why = "is the reference arm (--url-a)" if name == "A" else "is given twice"
@@ -495,14 +520,16 @@ def candidate_arms(values: list[str]) -> dict[str, str]:
 def add_arguments_for(name: str, parser) -> None:
     parser.add_argument("--sessions", type=Path, required=True, help="transcripts JSONL(.gz)")
     if name == "ab":
-        parser.add_argument("--url-a", required=True, help="reference endpoint base URL (e.g. fill off)")
+        parser.add_argument("--url-a", required=True, type=endpoint_url,
+                            help="reference endpoint base URL (e.g. fill off)")
         parser.add_argument("--url-b", required=True, action="append",
                             help="candidate endpoint base URL (e.g. fill on), or NAME=URL; repeat it to "
                                  "compare several candidates with A in one run (arms NAME, or B1, B2, ...)")
         parser.add_argument("--reps", type=int_up_to(MAX_REPS), default=1,
                             help=f"repetitions of every turn per arm, at most {MAX_REPS}")
     else:
-        parser.add_argument("--url", required=True, help="endpoint base URL, e.g. http://127.0.0.1:8080/v1")
+        parser.add_argument("--url", required=True, type=endpoint_url,
+                            help="endpoint base URL, e.g. http://127.0.0.1:8080/v1")
     parser.add_argument("--model", default="default_model", help="model name sent with each request")
     parser.add_argument("--turns", type=positive_int, default=None, help="replay at most N turns per session")
     parser.add_argument("--max-sessions", type=positive_int, default=None, help="replay at most N sessions")
