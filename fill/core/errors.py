@@ -31,12 +31,21 @@ def existing_file(value: str) -> Path:
 
 def positive_int(value: str) -> int:
     """argparse ``type=``: an integer of at least 1."""
+    return _int_from(value, 1)
+
+
+def non_negative_int(value: str) -> int:
+    """argparse ``type=``: an integer of at least 0."""
+    return _int_from(value, 0)
+
+
+def _int_from(value: str, low: int) -> int:
     try:
         number = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    if number < low:
+        raise argparse.ArgumentTypeError(f"{value} is not at least {low}")
     return number
 
 

@@ -66,7 +66,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 
 from mlx_fill.cli import _Parser
-from mlx_fill.core.errors import UserError, float_in, output_file, positive_int
+from mlx_fill.core.errors import UserError, float_in, int_up_to, output_file, positive_int
 from mlx_fill.core.errors import model_dir as model_folder
 from mlx_fill.core.index import EchoIndex
 from mlx_fill.core.plan import DispatchPlan
@@ -82,6 +82,7 @@ from mlx_fill.sources.echo import EchoDraft
 from .__main__ import forcing_processor, timed_decode
 from .oracle import RoundRecord, accepted_prefix, curve_plan, oracle_cost, priced_cost
 
+MAX_REPEATS = 1000  # timed decodes per arm and turn
 ARMS = ("plain", "off", "strict", "echo", "suffix", "ngram", "all", "peer-lookup", "peer-suffix")
 PREDICTION = "prediction"  # not a default arm: `all` with the file as last read (--rewrites)
 READ_TOOLS = frozenset({"read", "read_file", "open", "view"})
@@ -620,8 +621,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="recorded ids per turn (default: all)")
     ap.add_argument("--max-context", type=positive_int, default=None,
                     help="prompt ids kept: the system prompt and tools, then the latest turns")
-    ap.add_argument("--repeats", type=positive_int, default=3,
-                    help="timed decodes of every arm per turn (the median is reported)")
+    ap.add_argument("--repeats", type=int_up_to(MAX_REPEATS), default=3,
+                    help=f"timed decodes of every arm per turn (the median is reported), at most "
+                         f"{MAX_REPEATS}")
     ap.add_argument("--arms", default=",".join(ARMS),
                     help=f"comma-separated, plain first; also {PREDICTION!r} (`all` with the "
                          "file as last read as the prediction, on turns that have one)")
@@ -658,6 +660,9 @@ def main(argv: list[str] | None = None) -> int:
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     if not arms or arms[0] != "plain" or any(a not in (*ARMS, PREDICTION) for a in arms):
         return fail(f"--arms must start with plain and name arms of {','.join(ARMS)},{PREDICTION}")
+    if len(set(arms)) != len(arms):
+        return fail(f"--arms names {sorted({a for a in arms if arms.count(a) > 1})} more than "
+                    f"once; name each arm once")
     projection = curve_plan(args.curve, args.curve_overhead) if args.curve else None
     if args.decide_on_curve and (projection is None or not args.surrogate):
         return fail("--decide-on-curve needs --curve and --surrogate (a wall time is this "

@@ -18,7 +18,7 @@ import gzip
 import json
 import sys
 
-from mlx_fill.core.errors import output_file, positive_int
+from mlx_fill.core.errors import non_negative_int, output_file, positive_int
 from scripts.training import fixture_data
 
 TAIL = "#tail"
@@ -81,7 +81,8 @@ def heldout_rows(seed: int, per_source: int | None = None) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=output_file)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=non_negative_int, default=0,
+                    help="the train / held-back split's seed (default 0)")
     ap.add_argument("--per-source", type=positive_int, default=None,
                     help="at most N sessions of each source")
     ap.add_argument("--trained", action="store_true",
