@@ -364,6 +364,17 @@ def test_audit_empty_corpus_says_why(tmp_path, capsys):
     (json.dumps({"kind": "turn", "arm": "A", "session_id": "s", "turn": 0, "output": {},
                  "expected": {}, "timing": {"wall_s": 1.0}}).encode() + b"\n",
      "line 1 is not a turn record (it has no 'usage')"),
+    *[(json.dumps({"kind": "turn", "arm": "A", "session_id": "s", "turn": 0, "usage": {},
+                   "output": {}, "expected": {}, "timing": {"wall_s": 1.0}, **bad}).encode() + b"\n",
+       "line 1 is not a turn record (" + why) for bad, why in [
+        ({"output": {"tool_calls": "ls"}}, "its output.tool_calls is not a list of calls with a name"),
+        ({"output": {"tool_calls": [{"arguments": {}}]}}, "its output.tool_calls is not a list"),
+        ({"expected": {"content": ["a"]}}, "its expected.content is not a string"),
+        ({"timing": {"wall_s": -1}}, "its timing has no wall_s number of seconds"),
+        ({"timing": {"wall_s": 1, "ttft_s": "x"}}, "its timing.ttft_s is not a number of seconds"),
+        ({"rep": "x"}, "its rep is not a whole number")]],
+    (b'{"kind": "run", "urls": 5}\n', "line 1 is not a run header (its 'urls' is not a JSON object)"),
+    (b'{"kind": "run", "sessions": [5]}\n', "line 1 is not a run header (its sessions are not"),
 ])
 def test_report_malformed_turn_records(content, needle, tmp_path, capsys):
     runs = tmp_path / "runs.jsonl"

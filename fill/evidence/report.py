@@ -36,6 +36,7 @@ keys, and the top-level ``verdict`` is
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import unicodedata
 from collections import defaultdict
@@ -95,6 +96,21 @@ TURN_FIELDS: dict[str, type] = {"arm": str, "output": dict, "expected": dict, "t
                                 "usage": dict}
 
 
+def _seconds(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf
+
+
+def _reply_problem(reply: dict, key: str) -> str | None:
+    """What a turn's ``output`` or ``expected`` holds that is not a reply, or None."""
+    if reply.get("content") is not None and not isinstance(reply["content"], str):
+        return f"its {key}.content is not a string"
+    calls = reply.get("tool_calls")
+    if calls is not None and not (isinstance(calls, list) and all(
+            isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls)):
+        return f"its {key}.tool_calls is not a list of calls with a name"
+    return None
+
+
 def _turn_problem(record: dict) -> str | None:
     """What a ``kind: turn`` record lacks for the report, or None."""
     for key in (*TURN_FIELDS, "session_id", "turn"):
@@ -103,15 +119,34 @@ def _turn_problem(record: dict) -> str | None:
     for key, kind in TURN_FIELDS.items():
         if not isinstance(record[key], kind):
             return f"its {key!r} is not a JSON {'string' if kind is str else 'object'}"
-    if not isinstance(record["timing"].get("wall_s"), (int, float)):
-        return "its timing has no wall_s number"
+    if not _seconds(record["timing"].get("wall_s")):
+        return "its timing has no wall_s number of seconds"
+    for key in ("ttft_s", "first_tool_call_s"):
+        if record["timing"].get(key) is not None and not _seconds(record["timing"][key]):
+            return f"its timing.{key} is not a number of seconds"
+    if not isinstance(record.get("rep", 0), int):
+        return "its rep is not a whole number"
+    return _reply_problem(record["output"], "output") or _reply_problem(record["expected"], "expected")
+
+
+# what a ``kind: run`` header holds where it holds it (``replay.run``), by the type of its value
+HEADER_FIELDS: dict[str, type] = {"urls": dict, "sessions": list, "corrupt_lines": list}
+
+
+def _header_problem(header: dict) -> str | None:
+    """What a ``kind: run`` header holds that the report cannot read, or None."""
+    for key, kind in HEADER_FIELDS.items():
+        if key in header and not isinstance(header[key], kind):
+            return f"its {key!r} is not a JSON {'object' if kind is dict else 'list'}"
+    if not all(isinstance(s, dict) for s in header.get("sessions", [])):
+        return "its sessions are not JSON objects"
     return None
 
 
 def load_runs(path: str | Path) -> Runs:
     """Read a runs JSONL file; unparsable lines are counted, not fatal. A line that is not
-    UTF-8 text, or a turn record without the fields ``replay`` writes, is a ``UserError``
-    naming the file and line."""
+    UTF-8 text, or a turn record or run header without the fields ``replay`` writes (of their
+    types), is a ``UserError`` naming the file and line."""
     runs = Runs([], [], [])
     fix = "pass the runs.jsonl that `mlx-fill replay` or `mlx-fill ab` wrote"
     with open(path, "rb") as fh:
@@ -130,6 +165,9 @@ def load_runs(path: str | Path) -> Runs:
             if not isinstance(obj, dict):
                 runs.corrupt_lines.append(number)
             elif obj.get("kind") == "run":
+                problem = _header_problem(obj)
+                if problem:
+                    raise UserError(f"{path} line {number} is not a run header ({problem}); {fix}")
                 runs.headers.append(obj)
             elif obj.get("kind") == "turn":
                 problem = _turn_problem(obj)
