@@ -423,6 +423,8 @@ def test_numbers_out_of_range(argv, needle, inputs, capsys):
     (["--arms", "plain,bogus"], "forced: --arms must start with plain"),
     (["--bogus"], "forced: unrecognized arguments: --bogus"),
     (["--curve", "1.1", "--curve-overhead", "nan"], "--curve-overhead: nan is not a finite number"),
+    (["--arms", "plain,plain,off"], "forced: --arms names ['plain'] more than once"),
+    (["--repeats", "100000000000000000000"], "argument --repeats: 100000000000000000000 is more than 1000"),
 ])
 def test_forced_replay_arguments(argv, needle, capsys):
     from scripts.bench import forced
@@ -441,6 +443,28 @@ def test_bench_arguments(argv, needle, capsys):
 
     _no_traceback_line(capsys, lambda: bench.main(["--quick", "--parts", "e2e", *argv]), "bench: ",
                        needle)
+
+
+@pytest.mark.parametrize(("module", "argv", "needle"), [
+    ("concurrency", ["--clients", "0"], "argument --clients: 0 is not at least 1"),
+    ("concurrency", ["--modes", "unset,bogus"], "argument --modes: 'bogus' is not one of"),
+    ("concurrency", ["--json", "/proc/x.json"], "argument --json: cannot write /proc/x.json"),
+    ("draft", ["--lengths", "-5"], "argument --lengths: -5 is not at least 1"),
+    ("draft", ["--tokens", "0"], "argument --tokens: 0 is not at least 1"),
+    ("predict", ["--fixture", "nosuch"], "argument --fixture: invalid choice: 'nosuch'"),
+    ("predict", ["--tasks", "bogus"], "argument --tasks: unknown tasks ['bogus']"),
+    ("predict", ["--repeats", "0"], "argument --repeats: 0 is not at least 1"),
+    ("heldout_sessions", ["out.jsonl", "--seed", "-1"], "argument --seed: -1 is not at least 0"),
+])
+def test_benchmark_script_arguments_are_checked_before_any_work(module, argv, needle, capsys):
+    """Exit 2 with argparse's usage and one error line: no traceback, nothing fetched or run."""
+    import importlib
+
+    main = importlib.import_module(f"scripts.bench.{module}").main
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "Traceback" not in err and needle in err.splitlines()[-1], err
 
 
 def test_forced_names_why_a_session_did_not_render():

@@ -33,8 +33,14 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import httpx
+
+from mlx_fill.assets.fixtures import fixture_path
+from mlx_fill.core.errors import output_file, positive_int
+
+T = TypeVar("T")
 
 ROOT = Path(__file__).resolve().parents[2]
 HELDOUT = ROOT / "fixtures" / "prompts" / "heldout.jsonl"
@@ -51,10 +57,35 @@ def requests_for(source: str, repeat: int) -> list[dict]:
     return picked * repeat
 
 
+MODES = ("unset", "strict", "echo", "all")  # ``MLX_FILL`` of each server (unset: stock mlx-lm)
+
+
+def mode_name(value: str) -> str:
+    """argparse item type: one of :data:`MODES`."""
+    if value not in MODES:
+        raise argparse.ArgumentTypeError(f"{value!r} is not one of {', '.join(MODES)}")
+    return value
+
+
+def comma_list(item: Callable[[str], T]) -> Callable[[str], list[T]]:
+    """argparse ``type=``: a non-empty comma-separated list, each item parsed by ``item``."""
+    def parse(value: str) -> list[T]:
+        items = [item(v.strip()) for v in value.split(",") if v.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError("name at least one")
+        return items
+    return parse
+
+
 def model_dir(name: str, dtype: str) -> str:
-    path = name if Path(name).is_dir() else subprocess.run(
-        [str(BIN / "mlx-fill"), "fixture", name], check=True, capture_output=True,
-        text=True).stdout.strip()
+    """``name`` (a model folder, else a fixture's name) as a folder in ``dtype``."""
+    if Path(name).is_dir():
+        path = name
+    else:
+        try:
+            path = str(fixture_path(name))
+        except ValueError as err:
+            raise SystemExit(f"concurrency: --model {name}: {err}") from None
     if dtype == "float32":
         return path
     out = Path(tempfile.gettempdir()) / f"mlx-fill-bench-{Path(path).name}-{dtype}"
@@ -143,24 +174,26 @@ def merge_reps(runs: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen3-json")
+    ap.add_argument("--model", default="qwen3-json", help="a model folder or a fixture name")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    ap.add_argument("--clients", default="1,4,8")
-    ap.add_argument("--modes", default="unset,strict,all")
+    ap.add_argument("--clients", type=comma_list(positive_int), default="1,4,8",
+                    help="concurrency levels, comma-separated")
+    ap.add_argument("--modes", type=comma_list(mode_name), default="unset,strict,all",
+                    help=f"comma-separated, of {', '.join(MODES)}")
     ap.add_argument("--source", default="mini_swe_agent")
-    ap.add_argument("--repeat", type=int, default=1)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=1, help="repetitions of every (C, mode), interleaved")
-    ap.add_argument("--limit", type=int, default=None, help="only the first N requests")
+    ap.add_argument("--repeat", type=positive_int, default=1)
+    ap.add_argument("--max-tokens", type=positive_int, default=64)
+    ap.add_argument("--reps", type=positive_int, default=1,
+                    help="repetitions of every (C, mode), interleaved")
+    ap.add_argument("--limit", type=positive_int, default=None, help="only the first N requests")
     ap.add_argument("--prime", action="store_true",
                     help="send every request once to every server before measuring: the prompt "
                          "caches then hold the prompts, so the levels time decoding, not prefill")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", type=output_file, default=None)
     a = ap.parse_args(argv)
     model = model_dir(a.model, a.dtype)
     reqs = requests_for(a.source, a.repeat)[:a.limit]
-    levels = [int(c) for c in a.clients.split(",")]
-    modes = a.modes.split(",")
+    levels, modes = a.clients, a.modes
     rows: dict[str, list[dict]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as logs, contextlib.ExitStack() as stack:
         servers = {}

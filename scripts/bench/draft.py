@@ -33,6 +33,7 @@ from mlx_lm.generate import speculative_generate_step
 from mlx_lm.utils import load_model
 
 from mlx_fill.assets.fixtures import FixtureMissing, fixture_path
+from mlx_fill.core.errors import output_file, positive_int
 from mlx_fill.core.loop import generate_step
 from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.resolve import plan_for
@@ -160,16 +161,16 @@ def mlx_lm_arm(target: Any, draft: Any, k: int, tokens: int):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--lengths", type=int, nargs="+", default=[2, 3, 4])
+    ap.add_argument("--tokens", type=positive_int, default=64)
+    ap.add_argument("--prompts", type=positive_int, default=4)
+    ap.add_argument("--lengths", type=positive_int, nargs="+", default=[2, 3, 4])
     ap.add_argument("--mode", choices=["exact", "fast"], default="exact",
                     help="dispatch plan mode for the fill arms (default: this machine's exact plan)")
     ap.add_argument("--mtp-target", type=Path,
                     help="a qwen3_5 model dir with tokenizer (e.g. the qwen35-xml fixture)")
     ap.add_argument("--mtp-head", type=Path,
                     help="dir holding its mtp.* tensors (python -m scripts.training.train_mtp; default: the target)")
-    ap.add_argument("--json", type=Path)
+    ap.add_argument("--json", type=output_file)
     args = ap.parse_args(argv)
     rows: list[dict] = []
 

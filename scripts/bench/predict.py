@@ -50,6 +50,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from mlx_fill.assets.fixtures import FIXTURES, REAL_FIXTURES
+from mlx_fill.core.errors import output_file, positive_int
+
 ROOT = Path(__file__).resolve().parents[2]
 ARMS = ("off", "prediction", "prediction+all")
 SYSTEM = ("You are a coding assistant that edits files. Apply exactly the requested change and "
@@ -345,17 +348,27 @@ def run(fixture: str, task_names: list[str], repeats: int, dtype: str | None,
             "date": time.strftime("%Y-%m-%d %H:%M"), "tasks": results}
 
 
-def main() -> int:
+def task_names(value: str) -> list[str]:
+    """argparse ``type=``: comma-separated names of :data:`TASKS`."""
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    unknown = [n for n in names if n not in {t.name for t in TASKS}]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown tasks {unknown}; name some of "
+                                         f"{', '.join(t.name for t in TASKS)}")
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--fixture", default="qwen25-coder-0.5b")
-    ap.add_argument("--tasks", default=",".join(DEFAULT_TASKS),
+    ap.add_argument("--fixture", default="qwen25-coder-0.5b", choices=(*FIXTURES, *REAL_FIXTURES))
+    ap.add_argument("--tasks", type=task_names, default=",".join(DEFAULT_TASKS),
                     help=f"comma-separated, of {', '.join(t.name for t in TASKS)}")
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--repeats", type=positive_int, default=1)
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
-    ap.add_argument("--max-tokens", type=int, default=1024)
-    ap.add_argument("--json", type=Path, default=None)
-    args = ap.parse_args()
-    report = run(args.fixture, args.tasks.split(","), args.repeats, args.dtype, args.max_tokens)
+    ap.add_argument("--max-tokens", type=positive_int, default=1024)
+    ap.add_argument("--json", type=output_file, default=None)
+    args = ap.parse_args(argv)
+    report = run(args.fixture, args.tasks, args.repeats, args.dtype, args.max_tokens)
     print(f"plan: {report['plan']}")
     print(f"cost curve measured in this run (the bound's): {report['measured_cost']}")
     print_table(report["tasks"])

@@ -274,16 +274,6 @@ def test_a_file_of_corrupt_lines_is_one_error_line(tmp_path, capsys):
     assert err.count("\n") == 1 and "line 1: a message whose content is not a string" in err, err
 
 
-@pytest.mark.parametrize(("flags", "needle"), [
-    (["--arms", "plain,plain,off"], "--arms names ['plain'] more than once"),
-    (["--repeats", "100000000000000000000"], "argument --repeats: 100000000000000000000 is more than 1000"),
-])
-def test_arms_named_twice_and_endless_repeats_are_one_error_line(flags, needle, capsys):
-    assert forced.main(["--surrogate", *flags]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and needle in err, err
-
-
 def test_an_openai_chat_log_replays_identically(two_sessions, tmp_path):
     """A session logged as OpenAI chat messages (nested calls with string arguments, no source)
     replays under its own row, identical to plain."""
