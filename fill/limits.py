@@ -20,8 +20,8 @@ SCHEMA_DEPTH_CAP = 64
 JSON_DEPTH_CAP = 512
 
 
-def _limit(default, what: str):
-    return field(default=default, metadata={"help": what})
+def _limit(default, what: str, cap: int | None = None):
+    return field(default=default, metadata={"help": what, "cap": cap})
 
 
 @dataclass(frozen=True)
@@ -31,9 +31,9 @@ class Limits:
 
     max_request_bytes: int = _limit(4 << 20, "request body bytes (413 above)")
     max_json_depth: int = _limit(64, "nesting depth of the JSON body, anywhere in it (400 above; "
-                                     f"at most {JSON_DEPTH_CAP})")
+                                     f"at most {JSON_DEPTH_CAP})", JSON_DEPTH_CAP)
     max_schema_depth: int = _limit(32, "nesting depth of one tool's parameters schema (400 above; "
-                                       f"at most {SCHEMA_DEPTH_CAP})")
+                                       f"at most {SCHEMA_DEPTH_CAP})", SCHEMA_DEPTH_CAP)
     max_schema_bytes: int = _limit(256 << 10, "JSON bytes of one tool's parameters schema "
                                               "(400 above)")
     max_tools: int = _limit(128, "entries in tools (400 above)")
@@ -51,10 +51,8 @@ class Limits:
         for f in fields(self):
             if getattr(self, f.name) < 1:
                 raise ValueError(f"{f.name} must be >= 1, got {getattr(self, f.name)}")
-        if self.max_json_depth > JSON_DEPTH_CAP:
-            raise ValueError(f"max_json_depth must be <= {JSON_DEPTH_CAP}")
-        if self.max_schema_depth > SCHEMA_DEPTH_CAP:
-            raise ValueError(f"max_schema_depth must be <= {SCHEMA_DEPTH_CAP}")
+            if f.metadata["cap"] is not None and getattr(self, f.name) > f.metadata["cap"]:
+                raise ValueError(f"{f.name} must be <= {f.metadata['cap']}")
 
 
 DEFAULT_LIMITS = Limits()

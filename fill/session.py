@@ -47,7 +47,7 @@ from mlx_fill.core.cost import CostGate
 from mlx_fill.strict.schema import tool_schemas
 from mlx_fill.strict.source import lazy_strict_source
 from mlx_fill.spec.roster import NAMES, make_sources, source_acceptance
-from mlx_fill.spec.suffix import STORE_TOKENS
+from mlx_fill.spec.suffix import STORE_TOKENS, STORE_TOKENS_CEILING
 from mlx_fill.core.proposal import DEFAULT_MAX_SPAN, MEDIA_REFUSAL, FillSession, Pace, ProposalSource
 
 log = logging.getLogger("mlx_fill")
@@ -56,7 +56,6 @@ _MODE_SOURCES = {"strict": (), "echo": ("echo",), "all": ("echo", "suffix", "ngr
 
 
 MAX_SPAN_CEILING = 4096  # ids one proposal may hold (MLX_FILL_MAX_SPAN)
-STORE_TOKENS_CEILING = 1_000_000_000  # ids a cross-request store may hold (MLX_FILL_STORE_TOKENS)
 
 
 class BadEnvironment(UserError, ValueError):

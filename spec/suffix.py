@@ -30,6 +30,7 @@ from mlx_fill.core.index import EchoIndex, IndexedDraft
 
 _END_BITS = 32
 STORE_TOKENS = 2_000_000  # a cross-request store's default bound in ids (~0.3 GB per million)
+STORE_TOKENS_CEILING = 1_000_000_000  # the largest bound a server takes (flag or environment)
 STORE_IDS_PER_RESPONSE = 200  # its bound in responses: one per this many ids of its bound
 
 

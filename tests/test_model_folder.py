@@ -82,6 +82,10 @@ def test_serve_draft_model_with_another_tokenizer(capsys):
     (["--max-tokens", "0"], "argument --max-tokens: 0 is not at least 1"),
     (["--max-tokens", "5000", "--max-tokens-ceiling", "10"],
      "--max-tokens 5000 is above --max-tokens-ceiling 10"),
+    (["--max-request-bytes", "0"], "argument --max-request-bytes: 0 is not at least 1"),
+    (["--max-json-depth", "9999"], "argument --max-json-depth: 9999 is more than 512"),
+    (["--store-tokens", "99999999999999"],
+     "argument --store-tokens: 99999999999999 is more than 1000000000"),
 ])
 def test_serve_settings_it_cannot_use(flags, needle, capsys):
     one_error_line(capsys, ["serve", "--model", str(fixture_path("qwen3-json")), "--port",

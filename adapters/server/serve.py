@@ -12,9 +12,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from mlx_fill.core.errors import UserError, model_ref, positive_int
+from mlx_fill.core.errors import UserError, int_up_to, model_ref, positive_int
 from mlx_fill.limits import Limits
-from mlx_fill.spec.suffix import STORE_TOKENS
+from mlx_fill.spec.suffix import STORE_TOKENS, STORE_TOKENS_CEILING
 from .app import create_app
 from .engine import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP, DEFAULT_PROMPT_CACHE_BYTES, Engine
 
@@ -42,12 +42,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-step-size", type=positive_int, default=DEFAULT_PREFILL_STEP,
                         help="prompt tokens per prefill chunk (a cancelled request stops "
                              "between chunks)")
-    parser.add_argument("--store-tokens", type=positive_int, default=None,
+    parser.add_argument("--store-tokens", type=int_up_to(STORE_TOKENS_CEILING), default=None,
                         help=f"the cross-request store's bound in ids, oldest replies evicted "
                              f"first (default MLX_FILL_STORE_TOKENS, else {STORE_TOKENS:,}; "
                              f"about 0.3 GB per million)")
     for f in dataclasses.fields(Limits):
-        parser.add_argument("--" + f.name.replace("_", "-"), type=int,
+        cap = f.metadata["cap"]
+        parser.add_argument("--" + f.name.replace("_", "-"),
+                            type=positive_int if cap is None else int_up_to(cap),
                             default=f.default, help=f"{f.metadata['help']} (default {f.default})")
     parser.add_argument("--log-level", default="warning",
                         choices=("critical", "error", "warning", "info", "debug"),
