@@ -84,6 +84,8 @@ def test_serve_store_seed_errors(tmp_path, capsys):
 
 def test_study_missing_or_malformed_inputs(tmp_path, capsys):
     one_error_line(capsys, ["study", "--transcripts", str(tmp_path / "none.jsonl")], "no such file")
+    one_error_line(capsys, ["study", "--transcripts", str(tmp_path)], f"{tmp_path} is a folder; pass a file")
+    one_error_line(capsys, ["report", str(tmp_path)], f"a folder, not a runs file: {tmp_path}")
     one_error_line(capsys, ["study", "--family", "qwen4"], "invalid choice: 'qwen4'")
     curve = tmp_path / "plan.json"
     curve.write_text("[1, 2]")

@@ -115,7 +115,7 @@ def test_replay_unreadable_transcripts(tmp_path, capsys):
     folder = tmp_path / "a-folder.jsonl"
     folder.mkdir()
     one_error_line(capsys, ["replay", "--sessions", str(folder), "--url", "http://127.0.0.1:9"],
-                   "no such transcripts file")
+                   "a folder, not a transcripts file")
 
 
 def test_report_malformed_runs(tmp_path, capsys):

@@ -24,6 +24,8 @@ class UserError(Exception):
 def existing_file(value: str) -> Path:
     """argparse ``type=``: a path that must be an existing file."""
     path = Path(value)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{value} is a folder; pass a file")
     if not path.is_file():
         raise argparse.ArgumentTypeError(f"no such file: {value}")
     return path

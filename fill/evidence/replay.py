@@ -566,7 +566,8 @@ def run(args) -> int:
         raise UserError(f"{runs_path} already exists (an earlier run's); pass another --out "
                         f"or remove that file")
     if not args.sessions.is_file():
-        raise UserError(f"no such transcripts file: {args.sessions}")
+        what = "a folder, not a transcripts file" if args.sessions.is_dir() else "no such transcripts file"
+        raise UserError(f"{what}: {args.sessions}")
     sessions, corrupt = read_sessions(args.sessions)
     for bad in corrupt:
         print(f"transcripts line {bad.line} skipped: {bad.reason}", file=sys.stderr)

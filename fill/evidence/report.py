@@ -350,7 +350,8 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     if not args.runs.is_file():
-        raise UserError(f"no such runs file: {args.runs}; pass the runs.jsonl that "
+        what = "a folder, not a runs file" if args.runs.is_dir() else "no such runs file"
+        raise UserError(f"{what}: {args.runs}; pass the runs.jsonl that "
                         f"`mlx-fill replay` or `mlx-fill ab` wrote")
     runs = load_runs(args.runs)
     if not runs.turns:

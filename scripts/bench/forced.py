@@ -672,7 +672,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def sessions_of(path: Path) -> list[dict]:
         if not path.is_file():
-            raise UserError(f"no transcripts file {path}")
+            raise UserError(f"{path} is a folder; pass a transcripts file" if path.is_dir()
+                            else f"no transcripts file {path}")
         sessions, corrupt = read_sessions(path)
         if corrupt:
             print(f"forced: {path}: {skipped_lines(corrupt)}", file=sys.stderr)
