@@ -31,6 +31,7 @@ and ``MLX_FILL_PROMOTE_AFTER`` (agreements needed, default 50), read by :func:`s
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -116,6 +117,13 @@ def server_ledger(model_key: str, tokenizer: Any):
     return load_ledger(model_key, template, promote_after=after, eligible=eligible)
 
 
+def _number_or_nan(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan
+
+
 def check_env() -> None:
     """Validate the environment knobs once (at patch / server start): :class:`BadEnvironment`
     (or the cache folder's :class:`UserError`) naming the variable, instead of every request
@@ -136,6 +144,10 @@ def check_env() -> None:
         if problem:
             raise BadEnvironment(f"MLX_FILL_TRACE={trace} cannot be appended to: {problem}; "
                                  f"name a file to append the trace to")
+    budget = os.environ.get("MLX_FILL_QUALIFY_BUDGET_S")
+    if budget and not 0 <= _number_or_nan(budget) < math.inf:
+        raise BadEnvironment(f"MLX_FILL_QUALIFY_BUDGET_S={budget!r} is not a number of seconds "
+                             f"(0 or more); set it to e.g. 120 or unset it")
     plan_file = os.environ.get("MLX_FILL_PLAN")
     if plan_file and isinstance(problem := read_plan_file(Path(plan_file)), str):
         raise BadEnvironment(f"MLX_FILL_PLAN={plan_file} is {problem}; name a plan file "

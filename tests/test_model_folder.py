@@ -105,6 +105,8 @@ def test_serve_settings_it_cannot_use(flags, needle, capsys):
                                             "(FileNotFoundError"),
     ("MLX_FILL_PLAN", "{tmp}", "MLX_FILL_PLAN={tmp} is unreadable (IsADirectoryError"),
     ("MLX_FILL_CACHE", "/proc/mlx-fill-cache", "MLX_FILL_CACHE=/proc/mlx-fill-cache cannot hold"),
+    ("MLX_FILL_QUALIFY_BUDGET_S", "abc", "MLX_FILL_QUALIFY_BUDGET_S='abc' is not a number of seconds"),
+    ("MLX_FILL_QUALIFY_BUDGET_S", "-1", "MLX_FILL_QUALIFY_BUDGET_S='-1' is not a number of seconds"),
 ])
 def test_serve_environment_it_cannot_use(name, value, needle, tmp_path, monkeypatch, capsys):
     model = fixture_path("qwen3-json")
