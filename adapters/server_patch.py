@@ -76,7 +76,7 @@ from mlx_fill.session import (
     check_env,
     end_session,
     env_store_tokens,
-    predicted_count,
+    prediction_ids,
     server_ledger,
     usage_extra,
 )
@@ -97,15 +97,14 @@ class FillRequest:
     body: dict
     prompt_ids: list[int] | None = None
     session: FillSession | None = None
-    predicted: int = 0
+    prediction: list[int] | None = None  # the ids of the request's OpenAI ``prediction``
     error: str | None = None
     batched: SeqFill | None = None  # set when the request decodes in the batched lane
 
     def usage(self) -> dict[str, Any]:
         """``usage`` additions: ``fill`` (with ``lane``; in the batched lane ``batch_peak``)
         and, with a prediction, ``completion_tokens_details``."""
-        predicted = self.predicted if self.body.get("prediction") is not None else None
-        extra = usage_extra(self.session, predicted=predicted, error=self.error)
+        extra = usage_extra(self.session, prediction=self.prediction, error=self.error)
         if "fill" in extra and self.session is not None:
             extra["fill"]["lane"] = "batch" if self.batched is not None else "serial"
             if self.batched is not None:
@@ -217,7 +216,7 @@ class ServerFill:
             session.refuse(refusal)
             return session
         try:
-            fill_request.predicted = predicted_count(tokenizer, body.get("prediction"))
+            fill_request.prediction = prediction_ids(tokenizer, body.get("prediction"))
             session = build_session(
                 fill_request.mode, model=kwargs["model"], tokenizer=tokenizer,
                 prompt_ids=prompt_ids, messages=body.get("messages"),

@@ -316,24 +316,29 @@ def end_session(session: FillSession | None, ledger: Any = None) -> None:
             log.warning("mlx-fill: evidence ledger not saved (%s)", e)
 
 
-def usage_extra(session: FillSession | None, *, predicted: int | None = None,
-                error: str | None = None) -> dict[str, Any]:
+def usage_extra(session: FillSession | None, *, prediction: Sequence[int] | None = None,
+                completion: Sequence[int] | None = None, error: str | None = None) -> dict[str, Any]:
     """The ``usage`` additions every adapter reports: ``fill`` (the session's stats, or the
-    ``error`` that kept fill off) and, for a request with a prediction of ``predicted`` ids
-    (:func:`predicted_count`; None: no prediction),
-    ``completion_tokens_details.{accepted,rejected}_prediction_tokens``."""
+    ``error`` that kept fill off) and, for a request with a prediction (its ids,
+    :func:`prediction_ids`; None: no prediction),
+    ``completion_tokens_details.{accepted,rejected}_prediction_tokens`` against the
+    ``completion``'s ids (default: the ids the session's decode emitted; without either, the
+    details are left out: there is nothing to count them on)."""
     extra: dict[str, Any] = {}
     if session is not None:
         extra["fill"] = session.stats.as_dict()
     elif error is not None:
         extra["fill"] = {"error": error}
-    if predicted is not None:
-        extra["completion_tokens_details"] = prediction_usage(session, predicted)
+    if completion is None and session is not None:
+        completion = session.emitted_ids
+    if prediction is not None and completion is not None:
+        extra["completion_tokens_details"] = prediction_usage(prediction, completion)
     return extra
 
 
-def predicted_count(tokenizer: Any, prediction: Any) -> int:
-    """How many ids the prediction's text encodes to (0 without a prediction)."""
+def prediction_ids(tokenizer: Any, prediction: Any) -> list[int] | None:
+    """The ids the prediction's text encodes to (None without a prediction). Raises ValueError
+    for a prediction that is not OpenAI's shape (:func:`prediction_text`)."""
     if prediction is None:
-        return 0
-    return len(tokenizer.encode(prediction_text(prediction), add_special_tokens=False))
+        return None
+    return list(tokenizer.encode(prediction_text(prediction), add_special_tokens=False))

@@ -88,6 +88,7 @@ class SeqFill:
 
     def __post_init__(self) -> None:
         self.asking = Asking(self.session, self.prompt_ids)
+        self.session.emitted_ids = self.emitted
 
     def end(self) -> None:
         if self.on_end is not None:

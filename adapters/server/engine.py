@@ -198,7 +198,7 @@ class Engine:
         import mlx.core as mx
         from mlx_lm.sample_utils import make_sampler
 
-        from mlx_fill.session import end_session, predicted_count, usage_extra
+        from mlx_fill.session import end_session, prediction_ids, usage_extra
         from mlx_fill.adapters.mlx_lm import generate_step
 
         req, prompt_ids, session = prepared.req, prepared.prompt_ids, prepared.session
@@ -254,9 +254,8 @@ class Engine:
         if finish == "length":
             detok.finalize()
             splitter.feed(detok.last_segment)
-        predicted = (None if req.prediction is None
-                     else predicted_count(self.tokenizer, req.prediction))
-        extra = usage_extra(session, predicted=predicted)
+        extra = usage_extra(session, prediction=prediction_ids(self.tokenizer, req.prediction),
+                            completion=tokens)
         text = splitter.finish()
         return Outcome(text, tokens, finish, len(prompt_ids), len(prompt_ids) - len(rest), extra)
 

@@ -116,12 +116,13 @@ class _Target(CacheView):
 
 
 class _Output:
-    """What the consumer has received: ``emitted`` ids, mirrored in ``stats.emitted`` (the one
-    place it is written), and the proposal rounds' bursts."""
+    """What the consumer has received: ``emitted`` ids (the session's ``emitted_ids``), mirrored
+    in ``stats.emitted`` (the one place either is written), and the proposal rounds' bursts."""
 
     def __init__(self, fill: FillSession):
         self.fill = fill
         self.emitted: list[int] = []
+        fill.emitted_ids = self.emitted
         fill.stats.emitted = 0
 
     def emit(self, token: int) -> None:

@@ -171,6 +171,9 @@ class FillSession:
         self.trace = trace
         self.pace = pace if pace is not None else Pace()
         self.stats = FillStats()
+        # the ids the consumer received, in order (the decode loop's list, shared: written only
+        # where a token is emitted)
+        self.emitted_ids: list[int] = []
         self.refused: str | None = None
         # a sharded model's agreement (:class:`~mlx_fill.core.shared.SharedRounds`), set by
         # ``build_session``; None on one machine

@@ -224,7 +224,7 @@ def run_predict(args: argparse.Namespace) -> int:
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-    from mlx_fill.session import build_session, end_session, predicted_count, usage_extra
+    from mlx_fill.session import build_session, end_session, prediction_ids, usage_extra
 
     name = args.fixture or QWEN25
     if name == QWEN25:
@@ -236,15 +236,15 @@ def run_predict(args: argparse.Namespace) -> int:
     messages = [{"role": "system", "content": EDIT_SYSTEM},
                 {"role": "user", "content": f"{EDIT_INSTRUCTION}\n\n```python\n{EDIT_FILE}```"}]
     prediction = {"type": "content", "content": EDIT_FILE}
-    predicted = predicted_count(tok, prediction)
+    predicted = prediction_ids(tok, prediction)
     ids = tok.apply_chat_template(messages, add_generation_prompt=True)
     print(f"edit: {EDIT_INSTRUCTION} ({len(EDIT_FILE.splitlines())}-line file; prediction: the "
-          f"original file, {predicted} ids)", flush=True)
+          f"original file, {len(predicted)} ids)", flush=True)
     cache = make_prompt_cache(model)
     model(mx.array(ids[:-1])[None], cache=cache)  # the prompt, prefilled once for both runs
     mx.eval([c.state for c in cache])
     base = cache[0].offset
-    max_tokens = max(args.max_tokens, 2 * predicted)
+    max_tokens = max(args.max_tokens, 2 * len(predicted))
     plain, t_off = _decode(model, tok, ids[-1:], None, max_tokens, prompt_cache=cache)
     trim_prompt_cache(cache, cache[0].offset - base)
     t0 = time.perf_counter()  # the session's set-up (the prediction tokenized) counts
@@ -252,7 +252,7 @@ def run_predict(args: argparse.Namespace) -> int:
     filled, _ = _decode(model, tok, ids[-1:], session, max_tokens, prompt_cache=cache)
     t_on = time.perf_counter() - t0
     end_session(session)
-    usage = usage_extra(session, predicted=predicted)
+    usage = usage_extra(session, prediction=predicted)
     details, stats = usage["completion_tokens_details"], usage["fill"]
     print(f"\nthe model's reply ({len(plain)} ids):\n{tok.decode(plain)}\n")
     print(f"token ids identical (fill off vs prediction): {plain == filled}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from mlx_fill.core.proposal import DEFAULT_MAX_SPAN, DecodeView, FillSession, Proposal
+from mlx_fill.core.proposal import DEFAULT_MAX_SPAN, DecodeView, Proposal
 from mlx_fill.core.cost import CostGate
 
 ORIGIN = "prediction"
@@ -108,10 +108,34 @@ class PredictionSource:
             self.gate.observe_proposed(len(proposal.ids), accepted)
 
 
-def prediction_usage(session: FillSession | None, predicted: int) -> dict[str, int]:
-    """OpenAI's ``completion_tokens_details`` for a request with a prediction of ``predicted``
-    tokens: accepted = predicted ids the target verified and kept, rejected = the rest."""
-    accepted = session.stats.by_origin.get(ORIGIN, 0) if session is not None else 0
-    accepted = min(accepted, predicted)  # a re-anchored prediction can be accepted twice
+ALIGN_ANCHOR = 4  # ids of the completion that place the prediction's cursor after a divergence
+
+
+def prediction_usage(predicted: Sequence[int], completion: Sequence[int]) -> dict[str, int]:
+    """OpenAI's ``completion_tokens_details`` for a prediction of ids ``predicted``, as OpenAI
+    defines them: accepted = the predicted ids that appear in the completion, in order;
+    rejected = the rest. Whichever source proposed an id (or none, or fill off) does not
+    matter; ``usage.fill`` says what fill did.
+
+    One pass over the completion with a cursor in the prediction: an id equal to the one at the
+    cursor is accepted and both advance; otherwise the cursor moves forward to the nearest place
+    where the completion's next :data:`ALIGN_ANCHOR` ids occur (the ids it skips are rejected:
+    the edit deleted them), or, where they occur nowhere ahead, the completion's id is passed
+    (the edit inserted it). Linear in both lengths (a binary search per divergence)."""
+    from bisect import bisect_left
+    starts: dict[tuple[int, ...], list[int]] = {}  # anchor -> its places in ``predicted``, ascending
+    for at in range(len(predicted) - ALIGN_ANCHOR + 1):
+        starts.setdefault(tuple(predicted[at:at + ALIGN_ANCHOR]), []).append(at)
+    cursor = accepted = i = 0
+    while i < len(completion) and cursor < len(predicted):
+        if completion[i] == predicted[cursor]:
+            accepted, cursor, i = accepted + 1, cursor + 1, i + 1
+            continue
+        places = starts.get(tuple(completion[i:i + ALIGN_ANCHOR]), [])
+        ahead = bisect_left(places, cursor)
+        if ahead < len(places):
+            cursor = places[ahead]  # its next ALIGN_ANCHOR ids match: the loop accepts them
+        else:
+            i += 1
     return {"accepted_prediction_tokens": accepted,
-            "rejected_prediction_tokens": max(0, predicted - accepted)}
+            "rejected_prediction_tokens": len(predicted) - accepted}

@@ -80,8 +80,10 @@ def test_prediction_session_is_lossless_and_attaches_telemetry(lm, monkeypatch):
     assert all(isinstance(r.fill, FillStats) for r in out)
     stats = out[-1].fill.as_dict()
     assert stats["injected"] > 0 and stats["verify_accepted"] > 0
-    usage = prediction_usage(session, len(tok.encode(head, add_special_tokens=False)))
-    assert usage["accepted_prediction_tokens"] > 0
+    predicted = tok.encode(head, add_special_tokens=False)
+    assert session.emitted_ids == tokens_of(out)  # what the loop emitted, as the consumer got it
+    usage = prediction_usage(predicted, session.emitted_ids)
+    assert usage["accepted_prediction_tokens"] >= len(predicted) - 1  # but a re-encoded last id
 
 
 def test_fill_with_draft_model_is_rejected(lm):

@@ -109,12 +109,16 @@ def test_prediction_lossless_and_accepted(server):
     head = chat(server, "Say hello.", max_tokens=20).choices[0].message.content
     r = chat(server, "Say hello.", max_tokens=40, prediction={"type": "content", "content": head})
     assert r.choices[0].message.content == ref
-    d = r.usage.completion_tokens_details
+    from mlx_fill.core.model_folder import load_model_folder
+    _, tok = load_model_folder(str(serving_model_dir()[0]))
+    d = r.usage.completion_tokens_details  # the predicted ids the completion holds, and the rest
     assert d.accepted_prediction_tokens > 0
-    assert d.accepted_prediction_tokens + d.rejected_prediction_tokens >= d.accepted_prediction_tokens
+    assert d.accepted_prediction_tokens + d.rejected_prediction_tokens == len(
+        tok.encode(head, add_special_tokens=False))
     wrong = chat(server, "Say hello.", max_tokens=40,
                  prediction={"type": "content", "content": "completely different text " * 4})
     assert wrong.choices[0].message.content == ref  # a wrong prediction never changes tokens
+    assert wrong.usage.completion_tokens_details.rejected_prediction_tokens > 0
 
 
 def test_prompt_cache_reused_across_turns(server):
