@@ -700,7 +700,9 @@ def main(argv: list[str] | None = None) -> int:
     for reason, k in skipped.items():
         print(f"forced: {k} sessions not rendered ({reason})", file=sys.stderr)
     if not turns:
-        return fail("no assistant turn to replay")
+        return fail("no turn rewrites a file a read tool returned earlier (--rewrites); drop "
+                    "--rewrites or pass sessions with such turns" if args.rewrites
+                    else "no assistant turn to replay")
     store = GlobalSuffixTree(max_tokens=args.store_tokens)
     if seed_sessions:
         print(f"forced: store seeded from {args.store_seed}: "
