@@ -144,8 +144,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(strict, plus spans copied from the conversation), all (echo, "
                              "plus suffix and n-gram lookups)")
     parser.add_argument("--turns", type=positive_int, default=3,
-                        help="agent turns (model call, then a canned tool result) to run")
-    parser.add_argument("--max-tokens", type=positive_int, default=160, help="token limit per turn")
+                        help="agent turns (model call, then a canned tool result) to run; "
+                             "--predict runs one edit")
+    parser.add_argument("--max-tokens", type=positive_int, default=160,
+                        help="token limit per turn (with --predict, at least twice the "
+                             "prediction: the edited file must fit)")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                         help="cast the model's floating-point weights after loading (default: as "
                              "stored; smollm2-tools fills only in bfloat16 on a CPU, where its "
