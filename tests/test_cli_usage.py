@@ -336,6 +336,7 @@ def test_audit_unusable_tools(tools, needle, tmp_path, capsys):
     ({"reply": "hi"}, "its 'reply' is not a message object"),
     ({"raw_reply": 5}, "its 'raw_reply' is not a string"),
     ({"messages": [1, 2], "raw_reply": "x"}, "its 'messages' is not a list of message objects"),
+    ({"raw_reply": "x", "expect": "bogus"}, "its 'expect' is 'bogus', not 'fill' or 'none'"),
     (None, "cannot read"),
 ])
 def test_audit_malformed_case_files(case, needle, tmp_path, capsys):

@@ -210,6 +210,8 @@ def _case_problem(case: object) -> str | None:
     messages = case.get("messages")
     if not (isinstance(messages, list) and all(isinstance(m, dict) for m in messages)):
         return "its 'messages' is not a list of message objects"
+    if case.get("expect", "fill") not in ("fill", "none"):
+        return f"its 'expect' is {case['expect']!r}, not 'fill' or 'none'"
     if "raw_reply" in case:
         return None if isinstance(case["raw_reply"], str) else "its 'raw_reply' is not a string"
     if "reply" in case:
