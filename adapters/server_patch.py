@@ -211,12 +211,12 @@ class ServerFill:
         tokenizer = kwargs["tokenizer"]
         prompt_ids = fill_request.prompt_ids or []
         refusal = self.budget_refusal(body, tokenizer)
-        if refusal is not None:
-            session = FillSession([], prompt_ids=prompt_ids)
-            session.refuse(refusal)
-            return session
         try:
             fill_request.prediction = prediction_ids(tokenizer, body.get("prediction"))
+            if refusal is not None:
+                session = FillSession([], prompt_ids=prompt_ids)
+                session.refuse(refusal)
+                return session
             session = build_session(
                 fill_request.mode, model=kwargs["model"], tokenizer=tokenizer,
                 prompt_ids=prompt_ids, messages=body.get("messages"),

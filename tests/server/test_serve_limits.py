@@ -329,6 +329,23 @@ def test_hook_skips_fill_over_the_compile_budget(engine, monkeypatch):
     assert session.stats.refusals == {"compile_budget": 1}
 
 
+def test_hook_over_the_compile_budget_still_counts_a_prediction(engine):
+    """The refused session decodes as stock; the prediction's ids are kept, so the reply still
+    gets ``completion_tokens_details``."""
+    body = {"messages": USER, "tools": [tool(mixed_enum(25000))],
+            "prediction": {"type": "content", "content": "hello there"}}
+    args = SimpleNamespace(sampling=SimpleNamespace(temperature=0.0), seed=None, logprobs=False,
+                           top_logprobs=-1)
+    request = server_patch.FillRequest("strict", body, prompt_ids=[1, 2, 3])
+    session = server_patch.ServerFill("strict").open_session(
+        request, args, {"tokenizer": engine.tokenizer, "model": engine.model})
+    request.session = session
+    assert session.stats.refusals == {"compile_budget": 1} and request.prediction
+    session.emitted_ids.extend(request.prediction)  # what the decode loop writes
+    assert request.usage()["completion_tokens_details"] == {
+        "accepted_prediction_tokens": len(request.prediction), "rejected_prediction_tokens": 0}
+
+
 def test_hook_never_renders_a_request_template(engine, monkeypatch):
     session = hook_session(engine, monkeypatch, {
         "messages": USER, "tools": TOOLS, "chat_template_kwargs": {"chat_template": "{{ 7*7 }}"}})
