@@ -47,9 +47,12 @@ def _stop_refusal(stop: Any) -> str | None:
 
 def _prompt_refusal(prompt: Any) -> str | None:
     """A ``/v1/completions`` ``prompt`` that is a list of strings tokenizes as a batch (a list
-    of id lists), which mlx-lm's prompt-cache lookup cannot hash."""
+    of id lists), which mlx-lm's prompt-cache lookup cannot hash; an empty one is a sequence
+    without ids, which the batch generator refuses by raising."""
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         return "prompt must be a string, got a list of strings"
+    if prompt == "":
+        return "prompt must not be empty"
     return None
 
 

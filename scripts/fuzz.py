@@ -49,7 +49,7 @@ TOOLS = [{"type": "function", "function": {
                    "required": ["city"]}}}]
 BASE = {"messages": USER, "max_tokens": 4, "temperature": 0}
 OUTCOMES = ("2xx", "4xx shaped", "4xx unshaped", "5xx", "no response", "hangs", "crashes")
-CLASSES = ("malformed", "types", "schemas", "unicode", "cut", "concurrent", "huge")
+CLASSES = ("malformed", "types", "completions", "schemas", "unicode", "cut", "concurrent", "huge")
 FIELDS = ("messages", "model", "tools", "tool_choice", "stop", "max_tokens",
           "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stream",
           "stream_options", "n", "logprobs", "top_logprobs", "prediction", "response_format",
@@ -66,7 +66,7 @@ class Case:
     cls: str
     name: str
     raw: bytes = b""
-    kind: str = "post"  # post | cut | concurrent
+    kind: str = "post"  # post | cut | concurrent | completions (a /v1/completions body)
 
 
 def _body(extra: dict | None = None, raw_fields: str = "", tools: bool = False) -> bytes:
@@ -116,6 +116,13 @@ def cases(classes: tuple[str, ...]) -> list[Case]:
                 for value in BAD_VALUES:
                     out.append(Case("types", f"{name}={value}" + (" +tools" if tools else ""),
                                     _field(name, value, tools)))
+    if "completions" in classes:
+        for tools in (False, True):
+            extra = f', "tools": {json.dumps(TOOLS)}' if tools else ""
+            for value in (*BAD_VALUES, '["hi", "there"]', '["hi"]', '[["hi"]]', '["hi", 1]', '""'):
+                out.append(Case("completions", f"prompt={value}" + (" +tools" if tools else ""),
+                                f'{{"max_tokens": 4{extra}, "prompt": {value}}}'.encode(),
+                                kind="completions"))
     if "huge" in classes:
         deep = "[" * 10000 + "]" * 10000
         out += [
@@ -262,8 +269,8 @@ class Server:
                 self.proc.wait()
 
 
-def post(server: Server, raw: bytes, timeout: float) -> httpx.Response:
-    return httpx.post(server.base + "/v1/chat/completions", content=raw, timeout=timeout,
+def post(server: Server, raw: bytes, timeout: float, route: str = "/v1/chat/completions") -> httpx.Response:
+    return httpx.post(server.base + route, content=raw, timeout=timeout,
                       headers={"content-type": "application/json"})
 
 
@@ -301,6 +308,8 @@ def run_case(server: Server, case: Case, timeout: float) -> str:
                 answers = list(pool.map(lambda _: post(server, case.raw, timeout), range(8)))
             worst = [classify(server, a) for a in answers]
             outcome = next((o for o in worst if o != "2xx"), "2xx")
+        elif case.kind == "completions":
+            outcome = classify(server, post(server, case.raw, timeout, "/v1/completions"))
         else:
             outcome = classify(server, post(server, case.raw, timeout))
     except httpx.TimeoutException:
@@ -327,7 +336,11 @@ def handled(server: Server, case: Case) -> bool:
         body = json.loads(case.raw)
     except (ValueError, RecursionError):
         return False
-    return wants_fill(body) or refusal(body, VOCAB[0]) is not None
+    if not isinstance(body, dict):
+        return False
+    prompt = body.get("prompt") if case.kind == "completions" else None
+    return wants_fill(body) or refusal(body, VOCAB[0], temperature=body.get("temperature", 0.0),
+                                       text_prompt=prompt) is not None  # the servers' --temp 0
 
 
 VOCAB = [None]

@@ -86,11 +86,14 @@ def test_each_refused_request_is_a_400_and_the_server_keeps_serving(server):
     assert server.get("/health").json() == {"status": "ok"}
 
 
-def test_a_list_of_prompts_is_a_400_and_the_server_keeps_serving(server):
-    """``/v1/completions`` with ``prompt`` a list of strings: tokenized as a batch, it would
-    kill the thread in mlx-lm's prompt-cache lookup; other prompts are left to mlx-lm."""
+def test_a_list_of_prompts_or_an_empty_one_is_a_400_and_the_server_keeps_serving(server):
+    """``/v1/completions`` with ``prompt`` a list of strings (tokenized as a batch, it would
+    kill the thread in mlx-lm's prompt-cache lookup) or empty (a sequence without ids, which the
+    batch generator raises on); other prompts are left to mlx-lm."""
     r = server.post("/v1/completions", json={"prompt": ["hi", "there"], "max_tokens": 2})
     assert r.status_code == 400 and r.json() == {"error": "prompt must be a string, got a list of strings"}
+    r = server.post("/v1/completions", json={"prompt": "", "max_tokens": 2})
+    assert r.status_code == 400 and r.json() == {"error": "prompt must not be empty"}
     assert server.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
     assert server.get("/health").json() == {"status": "ok"}
 
@@ -126,8 +129,9 @@ def test_the_sampler_checks_apply_unless_the_request_is_greedy():
         assert refusal(fields, VOCAB) is not None, fields  # temperature unknown
 
 
-def test_only_a_text_prompt_that_is_a_list_of_strings_is_refused():
+def test_only_a_text_prompt_that_is_a_list_of_strings_or_empty_is_refused():
     assert refusal({}, text_prompt=["a", "b"]) is not None
     assert refusal({}, text_prompt=["a"]) is not None
+    assert refusal({}, text_prompt="") is not None
     for prompt in ("a", [], [1, 2], ["a", 1], None):  # mlx-lm answers these itself
         assert refusal({}, text_prompt=prompt) is None, prompt
