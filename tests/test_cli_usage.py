@@ -448,7 +448,7 @@ def test_bench_arguments(argv, needle, capsys):
 
 @pytest.mark.parametrize(("module", "argv", "needle"), [
     ("concurrency", ["--clients", "0"], "argument --clients: 0 is not at least 1"),
-    ("concurrency", ["--modes", "unset,bogus"], "argument --modes: 'bogus' is not one of"),
+    ("concurrency", ["--modes", "unset,bogus"], "argument --modes: unknown modes ['bogus']; choose from"),
     ("concurrency", ["--json", "/proc/x.json"], "argument --json: cannot write /proc/x.json"),
     ("draft", ["--lengths", "-5"], "argument --lengths: -5 is not at least 1"),
     ("draft", ["--tokens", "0"], "argument --tokens: 0 is not at least 1"),

@@ -406,7 +406,7 @@ def print_table(title: str, table: dict) -> None:
         print_table(f"{title} / {source}", sub)
 
 
-def _names(known: Sequence[str], what: str) -> Callable[[str], list[str]]:
+def name_list(known: Sequence[str], what: str) -> Callable[[str], list[str]]:
     """argparse ``type=``: a comma-separated list of names from ``known``."""
     def parse(value: str) -> list[str]:
         names = [n.strip() for n in value.split(",") if n.strip()]
@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = _Parser(prog="python -m scripts.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer prompts, fixtures and repeats")
-    ap.add_argument("--parts", type=_names(PARTS, "parts"), default=",".join(PARTS[:3]),
+    ap.add_argument("--parts", type=name_list(PARTS, "parts"), default=",".join(PARTS[:3]),
                     help=f"comma-separated, from {','.join(PARTS)}")
     ap.add_argument("--max-tokens", type=positive_int, default=128,
                     help="tokens per e2e / prose request")
@@ -440,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=positive_int, default=None,
                     help="timing repeats (default: 1 with --quick, else 3)")
     ap.add_argument("--json", type=output_file, default=None, help="write the report here")
-    ap.add_argument("--fixtures", type=_names((*FIXTURES, *REAL_FIXTURES, *WIDE_FIXTURES), "fixtures"),
+    ap.add_argument("--fixtures", type=name_list((*FIXTURES, *REAL_FIXTURES, *WIDE_FIXTURES), "fixtures"),
                     default=None,
                     help="e2e fixtures, comma-separated (default: qwen3-json with --quick, else "
                          "qwen3-json,qwen35-xml,glm-xml)")

@@ -33,14 +33,11 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, TypeVar
-
 import httpx
 
 from mlx_fill.assets.fixtures import fixture_path
 from mlx_fill.core.errors import output_file, positive_int
-
-T = TypeVar("T")
+from scripts.bench.__main__ import name_list
 
 ROOT = Path(__file__).resolve().parents[2]
 HELDOUT = ROOT / "fixtures" / "prompts" / "heldout.jsonl"
@@ -60,21 +57,12 @@ def requests_for(source: str, repeat: int) -> list[dict]:
 MODES = ("unset", "strict", "echo", "all")  # ``MLX_FILL`` of each server (unset: stock mlx-lm)
 
 
-def mode_name(value: str) -> str:
-    """argparse item type: one of :data:`MODES`."""
-    if value not in MODES:
-        raise argparse.ArgumentTypeError(f"{value!r} is not one of {', '.join(MODES)}")
-    return value
-
-
-def comma_list(item: Callable[[str], T]) -> Callable[[str], list[T]]:
-    """argparse ``type=``: a non-empty comma-separated list, each item parsed by ``item``."""
-    def parse(value: str) -> list[T]:
-        items = [item(v.strip()) for v in value.split(",") if v.strip()]
-        if not items:
-            raise argparse.ArgumentTypeError("name at least one")
-        return items
-    return parse
+def positive_ints(value: str) -> list[int]:
+    """argparse ``type=``: a non-empty comma-separated list of integers of at least 1."""
+    levels = [positive_int(v.strip()) for v in value.split(",") if v.strip()]
+    if not levels:
+        raise argparse.ArgumentTypeError("name at least one level")
+    return levels
 
 
 def model_dir(name: str, dtype: str) -> str:
@@ -176,9 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-json", help="a model folder or a fixture name")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    ap.add_argument("--clients", type=comma_list(positive_int), default="1,4,8",
+    ap.add_argument("--clients", type=positive_ints, default="1,4,8",
                     help="concurrency levels, comma-separated")
-    ap.add_argument("--modes", type=comma_list(mode_name), default="unset,strict,all",
+    ap.add_argument("--modes", type=name_list(MODES, "modes"), default="unset,strict,all",
                     help=f"comma-separated, of {', '.join(MODES)}")
     ap.add_argument("--source", default="mini_swe_agent")
     ap.add_argument("--repeat", type=positive_int, default=1)

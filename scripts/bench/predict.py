@@ -52,6 +52,7 @@ import mlx.core as mx
 
 from mlx_fill.assets.fixtures import FIXTURES, REAL_FIXTURES
 from mlx_fill.core.errors import output_file, positive_int
+from scripts.bench.__main__ import name_list
 
 ROOT = Path(__file__).resolve().parents[2]
 ARMS = ("off", "prediction", "prediction+all")
@@ -274,7 +275,7 @@ def run_task(task: EditTask, *, model, tok, repeats: int, max_tokens: int, rate:
               "predicted_tokens": len(predicted), "output_tokens": len(off),
               "edit_correct": (edited_file(text).rstrip() == task.expected().rstrip()
                                if len(off) < max_tokens else None),
-              "coverage": round(coverage(off, tok.encode(task.prediction(), add_special_tokens=False)), 3),
+              "coverage": round(coverage(off, predicted), 3),
               "prefill_s": round(prefill_s, 2), "arms": {}}
     result["bound"] = round(bound_for(result["coverage"], rate), 2)
     if plan_rate is not None:
@@ -346,20 +347,11 @@ def run(fixture: str, task_names: list[str], repeats: int, dtype: str | None,
             "date": time.strftime("%Y-%m-%d %H:%M"), "tasks": results}
 
 
-def task_names(value: str) -> list[str]:
-    """argparse ``type=``: comma-separated names of :data:`TASKS`."""
-    names = [v.strip() for v in value.split(",") if v.strip()]
-    unknown = [n for n in names if n not in {t.name for t in TASKS}]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown tasks {unknown}; name some of "
-                                         f"{', '.join(t.name for t in TASKS)}")
-    return names
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fixture", default="qwen25-coder-0.5b", choices=(*FIXTURES, *REAL_FIXTURES))
-    ap.add_argument("--tasks", type=task_names, default=",".join(DEFAULT_TASKS),
+    ap.add_argument("--tasks", type=name_list([t.name for t in TASKS], "tasks"),
+                    default=",".join(DEFAULT_TASKS),
                     help=f"comma-separated, of {', '.join(t.name for t in TASKS)}")
     ap.add_argument("--repeats", type=positive_int, default=1)
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
