@@ -135,10 +135,10 @@ def check_env() -> None:
     if unknown:
         raise BadEnvironment(f"MLX_FILL_SOURCES: unknown sources {unknown}; known: {list(NAMES)}")
     trace = os.environ.get("MLX_FILL_TRACE")
-    if trace and (os.path.isdir(trace) or not os.path.isdir(os.path.dirname(os.path.abspath(trace)))):
-        raise BadEnvironment(f"MLX_FILL_TRACE={trace} is not a file path in an existing folder; "
-                             f"name a file to append the trace to")
     if trace:
+        if os.path.isdir(trace) or not os.path.isdir(os.path.dirname(os.path.abspath(trace))):
+            raise BadEnvironment(f"MLX_FILL_TRACE={trace} is not a file path in an existing "
+                                 f"folder; name a file to append the trace to")
         problem = (unwritable(Path(trace).parent) if not os.path.exists(trace)
                    else None if os.access(trace, os.W_OK) else "the file is read-only")
         if problem:

@@ -94,6 +94,7 @@ class Runs:
 # what every ``kind: turn`` record holds (``replay.turn_record``), by the type of its value
 TURN_FIELDS: dict[str, type] = {"arm": str, "output": dict, "expected": dict, "timing": dict,
                                 "usage": dict}
+JSON_NAMES = {str: "string", dict: "object", list: "list"}  # a field type, as a message says it
 
 
 def _seconds(value: object) -> bool:
@@ -118,7 +119,7 @@ def _turn_problem(record: dict) -> str | None:
             return f"it has no {key!r}"
     for key, kind in TURN_FIELDS.items():
         if not isinstance(record[key], kind):
-            return f"its {key!r} is not a JSON {'string' if kind is str else 'object'}"
+            return f"its {key!r} is not a JSON {JSON_NAMES[kind]}"
     if not _seconds(record["timing"].get("wall_s")):
         return "its timing has no wall_s number of seconds"
     for key in ("ttft_s", "first_tool_call_s"):
@@ -137,7 +138,7 @@ def _header_problem(header: dict) -> str | None:
     """What a ``kind: run`` header holds that the report cannot read, or None."""
     for key, kind in HEADER_FIELDS.items():
         if key in header and not isinstance(header[key], kind):
-            return f"its {key!r} is not a JSON {'object' if kind is dict else 'list'}"
+            return f"its {key!r} is not a JSON {JSON_NAMES[kind]}"
     if not all(isinstance(s, dict) for s in header.get("sessions", [])):
         return "its sessions are not JSON objects"
     return None
