@@ -51,12 +51,15 @@ class DecodeView:
 class Proposal:
     """Ids for the next slots. ``origin`` names the source/row (telemetry, ledger, trace);
     ``certainty`` is a compiled strict row's class (``determined`` / ``likely``, see
-    :func:`mlx_fill.strict.rows.certainty`), None for sources that are not compiled rows."""
+    :func:`mlx_fill.strict.rows.certainty`), None for sources that are not compiled rows.
+    ``yields``: a guess that gives way to any later source's proposal for the same view
+    (:meth:`FillSession.propose`)."""
 
     ids: tuple[int, ...]
     policy: Policy
     origin: str
     certainty: str | None = None
+    yields: bool = False
 
     def __post_init__(self) -> None:
         if not self.ids:
@@ -190,7 +193,8 @@ class FillSession:
     def propose(self, view: DecodeView) -> Proposal | None:
         """The first usable proposal of the armed sources, cut at EOS and ``max_span``; None
         for a view that ends with an end id (a chained view led by the sample that ends the
-        sequence: nothing follows it)."""
+        sequence: nothing follows it). A proposal that ``yields`` is made only when no later
+        source proposes (those sources are asked for this view as if it had not been made)."""
         if self.refused is not None or (view.emitted and view.emitted[-1] in view.eos_ids):
             return None
         self.pace.first_in_flight = not view.pending
@@ -201,6 +205,7 @@ class FillSession:
             self.stats.source_ms += (time.perf_counter() - t0) * 1e3
 
     def _propose(self, view: DecodeView) -> Proposal | None:
+        held = None  # the first yielding proposal, made if no later source proposes
         for src in list(self.sources):
             try:
                 p = src.propose(view)
@@ -221,8 +226,11 @@ class FillSession:
                 continue
             if p.policy == "assert" and not self._assert_pays(len(ids)):
                 continue
-            return p if len(ids) == len(p.ids) else replace(p, ids=tuple(ids))
-        return None
+            p = p if len(ids) == len(p.ids) else replace(p, ids=tuple(ids))
+            if not p.yields:
+                return p
+            held = held or p
+        return held
 
     def _assert_pays(self, m: int) -> bool:
         """Whether asserting ``m`` ids (``m`` rows in the plan's chunks plus the round's

@@ -18,7 +18,11 @@ Rows:
 * ``name`` -- after a tool name's first distinguishing token: the rest of the name, the
   name-to-arguments punctuation, and the sole key when certain.
 * ``close`` -- after a complete value delimiter, when the guard says no further argument can
-  legally follow: the rest of the call through its end marker.
+  legally follow: the rest of the call through its end marker (and, under the tool's own
+  origin, once the required keys of a tool that may take more are written).
+* ``key`` -- after a complete value delimiter, when a required key follows the written ones in
+  the schema's order (:meth:`~mlx_fill.strict.schema.ToolSchema.next_required`): the text
+  between the two values through that key, cut before the next value begins.
 * ``header`` -- in the syntaxes whose ``CallSyntax.forced`` says where the protocol's forced
   text ends (harmony, Llama 3.x JSON, Mistral): the part of a scaffold or name row's span
   beyond it (the channel header, the arguments object's opening), cut off into a row of its own.
@@ -40,6 +44,7 @@ conversation only when that conversation renders the same reference call body.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import re
@@ -83,6 +88,8 @@ def certainty(kind: str, syntax: str, *, after_call: bool = False,
       marker); and a Hermes-JSON row that reaches into the ``arguments`` object
       (``into_arguments``), whose spacing is the model's own JSON (a template inserts string
       arguments verbatim, so ``{ "k"`` is as valid as ``{"k"``).
+    * ``key`` rows are ``likely``: a model may write an optional key first, or the keys in an
+      order of its own, and in XML and GLM they fire where a raw value may go on.
     * ``close`` rows are ``likely`` in every supported syntax: in XML and GLM they fire after
       ``</parameter>`` / ``</arg_value>``, which a raw-text value can contain; in the JSON
       syntaxes they fire only after a closed string (a JSON string cannot hold an unescaped
@@ -95,10 +102,10 @@ def certainty(kind: str, syntax: str, *, after_call: bool = False,
       Their scaffold and name rows hold only forced text (the rest of a name after the special
       or template-written opening) and are ``determined``.
     """
-    if kind not in ("scaffold", "name", "close", "header"):
+    if kind not in ("scaffold", "name", "close", "header", "key"):
         raise ValueError(f"unknown row kind {kind!r}")
     raw_values = SYNTAXES[syntax].raw_values
-    if kind in ("close", "header") or into_arguments or (after_call and raw_values):
+    if kind in ("close", "header", "key") or into_arguments or (after_call and raw_values):
         return "likely"
     return "determined"
 
@@ -118,7 +125,7 @@ class Row:
     """One strict row.
 
     ``key`` is the text the guard must see: the call body so far (``scaffold``/``name``) or
-    the text written since the last argument value ended (``close``). ``trigger`` are ids the
+    the text written since the last argument value ended (``close``, ``key``). ``trigger`` are ids the
     emitted stream must end with; ``span`` the ids to propose; ``certainty`` its class (only a
     ``determined`` row may ever be asserted). A row without a valid class cannot be built.
     """
@@ -139,6 +146,12 @@ class Row:
     def origin(self) -> str:
         return f"strict:{self.kind}:{self.detail}" if self.detail else f"strict:{self.kind}"
 
+    @property
+    def yields(self) -> bool:
+        """Whether the row guesses the model's own choice (the next key, a close while optional
+        keys may follow) and gives way to another source's proposal."""
+        return self.kind == "key" or (self.kind == "close" and bool(self.detail))
+
 
 @dataclass(frozen=True)
 class RowTable:
@@ -146,7 +159,11 @@ class RowTable:
 
     ``head`` rows serve a turn's first call; ``later_head`` the same spans for a call that
     opens after an earlier call of the turn has ended, classed by :func:`certainty` with
-    ``after_call`` (they differ only in class).
+    ``after_call`` (they differ only in class). ``keys`` holds the key rows by (text since the
+    value ended, tool, the key they write); ``optional_close`` the close rows by (text, tool)
+    for a tool that may take keys beyond its required ones, under the tool's own origin
+    (``strict:close:TOOL``): they fire once its required keys are written, and are right only
+    as often as its calls leave the others out.
     """
 
     syntax: str
@@ -155,13 +172,20 @@ class RowTable:
     head: dict[str, Row]
     close: dict[str, Row]
     reference_body: tuple[int, ...]
-    close_keys: tuple[str, ...] = field(default=())
     later_head: dict[str, Row] = field(default_factory=dict)
+    keys: dict[tuple[str, str, str], Row] = field(default_factory=dict)
+    optional_close: dict[tuple[str, str], Row] = field(default_factory=dict)
 
     def rows(self) -> list[Row]:
         """Every distinct compiled row (a later-call head row only where its class differs)."""
         later = [r for k, r in self.later_head.items() if self.head.get(k) != r]
-        return [*self.head.values(), *later, *self.close.values()]
+        return [*self.head.values(), *later, *self.close.values(), *self.keys.values(),
+                *self.optional_close.values()]
+
+    def after_value(self) -> tuple[str, ...]:
+        """Every text a close or key row is keyed by, longest first."""
+        return tuple(sorted({*self.close, *(text for text, _, _ in self.keys)}, key=len,
+                            reverse=True))
 
     def head_rows(self, calls_ended: int) -> dict[str, Row]:
         """The head rows for a call opening after ``calls_ended`` calls of this turn."""
@@ -316,7 +340,7 @@ def _bodies(r: Rendered, markers: Markers, tools: list[str]) -> list[_Body]:
         if s_end not in index or e_end not in index:
             raise TemplateError("call markers are not token boundaries")
         j, k = index[s_end], index[e_end]
-        j0 = max(i for i in range(j) if r.offsets[i] <= start)
+        j0 = bisect.bisect_right(r.offsets, start, 0, j) - 1   # the id holding the marker's start
         out.append(_Body(r.ids[j0:j], r.ids[j:k], raw[s_end:end].decode("utf-8"), tool))
         pos = e_end
     return out
@@ -336,8 +360,8 @@ def _head_probes(schema: ToolSchema) -> list[tuple[str, dict]]:
 
 
 def _close_probes(schema: ToolSchema) -> list[tuple[str, dict, str]]:
-    """Complete calls of a closable tool, last value varied: (name, args, last value)."""
-    if schema.open or not schema.properties:
+    """Complete calls of a tool with arguments, last value varied: (name, args, last value)."""
+    if not schema.properties:
         return []
     out = []
     for v in CLOSE_VALUES:
@@ -564,14 +588,139 @@ def _close_rows(prober: _Prober, markers: Markers, schemas: list[ToolSchema], sy
         span = _clean(list(next(iter(spans))), eos, stops)
         if span is None:
             continue
-        triggers = [t for t, _ in options]
-        common: list[int] = []
-        for parts in zip(*(reversed(t) for t in triggers)):
-            if len(set(parts)) != 1:
-                break
-            common.insert(0, parts[0])
-        rows[key] = Row("close", "", key, tuple(common), span, certainty("close", syntax.name))
+        rows[key] = Row("close", "", key, _common_suffix([t for t, _ in options]), span,
+                        certainty("close", syntax.name))
     return rows
+
+
+def _first_key_rows(prober: _Prober, markers: Markers, schemas: list[ToolSchema],
+                    probes: list[tuple[str, dict]], bodies: list[_Body], syntax: str,
+                    eos: set[int], stops: set[int] | None = None) -> dict[str, Row]:
+    """Key rows for a call's first key, keyed by the call body so far: for a tool whose
+    arguments may begin with more than one key, the first required key in the schema's order
+    (:meth:`ToolSchema.next_required` of no keys), from where its head probe leaves the
+    tool's other head probes (the end of its name row) to where the first value may begin
+    (the ids its probes share over every :data:`HEAD_VALUES` value)."""
+    table = prober.table
+    firsts = [(s.name, key) for s in schemas if s.sole_key is None
+              and (key := s.next_required(())) is not None]
+    if not firsts:
+        return {}
+    varied = iter(prober.probe([(name, {key: w}) for name, key in firsts for w in HEAD_VALUES],
+                               markers))
+    rows: dict[str, Row] = {}
+    for name, key in firsts:
+        own = [next(varied) for _ in HEAD_VALUES]
+        ids = own[0].ids
+        shared = _common_prefix([b.ids for b in own])
+        others = [b.ids for (tool, args), b in zip(probes, bodies)
+                  if tool == name and list(args) != [key]]
+        if not others:
+            continue
+        start = max(_common_prefix([ids, other]) for other in others)
+        text = _decode(table, ids[:start])
+        span = _clean(list(ids[start:shared]), eos, stops)
+        if text is None or span is None:
+            continue
+        rows[text] = Row("key", f"{name}.{key}", text, (*own[0].trigger, *ids[:start]), span,
+                         certainty("key", syntax))
+    return rows
+
+
+def _key_probes(schema: ToolSchema) -> list[tuple[str, str]]:
+    """(the key before it, key) for every required key that follows another in the schema's
+    order: where :meth:`ToolSchema.next_required` can name it after a written value."""
+    props = schema.properties
+    return [(props[i - 1], key) for i, key in enumerate(props) if i and key in schema.required]
+
+
+def _common_prefix(seqs: list[tuple[int, ...]]) -> int:
+    n = min(len(s) for s in seqs)
+    for i in range(n):
+        if len({s[i] for s in seqs}) != 1:
+            return i
+    return n
+
+
+def _key_rows(prober: _Prober, markers: Markers, schemas: list[ToolSchema], syntax,
+              eos: set[int], stops: set[int] | None = None) -> dict[tuple[str, str, str], Row]:
+    """Key rows: for a key that follows ``before`` in a tool's schema, probe calls writing
+    ``before`` then the key. With the first value fixed and the second varied (every
+    :data:`HEAD_VALUES` type and first character), the ids all renders share end where the
+    second value may begin; with the second fixed and the first varied (:data:`CLOSE_VALUES`),
+    every token boundary after the first value's end where the guard reads that end gives a
+    row keyed by the text since it, proposing the ids from there through that shared end."""
+    table = prober.table
+    pairs = [(s.name, before, key) for s in schemas for before, key in _key_probes(s)]
+    if not pairs:
+        return {}
+    probes: list[tuple[str, dict]] = []
+    for name, before, key in pairs:
+        probes += [(name, {before: CLOSE_VALUES[0], key: w}) for w in HEAD_VALUES]
+        probes += [(name, {before: v, key: HEAD_VALUES[0]}) for v in CLOSE_VALUES]
+    bodies = iter(prober.probe(probes, markers))
+    found: dict[tuple[str, str, str], set] = defaultdict(set)
+    for name, before, key in pairs:
+        varied = [next(bodies) for _ in HEAD_VALUES]
+        shared = _common_prefix([b.ids for b in varied])
+        end = _value_end(varied[0], table, before, CLOSE_VALUES[0])
+        if end is None:
+            continue
+        span_end = sum(len(table[t]) for t in varied[0].ids[:shared]) - end
+        for v in CLOSE_VALUES:
+            body = next(bodies)
+            v_end = _value_end(body, table, before, v)
+            if v_end is None:
+                continue
+            raw = body.text.encode("utf-8")
+            v_chars = len(raw[:v_end].decode("utf-8", errors="ignore"))
+            offs, pos = [], 0
+            for t in body.ids:
+                offs.append(pos)
+                pos += len(table[t])
+            stop = next((j for j, o in enumerate(offs) if o + len(table[body.ids[j]])
+                         > v_end + span_end), len(body.ids))
+            for i, off in enumerate(offs[:stop]):
+                if off <= v_end:
+                    continue
+                try:
+                    text = raw[v_end:off].decode("utf-8")
+                    state = syntax.parse(raw[:off].decode("utf-8"))
+                except UnicodeDecodeError:
+                    continue
+                if state is None or state.value_end != v_chars or state.keys != (before,):
+                    continue
+                inside = tuple(t for t, o in zip(body.ids[:i], offs[:i]) if o >= v_end)
+                found[(text, name, key)].add((inside, body.ids[i:stop]))
+    rows: dict[tuple[str, str, str], Row] = {}
+    for (text, name, key), options in found.items():
+        spans = {s for _, s in options}
+        if len(spans) != 1:
+            continue
+        span = _clean(list(next(iter(spans))), eos, stops)
+        if span is None:
+            continue
+        trigger = _common_suffix([t for t, _ in options])
+        rows[(text, name, key)] = Row("key", f"{name}.{key}", text, trigger, span,
+                                      certainty("key", syntax.name))
+    return rows
+
+
+def _value_end(body: _Body, table, before: str, value: str) -> int | None:
+    """Byte offset in ``body.text`` right after ``value``, written as the value of ``before``."""
+    raw = body.text.encode("utf-8")
+    at = raw.find(before.encode("utf-8"))
+    at = raw.find(value.encode("utf-8"), at + len(before.encode("utf-8"))) if at >= 0 else -1
+    return None if at < 0 else at + len(value.encode("utf-8"))
+
+
+def _common_suffix(seqs: list[tuple[int, ...]]) -> tuple[int, ...]:
+    common: list[int] = []
+    for parts in zip(*(reversed(s) for s in seqs)):
+        if len(set(parts)) != 1:
+            break
+        common.insert(0, parts[0])
+    return tuple(common)
 
 
 def compile_table(tokenizer, messages: list[dict], tools: list[dict] | None,
@@ -606,14 +755,22 @@ def compile_table(tokenizer, messages: list[dict], tools: list[dict] | None,
         stops = stop_ids(tokenizer, syntax, eos)
         head = _head_rows(bodies, prober.table, eos, syntax.name, after_call=False, stops=stops)
         later = _head_rows(bodies, prober.table, eos, syntax.name, after_call=True, stops=stops)
+        if syntax.grammar_file:
+            first = _first_key_rows(prober, markers, schemas, probes, bodies, syntax.name, eos,
+                                    stops)
+            head, later = {**first, **head}, {**first, **later}
         close = (_close_rows(prober, markers, schemas, syntax, eos, stops)
                  if syntax.grammar_file else {})
+        keys = (_key_rows(prober, markers, schemas, syntax, eos, stops)
+                if syntax.grammar_file else {})
     except (TemplateError, jinja2.TemplateError):
         return None  # the template cannot render tool calls after the generation prompt
     if syntax.grammar_file is None:
-        head, later, close = {}, {}, {}
+        head, later, close, keys = {}, {}, {}, {}
+    optional_close = {(text, s.name): replace(row, detail=s.name) for s in schemas
+                      if not s.closable(tuple(s.required)) for text, row in close.items()}
     return RowTable(syntax.name, markers, {s.name: s for s in schemas}, head, close, ref.ids,
-                    tuple(sorted(close, key=len, reverse=True)), later)
+                    later, keys, optional_close)
 
 
 def reference_body(tokenizer, messages: list[dict], tools: list[dict], kwargs: dict,

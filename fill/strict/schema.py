@@ -45,6 +45,14 @@ class ToolSchema:
         """True when no further argument can legally follow ``keys``."""
         return not self.open and set(self.properties) <= set(keys)
 
+    def next_required(self, keys: tuple[str, ...]) -> str | None:
+        """The required key after the last of ``keys`` in the schema's order that is not among
+        them: what a call writing its keys in that order writes next (None: no such key)."""
+        order = {k: i for i, k in enumerate(self.properties)}
+        last = max((order[k] for k in keys if k in order), default=-1)
+        return next((k for k in self.properties[last + 1:]
+                     if k in self.required and k not in keys), None)
+
 
 def _path(prefix: str, parts) -> str:
     out = prefix

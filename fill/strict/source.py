@@ -11,8 +11,14 @@ when the guard puts the stream in the row's structural state:
 * ``close`` rows: the body parses (grammar, full consumption) as a known tool's call ending at a
   complete value delimiter, the text since that value equals the row's key, no key is
   duplicated, and the tool's schema allows no further argument.
+  A tool that may take more keys than its required ones gets the same close rows under its
+  own origin once the required keys are written (the model may still write an optional one).
+* ``key`` rows: the same parse, while a required key is unwritten: the row for the text since
+  that value and the required key that follows the written ones in the schema's order.
 
-Policy: every row is proposed as ``verify`` (the same forward checks it; a model that strays
+Key rows and a close while optional keys may follow guess the model's own choice: their
+proposals yield to any later source's (an echo of the call the model is repeating carries
+more than the key). Policy: every row is proposed as ``verify`` (the same forward checks it; a model that strays
 from its template costs nothing but the check). With a ``gate``
 (:class:`~mlx_fill.core.cost.CostGate`) a ``verify`` row is priced like any draft, keyed by its
 origin: the gate keeps the prefix of the span that pays under the loaded model's cost curve,
@@ -115,6 +121,7 @@ class StrictSource:
         self._heads = tuple({**resumed_heads(rows, tokens), **rows}
                             for rows in (table.head_rows(0), table.head_rows(1)))
         self._max_head_key = max((len(k) for h in self._heads for k in h), default=0)
+        self._after_value = table.after_value()
         self._request_stats = None
 
     def _advance(self, emitted) -> None:
@@ -142,19 +149,23 @@ class StrictSource:
             if _ends_with(emitted, row.trigger):
                 return row
             return None
-        for key in self.table.close_keys:
-            if not g.body.endswith(key):
-                continue
-            state = g.call_prefix()
-            if state is None:
-                return None
-            schema = self.table.tools.get(state.tool)
-            if (schema is None or state.closed is False and not schema.closable(state.keys)
-                    or state.value_end != len(g.body) - len(key)):
-                return None
-            row = self.table.close[key]
-            return row if _ends_with(emitted, row.trigger) else None
-        return None
+        if not any(g.body.endswith(text) for text in self._after_value):
+            return None
+        state = g.call_prefix()
+        if state is None or state.value_end is None:
+            return None
+        schema = self.table.tools.get(state.tool)
+        if schema is None:
+            return None
+        text = g.body[state.value_end:]
+        if state.closed or schema.closable(state.keys):
+            row = self.table.close.get(text)
+        elif schema.required <= set(state.keys):
+            row = self.table.optional_close.get((text, state.tool))
+        else:
+            key = schema.next_required(state.keys)
+            row = None if key is None else self.table.keys.get((text, state.tool, key))
+        return row if row is not None and _ends_with(emitted, row.trigger) else None
 
     def bind_stats(self, request_stats) -> None:
         """Also count parse fallbacks in the request's ``usage.fill``."""
@@ -182,7 +193,7 @@ class StrictSource:
             span = span[:n]
         self.stats.fires += 1
         self._fired_in_call = True
-        return Proposal(span, policy, row.origin, row.certainty)
+        return Proposal(span, policy, row.origin, row.certainty, yields=row.yields)
 
     def _policy(self, row: Row) -> str:
         """``assert`` only for a row the ledger promotes; the ledger refuses ``likely`` rows."""

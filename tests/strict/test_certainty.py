@@ -30,7 +30,8 @@ def test_every_compiled_row_has_a_class(family):
     for name in TOOL_SETS:
         table = compile_table(tok, USER, tools(name))
         assert table is not None
-        rows = [*table.head.values(), *table.later_head.values(), *table.close.values()]
+        rows = [*table.head.values(), *table.later_head.values(), *table.close.values(),
+                *table.keys.values()]
         assert rows and all(r.certainty in CERTAINTIES for r in rows), (family, name)
         assert set(table.later_head) == set(table.head)
 
@@ -38,7 +39,8 @@ def test_every_compiled_row_has_a_class(family):
 @pytest.mark.parametrize("family", ["qwen3-coder", "qwen3.5", "glm4.x"])
 def test_raw_text_syntaxes_determine_only_the_first_calls_head(family):
     table = compile_table(tokenizer(family), USER, tools())
-    assert table.head and all(r.certainty == "determined" for r in table.head.values())
+    heads = [r for r in table.head.values() if r.kind != "key"]
+    assert heads and all(r.certainty == "determined" for r in heads)
     assert all(r.certainty == "likely" for r in table.later_head.values())
     assert table.close and all(r.certainty == "likely" for r in table.close.values())
 
@@ -102,6 +104,25 @@ def test_likely_rows_stay_verify_after_1000_agreements(family, monkeypatch, tmp_
     refused_rows = [r.args[0] for r in refusals]
     assert refused_rows and len(refused_rows) == len(set(refused_rows))  # once per row
     assert "strict:close" in refused_rows
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_key_rows_stay_verify_after_1000_agreements(family, monkeypatch, tmp_path):
+    monkeypatch.setenv("MLX_FILL_CACHE", str(tmp_path))
+    monkeypatch.setenv("MLX_FILL_PROMOTE", "strict:")
+    tok, tool_list = tokenizer(family), tools("keys")
+    ledger = server_ledger("m", tok)
+    edit = call("edit_file", {"path": "a.py", "old_text": "x = 1", "new_text": "x = 2"})
+    ids = reply_ids(tok, USER, tool_list, _reply(edit))
+    first, _ = _policies(tok, tool_list, ids, ledger)
+    keys = {o for o, _, _ in first if o.startswith("strict:key:")}
+    assert {"strict:key:edit_file.old_text", "strict:key:edit_file.new_text"} <= keys
+    for origin in keys:
+        for _ in range(1000):
+            ledger.record(origin, True)
+    later, _ = _policies(tok, tool_list, ids, ledger)
+    assert [(o, c, p) for o, c, p in later if o in keys] == [
+        (o, "likely", "verify") for o, _, _ in first if o in keys]
 
 
 def test_trace_and_usage_name_the_class():

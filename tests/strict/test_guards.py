@@ -46,6 +46,22 @@ def test_json_prefix_value_end_and_escapes():
     assert nested is not None and nested.value_end == len(head) + len('{"a": [1, 2]}')
 
 
+@pytest.mark.parametrize("syntax, head", [
+    ("hermes-json", '\n{"name": "edit", "arguments": {"path": '),
+    ("llama-json", 'edit", "parameters": {"path": '),
+    ("mistral", '[{"name": "edit", "arguments": {"path": '),
+    ("harmony", '.edit <|constrain|>json<|message|>{"path": '),
+])
+def test_json_prefix_after_a_separator_expects_the_next_key(syntax, head):
+    parse = SYNTAXES[syntax].parse
+    got = parse(head + '"a.py",')
+    assert got is not None and got.keys == ("path",) and not got.closed
+    assert got.value_end == len(head) + len('"a.py')              # the separator is after it
+    assert parse(head + '"a.py", "old') is None                     # a key being written
+    assert parse(head + '"a.py",,') is None
+    assert parse(head + '"a.py", }') is None                        # no trailing comma
+
+
 def test_glm_prefix_needs_the_complete_arg_value_close():
     head = "bash\n<arg_key>command</arg_key>\n<arg_value>"
     assert GLM.parse(head + "ls</arg_value>\n").keys == ("command",)

@@ -1,0 +1,47 @@
+"""The session's choice among its sources' proposals for one view."""
+
+from __future__ import annotations
+
+from mlx_fill.core.proposal import DecodeView, FillSession, Proposal
+
+
+class _Fixed:
+    """A source proposing ``ids`` (nothing when empty) at every view, recording its feedback."""
+
+    def __init__(self, name: str, ids: tuple[int, ...], yields: bool = False) -> None:
+        self.name = name
+        self.ids = ids
+        self.yields = yields
+        self.asked = 0
+        self.feedback_got: list[tuple[tuple[int, ...], int]] = []
+
+    def propose(self, view: DecodeView) -> Proposal | None:
+        self.asked += 1
+        return Proposal(self.ids, "verify", self.name, yields=self.yields) if self.ids else None
+
+    def feedback(self, proposal: Proposal, accepted: int) -> None:
+        self.feedback_got.append((proposal.ids, accepted))
+
+
+def test_a_yielding_proposal_is_made_only_when_no_later_source_proposes():
+    guess, copy = _Fixed("strict", (1, 2), yields=True), _Fixed("echo", (1, 2, 3, 4))
+    session = FillSession([guess, copy])
+    made = session.propose(DecodeView([], [7], ()))
+    assert made is not None and made.origin == "echo" and copy.asked == 1
+    session.feedback(made, 4, 1)
+    assert copy.feedback_got == [((1, 2, 3, 4), 4)] and guess.feedback_got == []
+    copy.ids = ()
+    made = session.propose(DecodeView([], [7, 1, 2, 3, 4], ()))
+    assert made is not None and made.origin == "strict" and made.ids == (1, 2)
+
+
+def test_a_first_proposal_that_does_not_yield_is_made_and_later_sources_are_not_asked():
+    first, later = _Fixed("strict", (5, 6)), _Fixed("echo", (1, 2, 3))
+    made = FillSession([first, later]).propose(DecodeView([], [7], ()))
+    assert made is not None and made.ids == (5, 6) and later.asked == 0
+
+
+def test_of_two_yielding_proposals_the_first_is_made():
+    first, second = _Fixed("strict", (5, 6), yields=True), _Fixed("echo", (1, 2), yields=True)
+    made = FillSession([first, second]).propose(DecodeView([], [7], ()))
+    assert made is not None and made.ids == (5, 6)
