@@ -92,6 +92,29 @@ def _call_spans(text: str, names: list[str]) -> list[tuple[int, int, str]]:
     return spans
 
 
+def template_history(history: list[dict]) -> list[dict]:
+    """``history`` as a server hands it to the chat template: a call's ``arguments`` JSON string
+    decoded where it holds an object (``mlx_lm.server`` and ``mlx-fill serve`` both do; a
+    template that writes ``arguments | tojson`` would otherwise write the string escaped),
+    any other string kept."""
+    out = []
+    for message in history:
+        calls = message.get("tool_calls")
+        if calls:
+            message = {**message, "tool_calls": [_decoded(call) for call in calls]}
+        out.append(message)
+    return out
+
+
+def _decoded(call: dict) -> dict:
+    fn = call["function"]
+    try:
+        arguments = json.loads(fn["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**fn, "arguments": arguments}} if isinstance(arguments, dict) else call
+
+
 def render_recording(session: dict, tokenizer: Any, mk: TemplateMarkers | None = None
                    ) -> RenderedSession:
     """Render and tokenize one recorded session (see the module contract). Raises ValueError
@@ -106,7 +129,7 @@ def render_recording(session: dict, tokenizer: Any, mk: TemplateMarkers | None =
             raise ValueError(f"tools: expected a list of tool objects, got {type(tools).__name__}")
     else:
         tools, origin = synthesize_tools(session["messages"]) or None, "synthesized"
-    history = _render_history(session)
+    history = template_history(_render_history(session))
     text = tokenizer.apply_chat_template(history, tools=tools, tokenize=False,
                                          add_generation_prompt=False, enable_thinking=False)
     assistants = [(i, m) for i, m in enumerate(history) if m["role"] == "assistant"]

@@ -92,6 +92,19 @@ def test_render_cuts_assistant_outputs_and_labels_tool_calls(tok):
     assert '"name": "read"' in tok.decode(r.tokens[:r.turns[0].start])  # the tools block
 
 
+def test_recorded_arguments_reach_the_template_as_a_server_decodes_them(tok):
+    session = _sessions()[0]
+    session["messages"][2]["tool_calls"] = [dict(READ, id="a", arguments_raw='{"path":"src/a.py"}')]
+    session["messages"][4]["tool_calls"] = [{"id": "b", "name": "read", "arguments": {},
+                                             "arguments_raw": "[1, 2]"}]
+    r = render_recording(session, tok, markers(tok))
+    first = tok.decode(r.tokens[r.turns[0].start:r.turns[0].end])
+    assert '"arguments": {"path": "src/a.py"}}' in first   # an object: the template's spacing
+    assert r.messages[2]["tool_calls"][0]["function"]["arguments"] == {"path": "src/a.py"}
+    second = tok.decode(r.tokens[r.turns[1].start:r.turns[1].end])
+    assert '"arguments": [1, 2]}' in second                # not an object: the string as sent
+
+
 @pytest.mark.parametrize("tools", [7, True, "bash"])
 def test_recorded_tools_that_are_not_a_list_are_a_session_not_rendered(tok, tools):
     session = dict(_sessions()[0], tool_call_style="structured", tools=tools)
