@@ -260,11 +260,7 @@ class _Prober:
             raise TemplateError("the rendered assistant turn does not extend the generation prompt")
         text = full[len(self.primer):]
         ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
-        offsets, pos = [], 0
-        for i in ids:
-            offsets.append(pos)
-            pos += len(self.table[i])
-        offsets.append(pos)
+        offsets = _offsets(self.table, ids)
         if ids_bytes(self.table, ids) != text.encode("utf-8"):
             raise TemplateError("token bytes do not reproduce the rendered text")
         return Rendered(text, ids, tuple(offsets))
@@ -563,34 +559,10 @@ def _close_rows(prober: _Prober, markers: Markers, schemas: list[ToolSchema], sy
         if v_end < 0:
             continue
         v_end += len(v.encode("utf-8"))
-        offs, pos = [], 0
-        for t in body.ids:
-            offs.append(pos)
-            pos += len(table[t])
-        for i, off in enumerate(offs):
-            if off <= v_end:
-                continue
-            try:
-                key = raw[v_end:off].decode("utf-8")
-                prefix = raw[:off].decode("utf-8")
-            except UnicodeDecodeError:
-                continue
-            state = syntax.parse(prefix)
-            if state is None or state.value_end != len(raw[:v_end].decode("utf-8")):
-                continue
-            inside = tuple(t for t, o in zip(body.ids[:i], offs[:i]) if o >= v_end)
+        for i, key, inside in _value_ends(body, table, v_end, syntax, len(body.ids)):
             found[key].add((inside, _until_chosen(table, key, body.ids[i:], syntax.model_chosen)))
-    rows: dict[str, Row] = {}
-    for key, options in found.items():
-        spans = {s for _, s in options}
-        if len(spans) != 1:
-            continue
-        span = _clean(list(next(iter(spans))), eos, stops)
-        if span is None:
-            continue
-        rows[key] = Row("close", "", key, _common_suffix([t for t, _ in options]), span,
-                        certainty("close", syntax.name))
-    return rows
+    return {key: Row("close", "", key, trigger, span, certainty("close", syntax.name))
+            for key, (trigger, span) in _agreed(found, eos, stops).items()}
 
 
 def _first_key_rows(prober: _Prober, markers: Markers, schemas: list[ToolSchema],
@@ -663,50 +635,72 @@ def _key_rows(prober: _Prober, markers: Markers, schemas: list[ToolSchema], synt
     for name, before, key in pairs:
         varied = [next(bodies) for _ in HEAD_VALUES]
         shared = _common_prefix([b.ids for b in varied])
-        end = _value_end(varied[0], table, before, CLOSE_VALUES[0])
+        end = _value_end(varied[0], before, CLOSE_VALUES[0])
         if end is None:
             continue
-        span_end = sum(len(table[t]) for t in varied[0].ids[:shared]) - end
+        span_end = _offsets(table, varied[0].ids)[shared] - end
         for v in CLOSE_VALUES:
             body = next(bodies)
-            v_end = _value_end(body, table, before, v)
+            v_end = _value_end(body, before, v)
             if v_end is None:
                 continue
-            raw = body.text.encode("utf-8")
-            v_chars = len(raw[:v_end].decode("utf-8", errors="ignore"))
-            offs, pos = [], 0
-            for t in body.ids:
-                offs.append(pos)
-                pos += len(table[t])
-            stop = next((j for j, o in enumerate(offs) if o + len(table[body.ids[j]])
-                         > v_end + span_end), len(body.ids))
-            for i, off in enumerate(offs[:stop]):
-                if off <= v_end:
-                    continue
-                try:
-                    text = raw[v_end:off].decode("utf-8")
-                    state = syntax.parse(raw[:off].decode("utf-8"))
-                except UnicodeDecodeError:
-                    continue
-                if state is None or state.value_end != v_chars or state.keys != (before,):
-                    continue
-                inside = tuple(t for t, o in zip(body.ids[:i], offs[:i]) if o >= v_end)
+            ends = _offsets(table, body.ids)[1:]
+            stop = next((j for j, e in enumerate(ends) if e > v_end + span_end), len(body.ids))
+            for i, text, inside in _value_ends(body, table, v_end, syntax, stop, (before,)):
                 found[(text, name, key)].add((inside, body.ids[i:stop]))
-    rows: dict[tuple[str, str, str], Row] = {}
-    for (text, name, key), options in found.items():
+    return {(text, name, key): Row("key", f"{name}.{key}", text, trigger, span,
+                                   certainty("key", syntax.name))
+            for (text, name, key), (trigger, span) in _agreed(found, eos, stops).items()}
+
+
+def _offsets(table, ids: Sequence[int]) -> list[int]:
+    """Byte offset where each of ``ids`` starts in their text, then the text's length."""
+    out, pos = [], 0
+    for t in ids:
+        out.append(pos)
+        pos += len(table[t])
+    out.append(pos)
+    return out
+
+
+def _value_ends(body: _Body, table, v_end: int, syntax, stop: int,
+                keys: tuple[str, ...] | None = None):
+    """``(i, text, inside)`` for every token boundary ``i < stop`` of ``body`` after byte
+    ``v_end`` where the guard reads an argument value ending at ``v_end`` (and, given
+    ``keys``, exactly those keys written): ``text`` is the body text since the value's end,
+    ``inside`` the ids between the value's end and the boundary."""
+    raw = body.text.encode("utf-8")
+    v_chars = len(raw[:v_end].decode("utf-8", errors="ignore"))
+    offs = _offsets(table, body.ids)
+    for i in range(stop):
+        if offs[i] <= v_end:
+            continue
+        try:
+            text = raw[v_end:offs[i]].decode("utf-8")
+            state = syntax.parse(raw[:offs[i]].decode("utf-8"))
+        except UnicodeDecodeError:
+            continue
+        if state is None or state.value_end != v_chars or keys is not None and state.keys != keys:
+            continue
+        yield i, text, tuple(t for t, o in zip(body.ids[:i], offs[:i]) if o >= v_end)
+
+
+def _agreed(found: dict, eos: set[int], stops: set[int] | None
+            ) -> dict[object, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Per key of ``found`` (its probes' ``(inside ids, span)`` options): ``(trigger, span)``
+    where every probe proposes the same span (cleaned, :func:`_clean`), the trigger being the
+    ids their insides end with alike; keys whose probes disagree, or whose span is too short,
+    are left out."""
+    out = {}
+    for key, options in found.items():
         spans = {s for _, s in options}
-        if len(spans) != 1:
-            continue
-        span = _clean(list(next(iter(spans))), eos, stops)
-        if span is None:
-            continue
-        trigger = _common_suffix([t for t, _ in options])
-        rows[(text, name, key)] = Row("key", f"{name}.{key}", text, trigger, span,
-                                      certainty("key", syntax.name))
-    return rows
+        span = _clean(list(next(iter(spans))), eos, stops) if len(spans) == 1 else None
+        if span is not None:
+            out[key] = (_common_suffix([t for t, _ in options]), span)
+    return out
 
 
-def _value_end(body: _Body, table, before: str, value: str) -> int | None:
+def _value_end(body: _Body, before: str, value: str) -> int | None:
     """Byte offset in ``body.text`` right after ``value``, written as the value of ``before``."""
     raw = body.text.encode("utf-8")
     at = raw.find(before.encode("utf-8"))
