@@ -70,6 +70,10 @@ EXTRA_KEY = "zq_extra"
 CONTENT_PROBE = "Hello."
 REASONING_PROBE = "Thinking."
 MIN_SPAN = 2
+# Key rows are compiled for the first KEY_ROW_PAIRS (tool, key) pairs in the tools' order: a
+# pair costs 35 probe renders and a few parses (about 10 ms here), and a request's table is
+# compiled while its first call is being decoded. The tools agents send have 2-40 pairs.
+KEY_ROW_PAIRS = 64
 
 Certainty = Literal["determined", "likely"]
 CERTAINTIES: tuple[str, ...] = get_args(Certainty)
@@ -621,9 +625,11 @@ def _key_rows(prober: _Prober, markers: Markers, schemas: list[ToolSchema], synt
     :data:`HEAD_VALUES` type and first character), the ids all renders share end where the
     second value may begin; with the second fixed and the first varied (:data:`CLOSE_VALUES`),
     every token boundary after the first value's end where the guard reads that end gives a
-    row keyed by the text since it, proposing the ids from there through that shared end."""
+    row keyed by the text since it, proposing the ids from there through that shared end.
+    Only the first :data:`KEY_ROW_PAIRS` pairs are probed."""
     table = prober.table
     pairs = [(s.name, before, key) for s in schemas for before, key in _key_probes(s)]
+    pairs = pairs[:KEY_ROW_PAIRS]
     if not pairs:
         return {}
     probes: list[tuple[str, dict]] = []

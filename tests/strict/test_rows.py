@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.tokenizer_utils import load as load_wrapper
 
 from mlx_fill.assets.store import family_dir, search_roots
-from mlx_fill.strict.rows import compile_table, identity_key, table_for
+from mlx_fill.strict.rows import KEY_ROW_PAIRS, compile_table, identity_key, table_for
 from mlx_fill.strict.schema import tool_schemas
 from mlx_fill.strict.source import strict_source
 from strict_helpers import FAMILIES, call, contained, reply_ids, teacher_force, tokenizer, tools
@@ -86,6 +86,16 @@ def test_a_call_of_its_required_keys_alone_gets_its_own_close(family):
                               frozenset(tok.eos_token_ids))
         assert contained(ids, fires), (family, name, fires)
         assert f"strict:close:{name}" in {o for _, _, o in fires}, (family, name, fires)
+
+
+def test_key_rows_are_compiled_for_the_first_pairs_only():
+    tok = tokenizer("glm4.x")
+    many = [{"type": "function", "function": {"name": f"op{i}", "parameters": {
+        "type": "object", "properties": {"a": {}, "b": {}, "c": {}}, "required": ["a", "b", "c"]}}}
+            for i in range(KEY_ROW_PAIRS // 2 + 3)]   # two pairs per tool
+    table = compile_table(tok, USER, many)
+    tools_with_rows = {name for _, name, _ in table.keys}
+    assert tools_with_rows == {f"op{i}" for i in range(KEY_ROW_PAIRS // 2)}
 
 
 def test_next_required_follows_the_schema_order():
