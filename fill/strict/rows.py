@@ -128,10 +128,11 @@ def _into_arguments(syntax: str, body_text: str | None) -> bool:
 class Row:
     """One strict row.
 
-    ``key`` is the text the guard must see: the call body so far (``scaffold``/``name``) or
-    the text written since the last argument value ended (``close``, ``key``). ``trigger`` are ids the
-    emitted stream must end with; ``span`` the ids to propose; ``certainty`` its class (only a
-    ``determined`` row may ever be asserted). A row without a valid class cannot be built.
+    ``key`` is the text the guard must see: the call body so far (``scaffold``/``name``, a first
+    ``key`` row) or the text written since the last argument value ended (``close``, ``key``).
+    ``trigger`` are ids the emitted stream must end with; ``span`` the ids to propose;
+    ``certainty`` its class (only a ``determined`` row may ever be asserted). A row without a
+    valid class cannot be built.
     """
 
     kind: str

@@ -18,7 +18,9 @@ when the guard puts the stream in the row's structural state:
 
 Key rows and a close while optional keys may follow guess the model's own choice: their
 proposals yield to any later source's (an echo of the call the model is repeating carries
-more than the key). Policy: every row is proposed as ``verify`` (the same forward checks it; a model that strays
+more than the key).
+
+Policy: every row is proposed as ``verify`` (the same forward checks it; a model that strays
 from its template costs nothing but the check). With a ``gate``
 (:class:`~mlx_fill.core.cost.CostGate`) a ``verify`` row is priced like any draft, keyed by its
 origin: the gate keeps the prefix of the span that pays under the loaded model's cost curve,
