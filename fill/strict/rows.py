@@ -612,6 +612,7 @@ def _key_probes(schema: ToolSchema) -> list[tuple[str, str]]:
 
 
 def _common_prefix(seqs: list[tuple[int, ...]]) -> int:
+    """How many leading ids every one of ``seqs`` shares."""
     n = min(len(s) for s in seqs)
     for i in range(n):
         if len({s[i] for s in seqs}) != 1:
@@ -716,6 +717,7 @@ def _value_end(body: _Body, before: str, value: str) -> int | None:
 
 
 def _common_suffix(seqs: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """The trailing ids every one of ``seqs`` ends with."""
     common: list[int] = []
     for parts in zip(*(reversed(s) for s in seqs)):
         if len(set(parts)) != 1:
