@@ -188,9 +188,8 @@ class RowTable:
                 *self.optional_close.values()]
 
     def after_value(self) -> tuple[str, ...]:
-        """Every text a close or key row is keyed by, longest first."""
-        return tuple(sorted({*self.close, *(text for text, _, _ in self.keys)}, key=len,
-                            reverse=True))
+        """Every text a close or key row is keyed by (what ``str.endswith`` takes)."""
+        return tuple({*self.close, *(text for text, _, _ in self.keys)})
 
     def head_rows(self, calls_ended: int) -> dict[str, Row]:
         """The head rows for a call opening after ``calls_ended`` calls of this turn."""
@@ -755,21 +754,19 @@ def compile_table(tokenizer, messages: list[dict], tools: list[dict] | None,
             markers = replace(markers, inline_calls=before_call.endswith(CONTENT_PROBE))
         ref = bodies[0]
         syntax = detect_syntax(ref.text, probes[0][0], tuple(probes[0][1]))
-        stops = stop_ids(tokenizer, syntax, eos)
-        head = _head_rows(bodies, prober.table, eos, syntax.name, after_call=False, stops=stops)
-        later = _head_rows(bodies, prober.table, eos, syntax.name, after_call=True, stops=stops)
-        if syntax.grammar_file:
+        head, later, close, keys = {}, {}, {}, {}  # a syntax without a grammar compiles none
+        if syntax.grammar_file is not None:
+            stops = stop_ids(tokenizer, syntax, eos)
             first = _first_key_rows(prober, markers, schemas, probes, bodies, syntax.name, eos,
                                     stops)
-            head, later = {**first, **head}, {**first, **later}
-        close = (_close_rows(prober, markers, schemas, syntax, eos, stops)
-                 if syntax.grammar_file else {})
-        keys = (_key_rows(prober, markers, schemas, syntax, eos, stops)
-                if syntax.grammar_file else {})
+            head = {**first, **_head_rows(bodies, prober.table, eos, syntax.name,
+                                          after_call=False, stops=stops)}
+            later = {**first, **_head_rows(bodies, prober.table, eos, syntax.name,
+                                           after_call=True, stops=stops)}
+            close = _close_rows(prober, markers, schemas, syntax, eos, stops)
+            keys = _key_rows(prober, markers, schemas, syntax, eos, stops)
     except (TemplateError, jinja2.TemplateError):
         return None  # the template cannot render tool calls after the generation prompt
-    if syntax.grammar_file is None:
-        head, later, close, keys = {}, {}, {}, {}
     optional_close = {(text, s.name): replace(row, detail=s.name) for s in schemas
                       if not s.closable(tuple(s.required)) for text, row in close.items()}
     return RowTable(syntax.name, markers, {s.name: s for s in schemas}, head, close, ref.ids,

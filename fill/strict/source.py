@@ -151,7 +151,7 @@ class StrictSource:
             if _ends_with(emitted, row.trigger):
                 return row
             return None
-        if not any(g.body.endswith(text) for text in self._after_value):
+        if not g.body.endswith(self._after_value):
             return None
         state = g.call_prefix()
         if state is None or state.value_end is None:
