@@ -47,7 +47,7 @@ from mlx_fill.sources.prediction import PredictionSource, prediction_text, predi
 from mlx_fill.core.cost import CostGate
 from mlx_fill.strict.schema import tool_schemas
 from mlx_fill.strict.source import lazy_strict_source
-from mlx_fill.spec.roster import NAMES, make_sources, source_acceptance
+from mlx_fill.spec.roster import ECHO_ORIGIN, NAMES, make_sources, source_acceptance
 from mlx_fill.spec.suffix import STORE_TOKENS, STORE_TOKENS_CEILING
 from mlx_fill.core.proposal import DEFAULT_MAX_SPAN, MEDIA_REFUSAL, FillSession, Pace, ProposalSource
 
@@ -99,11 +99,30 @@ def source_names(names: str | Sequence[str] | None) -> list[str]:
     return [s.strip() for s in names if s and s.strip()]
 
 
+# The ledger rows that can ever be asserted: the ``determined`` strict kinds and corroborated echo
+# spans. An MLX_FILL_PROMOTE entry names one of them (``strict:name:TOOL``), a row under one, or
+# a prefix ending in ``:`` above them (``strict:``).
+PROMOTABLE = ("strict:scaffold", "strict:name", ECHO_ORIGIN)
+
+
+def _promotable(entry: str) -> bool:
+    return any(entry in (row, row + ":") or entry.startswith(row + ":")
+               or entry.endswith(":") and row.startswith(entry) for row in PROMOTABLE)
+
+
 def env_promote() -> tuple[frozenset[str], int]:
     """(rows the ledger may promote, agreements needed) from ``MLX_FILL_PROMOTE`` /
-    ``MLX_FILL_PROMOTE_AFTER``."""
+    ``MLX_FILL_PROMOTE_AFTER``; :class:`BadEnvironment` for an entry that names no row that
+    can be asserted (a typo, or a ``likely`` kind such as ``strict:key``)."""
     from mlx_fill.sources.ledger import DEFAULT_PROMOTE_AFTER
-    rows = frozenset(r.strip() for r in os.environ.get("MLX_FILL_PROMOTE", "").split(",") if r.strip())
+    raw = os.environ.get("MLX_FILL_PROMOTE", "")
+    rows = frozenset(r.strip() for r in raw.split(",") if r.strip())
+    bad = sorted(r for r in rows if not _promotable(r))
+    if bad:
+        raise BadEnvironment(
+            f"MLX_FILL_PROMOTE={raw!r}: {', '.join(bad)} can never be asserted; list rows of "
+            f"{', '.join(PROMOTABLE)} (e.g. strict:name:TOOL) or a prefix ending in ':' "
+            f"such as strict:, or unset it")
     return rows, _env_count("MLX_FILL_PROMOTE_AFTER", DEFAULT_PROMOTE_AFTER, 1_000_000)
 
 

@@ -87,6 +87,19 @@ def test_server_ledger_reads_promotion_env(monkeypatch):
         check_env()
 
 
+@pytest.mark.parametrize("entry", ["strict", "strict:key", "strict:close:bash", "echo", "strict:na"])
+def test_a_promote_entry_that_names_no_assertable_row_is_refused(monkeypatch, entry):
+    """A typo or a ``likely`` kind in MLX_FILL_PROMOTE would promote nothing, silently: the
+    server refuses to start and names the entry."""
+    from mlx_fill.session import BadEnvironment, check_env
+
+    monkeypatch.setenv("MLX_FILL_PROMOTE", f"strict:name:bash, {entry}")
+    with pytest.raises(BadEnvironment, match=f"{entry} can never be asserted"):
+        check_env()
+    monkeypatch.setenv("MLX_FILL_PROMOTE", "strict:name:bash, strict:scaffold, echo:")
+    check_env()
+
+
 def test_server_patch_ledger_fails_open_on_a_corrupt_file(caplog):
     from mlx_fill.adapters import server_patch
 
