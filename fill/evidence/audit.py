@@ -42,7 +42,7 @@ from mlx_fill.assets import checkout
 from mlx_fill.assets.store import FAMILIES, load_tokenizer
 from mlx_fill.core.errors import UserError, existing_file, output_file
 from mlx_fill.core.proposal import DecodeView, FillSession
-from mlx_fill.strict.rows import CERTAINTIES, table_for
+from mlx_fill.strict.rows import CERTAINTIES, compile_all_keys, table_for
 from mlx_fill.strict.schema import tool_schemas
 from mlx_fill.strict.source import strict_source
 from mlx_fill.strict.tokenbytes import ids_bytes, token_bytes
@@ -262,7 +262,10 @@ def _tools(corpus: Path, case: dict, default):
 
 def print_rows(tok, family: str, tools, out) -> int:
     """Print every compiled row with its certainty class; returns how many rows lack one."""
-    table = table_for(tok, [{"role": "user", "content": "audit"}], tools)
+    messages = [{"role": "user", "content": "audit"}]
+    table = table_for(tok, messages, tools)
+    if table is not None:
+        compile_all_keys(table, tok, messages, tools)
     if table is None:
         print(f"[{family}] no rows: the template cannot render tool calls", file=out)
         return 0

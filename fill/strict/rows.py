@@ -70,10 +70,6 @@ EXTRA_KEY = "zq_extra"
 CONTENT_PROBE = "Hello."
 REASONING_PROBE = "Thinking."
 MIN_SPAN = 2
-# Key rows are compiled for the first KEY_ROW_PAIRS (tool, key) pairs in the tools' order: a
-# pair costs 35 probe renders and a few parses (about 10 ms here), and a request's table is
-# compiled while its first call is being decoded. The tools agents send have 2-40 pairs.
-KEY_ROW_PAIRS = 64
 
 Certainty = Literal["determined", "likely"]
 CERTAINTIES: tuple[str, ...] = get_args(Certainty)
@@ -165,7 +161,10 @@ class RowTable:
     ``head`` rows serve a turn's first call; ``later_head`` the same spans for a call that
     opens after an earlier call of the turn has ended, classed by :func:`certainty` with
     ``after_call`` (they differ only in class). ``keys`` holds the key rows by (text since the
-    value ended, tool, the key they write); ``optional_close`` the close rows by (text, tool)
+    value ended, tool, the key they write) of the tools in ``keyed``: a tool's are compiled
+    when its first call reaches them (:func:`compile_tool_keys`; a (tool, key) pair costs
+    35 probe renders and a few parses, about 10 ms here, and a table is compiled while a
+    request's first call is being decoded). ``optional_close`` the close rows by (text, tool)
     for a tool that may take keys beyond its required ones, under the tool's own origin
     (``strict:close:TOOL``): they fire once its required keys are written, and are right only
     as often as its calls leave the others out.
@@ -180,6 +179,7 @@ class RowTable:
     later_head: dict[str, Row] = field(default_factory=dict)
     keys: dict[tuple[str, str, str], Row] = field(default_factory=dict)
     optional_close: dict[tuple[str, str], Row] = field(default_factory=dict)
+    keyed: set[str] = field(default_factory=set)
 
     def rows(self) -> list[Row]:
         """Every distinct compiled row (a later-call head row only where its class differs)."""
@@ -626,11 +626,9 @@ def _key_rows(prober: _Prober, markers: Markers, schemas: list[ToolSchema], synt
     :data:`HEAD_VALUES` type and first character), the ids all renders share end where the
     second value may begin; with the second fixed and the first varied (:data:`CLOSE_VALUES`),
     every token boundary after the first value's end where the guard reads that end gives a
-    row keyed by the text since it, proposing the ids from there through that shared end.
-    Only the first :data:`KEY_ROW_PAIRS` pairs are probed."""
+    row keyed by the text since it, proposing the ids from there through that shared end."""
     table = prober.table
     pairs = [(s.name, before, key) for s in schemas for before, key in _key_probes(s)]
-    pairs = pairs[:KEY_ROW_PAIRS]
     if not pairs:
         return {}
     probes: list[tuple[str, dict]] = []
@@ -754,7 +752,7 @@ def compile_table(tokenizer, messages: list[dict], tools: list[dict] | None,
             markers = replace(markers, inline_calls=before_call.endswith(CONTENT_PROBE))
         ref = bodies[0]
         syntax = detect_syntax(ref.text, probes[0][0], tuple(probes[0][1]))
-        head, later, close, keys = {}, {}, {}, {}  # a syntax without a grammar compiles none
+        head, later, close = {}, {}, {}  # a syntax without a grammar compiles none
         if syntax.grammar_file is not None:
             stops = stop_ids(tokenizer, syntax, eos)
             first = _first_key_rows(prober, markers, schemas, probes, bodies, syntax.name, eos,
@@ -764,13 +762,43 @@ def compile_table(tokenizer, messages: list[dict], tools: list[dict] | None,
             later = {**first, **_head_rows(bodies, prober.table, eos, syntax.name,
                                            after_call=True, stops=stops)}
             close = _close_rows(prober, markers, schemas, syntax, eos, stops)
-            keys = _key_rows(prober, markers, schemas, syntax, eos, stops)
     except (TemplateError, jinja2.TemplateError):
         return None  # the template cannot render tool calls after the generation prompt
     optional_close = {(text, s.name): replace(row, detail=s.name) for s in schemas
                       if not s.closable(tuple(s.required)) for text, row in close.items()}
     return RowTable(syntax.name, markers, {s.name: s for s in schemas}, head, close, ref.ids,
-                    later, keys, optional_close)
+                    later, {}, optional_close)
+
+
+def compile_tool_keys(table: RowTable, tool: str, tokenizer, messages: list[dict],
+                      tools: list[dict], template_kwargs: dict | None = None) -> None:
+    """Compile ``tool``'s key rows into ``table.keys``, once per table (``table.keyed``), by
+    rendering probes in this conversation (which renders the table's reference body, as
+    :func:`table_for` checked). A tool the table does not know, or a syntax without a grammar,
+    compiles none; so does a template that cannot render the probes."""
+    schema = table.tools.get(tool)
+    if schema is None or tool in table.keyed:
+        return
+    table.keyed.add(tool)
+    syntax = SYNTAXES[table.syntax]
+    if syntax.grammar_file is None:
+        return
+    eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+    try:
+        prober = _Prober(tokenizer, messages, tools, dict(template_kwargs or {}))
+        table.keys.update(_key_rows(prober, table.markers, [schema], syntax, eos,
+                                    stop_ids(tokenizer, syntax, eos)))
+    except (TemplateError, jinja2.TemplateError):
+        return
+
+
+def compile_all_keys(table: RowTable, tokenizer, messages: list[dict], tools: list[dict],
+                     template_kwargs: dict | None = None) -> RowTable:
+    """``table`` with every tool's key rows compiled (:func:`compile_tool_keys`): what an audit
+    prints and checks."""
+    for tool in table.tools:
+        compile_tool_keys(table, tool, tokenizer, messages, tools, template_kwargs)
+    return table
 
 
 def reference_body(tokenizer, messages: list[dict], tools: list[dict], kwargs: dict,

@@ -14,7 +14,10 @@ when the guard puts the stream in the row's structural state:
   A tool that may take more keys than its required ones gets the same close rows under its
   own origin once the required keys are written (the model may still write an optional one).
 * ``key`` rows: the same parse, while a required key is unwritten: the row for the text since
-  that value and the required key that follows the written ones in the schema's order.
+  that value and the required key that follows the written ones in the schema's order. A
+  tool's key rows are compiled when a call first names it (its name row's text is written, or
+  the body parses with its name: looked for until :data:`KEYING_REACH` characters past the
+  longest head row's text, and at every value end).
 
 Key rows and a close while optional keys may follow guess the model's own choice: their
 proposals yield to any later source's (an echo of the call the model is repeating carries
@@ -83,13 +86,20 @@ special id when a template renders it, and still nothing opens, ends or fires th
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Callable
 
 from .guards import SYNTAXES, Role, TurnGuard
 from mlx_fill.core.proposal import DecodeView, Proposal
-from .rows import Row, RowTable, initial_role, resumed_heads, table_for
+from .rows import Row, RowTable, compile_tool_keys, initial_role, resumed_heads, table_for
 from .schema import tool_schemas
 from .tokenbytes import IncrementalText, token_bytes
+
+
+# How far past the longest head row's text a call's body is parsed for the tool it names, where
+# the name has not been read yet (a parse per id; the value-end parses go on reading it).
+KEYING_REACH = 64
 
 
 @dataclass
@@ -102,12 +112,16 @@ class StrictStats:
 
 
 class StrictSource:
-    """A ProposalSource over a compiled :class:`RowTable` for one request."""
+    """A ProposalSource over a compiled :class:`RowTable` for one request. ``compile_keys(tool)``
+    compiles a tool's key rows into the table (:func:`~mlx_fill.strict.rows.compile_tool_keys`
+    in this request's conversation); without it only the rows already compiled fire."""
 
     name = "strict"
 
-    def __init__(self, table: RowTable, tokenizer, initial: Role, ledger=None, gate=None) -> None:
+    def __init__(self, table: RowTable, tokenizer, initial: Role, ledger=None, gate=None,
+                 compile_keys: Callable[[str], None] | None = None) -> None:
         self.table = table
+        self.compile_keys = compile_keys
         self.ledger = ledger
         self.gate = gate
         self.guard = TurnGuard(SYNTAXES[table.syntax], table.markers, initial)
@@ -124,6 +138,8 @@ class StrictSource:
                             for rows in (table.head_rows(0), table.head_rows(1)))
         self._max_head_key = max((len(k) for h in self._heads for k in h), default=0)
         self._after_value = table.after_value()
+        self._keys_read = len(table.keys)  # how many key rows _after_value covers
+        self._call_keyed = False  # the current call's tool is read and its key rows compiled
         self._request_stats = None
 
     def _advance(self, emitted) -> None:
@@ -137,6 +153,7 @@ class StrictSource:
             self.guard.feed(self.text.add(new))
         if self.guard.calls_ended != self._calls_ended:
             self._calls_ended = self.guard.calls_ended
+            self._call_keyed = False
             if self._fired_in_call and self.guard.syntax.parse(self.guard.last_body) is None:
                 self._disarm()
             self._fired_in_call = False
@@ -148,14 +165,24 @@ class StrictSource:
         head = self._heads[min(g.calls_ended, 1)]
         if len(g.body) <= self._max_head_key and g.body in head:
             row = head[g.body]
+            if not self._call_keyed and row.detail in self.table.tools:
+                self._key_tool(row.detail)  # a name (or a lone tool's scaffold) row's tool
             if _ends_with(emitted, row.trigger):
                 return row
             return None
+        unkeyed = not self._call_keyed and len(self.table.keyed) < len(self.table.tools)
+        if unkeyed and len(g.body) <= self._max_head_key + KEYING_REACH:
+            self._key_call(g.call_prefix())
+        if len(self.table.keys) != self._keys_read:  # compiled here or by another request
+            self._keys_read = len(self.table.keys)
+            self._after_value = self.table.after_value()
         if not g.body.endswith(self._after_value):
             return None
         state = g.call_prefix()
         if state is None or state.value_end is None:
             return None
+        if not self._call_keyed:
+            self._key_call(state)
         schema = self.table.tools.get(state.tool)
         if schema is None:
             return None
@@ -168,6 +195,18 @@ class StrictSource:
             key = schema.next_required(state.keys)
             row = None if key is None else self.table.keys.get((text, state.tool, key))
         return row if row is not None and _ends_with(emitted, row.trigger) else None
+
+    def _key_call(self, state) -> None:
+        """:meth:`_key_tool` once the current call's body parses with its tool's name and goes
+        on past it (a body that ends with the name may hold a prefix of it)."""
+        if state is not None and state.tool is not None and not self.guard.body.endswith(state.tool):
+            self._key_tool(state.tool)
+
+    def _key_tool(self, tool: str) -> None:
+        """The current call is ``tool``'s: compile its key rows (when this table has none yet)."""
+        self._call_keyed = True
+        if self.compile_keys is not None:
+            self.compile_keys(tool)
 
     def bind_stats(self, request_stats) -> None:
         """Also count parse fallbacks in the request's ``usage.fill``."""
@@ -228,7 +267,10 @@ def strict_source(tokenizer, messages: list[dict], tools: list[dict] | None,
     if table is None or not table.rows():
         return None
     role = initial_role(tokenizer, messages, tools, dict(template_kwargs or {}), table.markers)
-    return StrictSource(table, tokenizer, role, ledger, gate)
+    compile_keys = functools.partial(compile_tool_keys, table, tokenizer=tokenizer,
+                                     messages=messages, tools=tools,
+                                     template_kwargs=template_kwargs)
+    return StrictSource(table, tokenizer, role, ledger, gate, compile_keys)
 
 
 class LazyStrictSource:

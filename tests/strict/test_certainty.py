@@ -11,7 +11,7 @@ import pytest
 
 from mlx_fill.strict.guards import SYNTAXES, Markers, Role, TurnGuard
 from mlx_fill.core.proposal import DecodeView, FillSession
-from mlx_fill.strict.rows import CERTAINTIES, Row, compile_table
+from mlx_fill.strict.rows import CERTAINTIES, Row, compile_all_keys, compile_table
 from mlx_fill.session import server_ledger
 from mlx_fill.strict.source import strict_source
 from strict_helpers import FAMILIES, call, contained, reply_ids, teacher_force, tokenizer, tools
@@ -30,6 +30,7 @@ def test_every_compiled_row_has_a_class(family):
     for name in TOOL_SETS:
         table = compile_table(tok, USER, tools(name))
         assert table is not None
+        compile_all_keys(table, tok, USER, tools(name))
         rows = [*table.head.values(), *table.later_head.values(), *table.close.values(),
                 *table.keys.values()]
         assert rows and all(r.certainty in CERTAINTIES for r in rows), (family, name)

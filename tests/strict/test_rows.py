@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.tokenizer_utils import load as load_wrapper
 
 from mlx_fill.assets.store import family_dir, search_roots
-from mlx_fill.strict.rows import KEY_ROW_PAIRS, compile_table, identity_key, table_for
+from mlx_fill.strict.rows import compile_all_keys, compile_table, identity_key, table_for
 from mlx_fill.strict.schema import tool_schemas
 from mlx_fill.strict.source import strict_source
 from strict_helpers import FAMILIES, call, contained, reply_ids, teacher_force, tokenizer, tools
@@ -55,7 +55,7 @@ def test_every_row_is_a_slice_of_real_renderings_with_unseen_values(family):
 def test_key_rows_propose_the_next_required_key_with_unseen_values(family):
     tok = tokenizer(family)
     tool_list = tools("keys")
-    table = compile_table(tok, USER, tool_list)
+    table = compile_all_keys(compile_table(tok, USER, tool_list), tok, USER, tool_list)
     assert {name for _, _, name in table.keys} == {"old_text", "new_text", "origin", "seats"}
     assert all(row.certainty == "likely" for row in table.keys.values())
     assert all(row.yields for row in [*table.keys.values(), *table.optional_close.values()])
@@ -88,14 +88,22 @@ def test_a_call_of_its_required_keys_alone_gets_its_own_close(family):
         assert f"strict:close:{name}" in {o for _, _, o in fires}, (family, name, fires)
 
 
-def test_key_rows_are_compiled_for_the_first_pairs_only():
-    tok = tokenizer("glm4.x")
+@pytest.mark.parametrize("family", ["glm4.x", "qwen3"])
+def test_a_tools_key_rows_are_compiled_on_its_first_call_whatever_the_tool_count(family):
+    """A table holds no key rows until a call names its tool; then that tool's (and only its)
+    are compiled and fire in the same call, however many tools the request lists."""
+    tok = tokenizer(family)
     many = [{"type": "function", "function": {"name": f"op{i}", "parameters": {
         "type": "object", "properties": {"a": {}, "b": {}, "c": {}}, "required": ["a", "b", "c"]}}}
-            for i in range(KEY_ROW_PAIRS // 2 + 3)]   # two pairs per tool
-    table = compile_table(tok, USER, many)
-    tools_with_rows = {name for _, name, _ in table.keys}
-    assert tools_with_rows == {f"op{i}" for i in range(KEY_ROW_PAIRS // 2)}
+            for i in range(48)]   # two pairs per tool
+    source = strict_source(tok, USER, many)
+    assert not source.table.keys and not source.table.keyed
+    ids = reply_ids(tok, USER, many, _call_reply("op47", {"a": "x.", "b": "y.", "c": "z."}))
+    fires = teacher_force(source, ids, frozenset(tok.eos_token_ids))
+    assert contained(ids, fires), fires
+    assert {"strict:key:op47.b", "strict:key:op47.c"} <= {o for _, _, o in fires}, fires
+    assert source.table.keyed == {"op47"}
+    assert {name for _, name, _ in source.table.keys} == {"op47"}
 
 
 def test_next_required_follows_the_schema_order():
