@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
 
 from mlx_fill.modes import enabled
 
@@ -27,11 +26,11 @@ _warned = False
 
 
 def warn_once(message: str) -> None:
-    """The single fail-open warning of this process."""
+    """The single fail-open warning of this process: one line on stderr."""
     global _warned
     if not _warned:
         _warned = True
-        warnings.warn(f"mlx-fill: {message}; mlx-lm runs unchanged", RuntimeWarning, stacklevel=2)
+        print(f"mlx-fill: {message}; mlx-lm runs unchanged", file=sys.stderr, flush=True)
 
 
 def _patch(name: str, module) -> None:

@@ -34,6 +34,9 @@ def test_demo_offline_in_a_fresh_cache(tmp_path, monkeypatch, capsys):
 def test_qualify_bad_model_path(tmp_path, capsys):
     one_error_line(capsys, ["qualify", "--model", str(tmp_path / "none")], "does not exist", "model directory")
     one_error_line(capsys, ["qualify", "--model", str(tmp_path)], "has no config.json")
+    (tmp_path / "weights.safetensors").write_bytes(b"")
+    one_error_line(capsys, ["qualify", "--model", str(tmp_path / "weights.safetensors")],
+                   "is a file, not a folder", "model directory")
 
 
 def test_fixture_without_committed_weights(tmp_path, monkeypatch, capsys):

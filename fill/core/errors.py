@@ -56,7 +56,8 @@ def model_dir(value: str) -> Path:
     ``model*.safetensors`` weights, the files ``mlx_lm.load`` reads)."""
     path = Path(value)
     if not (path / "config.json").is_file():
-        what = "has no config.json" if path.is_dir() else "does not exist"
+        what = ("has no config.json" if path.is_dir()
+                else "is a file, not a folder" if path.exists() else "does not exist")
     elif not any(path.glob("model*.safetensors")):
         what = "has no model*.safetensors weights"
     else:

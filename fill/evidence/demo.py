@@ -158,8 +158,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from mlx_lm import load
 
-    from mlx_fill.session import build_session
+    from mlx_fill.session import build_session, check_env
 
+    check_env()  # a bad MLX_FILL_* knob is one line here, as at a server's start
     if args.predict:
         return run_predict(args)
     args.fixture = args.fixture or "qwen3-json"

@@ -63,8 +63,8 @@ def _open_text(path: Path):
     with open(path, "rb") as fh:
         magic = fh.read(2)
     if magic == b"\x1f\x8b":
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
+        return gzip.open(path, "rt", encoding="utf-8-sig")
+    return open(path, encoding="utf-8-sig")  # a byte-order mark, as some editors write, is not text
 
 
 def load_recordings(path: str | Path) -> tuple[list[dict], list[CorruptLine]]:
@@ -129,7 +129,8 @@ def as_recording(obj: Any) -> Any:
     chat messages is converted: ``content`` given as parts becomes their text joined (parts of
     other types are dropped); a tool call ``{"id", "type": "function", "function": {"name",
     "arguments": str}}`` becomes ``{"id", "name", "arguments": dict, "arguments_raw": str}``
-    (``arguments`` is ``{}`` where the string is not a JSON object); a session whose
+    (``arguments`` is ``{}`` where the string is not a JSON object), and so does a recorded call
+    whose ``arguments`` is that string; a session whose
     ``tool_call_style`` is not one of :data:`TOOL_CALL_STYLES` is ``structured`` when it has
     tools, tool calls or tool results, else ``inline_text``."""
     if not isinstance(obj, dict) or not isinstance(obj.get("messages"), list):
@@ -159,7 +160,10 @@ def _message_from_openai(message: dict) -> dict:
 def _call_from_openai(call: dict) -> dict:
     function = call.get("function")
     if "name" in call or not isinstance(function, dict):
-        return call
+        raw = call.get("arguments")
+        if not isinstance(raw, str):
+            return call
+        return {**call, "arguments": arguments_object(raw), "arguments_raw": call.get("arguments_raw", raw)}
     raw = function.get("arguments")
     out = {k: v for k, v in call.items() if k not in ("function", "type")}
     out["name"] = function.get("name")
@@ -195,7 +199,27 @@ def _session_problem(obj) -> str | None:
         if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str)
                                                   for c in calls):
             return "a tool call without a name"
+        if not all(isinstance(c.get("arguments_raw", ""), str) for c in calls):
+            return "a tool call whose arguments_raw is not a string"
+    if not _encodable(obj):
+        return "text that is not Unicode (a lone surrogate escape such as \\ud800)"
     return None
+
+
+def _encodable(obj: Any) -> bool:
+    """Whether every string in ``obj`` encodes to UTF-8 (JSON's ``\\ud800`` escapes decode to
+    lone surrogates, which no tokenizer or file takes)."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+    if isinstance(obj, dict):
+        return all(_encodable(k) and _encodable(v) for k, v in obj.items())
+    if isinstance(obj, list):
+        return all(_encodable(v) for v in obj)
+    return True
 
 
 def _json_type(values: list) -> str | None:
@@ -585,7 +609,7 @@ def run(args) -> int:
         "sessions_selected": len(notes), "turns_selected": len(turns), "sessions": notes,
         "corrupt_lines": [asdict(c) for c in corrupt],
     }
-    errors = 0
+    errors, first_error = 0, ""
     with open(runs_path, "x", encoding="utf-8") as fh:
         fh.write(json.dumps(header, ensure_ascii=False) + "\n")
         plan = list(schedule(turns, list(arms), reps))
@@ -593,6 +617,7 @@ def run(args) -> int:
             reply = request_turn(clients[arm], args.model, turn, max_tokens=args.max_tokens,
                                  temperature=args.temperature, stream=args.stream)
             errors += reply.error is not None
+            first_error = first_error or reply.error or ""
             if reply.error and errors <= 3:
                 tqdm.write(f"{turn.session_id} turn {turn.turn} arm {arm}: {reply.error}")
             fh.write(json.dumps(turn_record(turn, reply, arm=arm, rep=rep, order=order, url=arms[arm],
@@ -602,7 +627,7 @@ def run(args) -> int:
     print(report.verdict_line(result))
     print(f"runs: {runs_path}\nreport: {out_dir / 'report.md'}")
     if errors == len(plan):
-        print(f"mlx-fill {command}: every request failed", file=sys.stderr)
+        print(f"mlx-fill {command}: every request failed (the first: {first_error})", file=sys.stderr)
         return 1
     verdict = result.get("verdict")
     return 0 if verdict is None or verdict["pass"] else 1

@@ -352,7 +352,9 @@ def markdown_report(result: dict) -> str:
               "for structured harnesses, none for inline-text ones), so the tools block, system "
               "prompt and `<tool_call>` scaffolding are real tokens a source can predict.",
               f"Corrupt lines: {len(result['corrupt_lines'])}; sessions skipped: "
-              f"{len(result['skipped_sessions'])}."]
+              f"{len(result['skipped_sessions'])}"
+              + (f" (the first: {result['skipped_sessions'][0]})." if result["skipped_sessions"]
+                 else ".")]
     return "\n".join(lines) + "\n"
 
 

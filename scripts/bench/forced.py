@@ -74,9 +74,11 @@ from mlx_fill.core.proposal import FillSession, Pace
 from mlx_fill.core.resolve import plan_for
 from mlx_fill.evidence.replay import arguments_object, read_sessions, skipped_lines
 from mlx_fill.evidence.transcripts import markers, render_recording, seed_store
+from mlx_fill.session import check_env
 from mlx_fill.spec.base import DraftProposalSource
 from mlx_fill.spec.ngram import NgramDraft
 from mlx_fill.spec.suffix import STORE_TOKENS, GlobalSuffixTree, SuffixDraft, SuffixParams
+from mlx_fill.strict.schema import tool_schemas
 from mlx_fill.sources.echo import EchoDraft
 
 from .__main__ import forcing_processor, timed_decode
@@ -116,6 +118,9 @@ class ForcedTurn:
 
 
 # ----------------------------------------------------------------------------- turns
+
+LONG_PROMPT = 8192  # prompt ids past which the prefill's time is worth a warning
+
 
 def default_sessions() -> list[dict]:
     """Sessions no fixture trained on: the held-back split of the training sources plus every
@@ -213,6 +218,7 @@ def forced_turns(tok, sessions: list[dict], *, per_source: int | None, max_token
     for session in sessions:
         try:
             rendered = render_recording(session, tok, mk)
+            tool_schemas(rendered.tools)  # what a server checks before it decodes
         except (ValueError, KeyError, TypeError) as e:
             skipped[f"{session.get('source')}: {type(e).__name__}: {e}"] += 1
             continue
@@ -680,6 +686,7 @@ def main(argv: list[str] | None = None) -> int:
         return sessions
 
     try:
+        check_env()  # the arms read the MLX_FILL_* knobs a server reads
         sessions = sessions_of(args.transcripts) if args.transcripts is not None else default_sessions()
         seed_sessions = sessions_of(args.store_seed) if args.store_seed is not None else []
     except UserError as e:
@@ -703,6 +710,11 @@ def main(argv: list[str] | None = None) -> int:
         return fail("no turn rewrites a file a read tool returned earlier (--rewrites); drop "
                     "--rewrites or pass sessions with such turns" if args.rewrites
                     else "no assistant turn to replay")
+    longest = max(len(t.prompt) for t in turns)
+    if args.max_context is None and longest > LONG_PROMPT:
+        print(f"forced: prompts up to {longest:,} ids are prefilled whole (minutes each on a CPU); "
+              f"--max-context {LONG_PROMPT} keeps the system prompt, the tools and the latest "
+              f"turns", file=sys.stderr)
     store = GlobalSuffixTree(max_tokens=args.store_tokens)
     if seed_sessions:
         print(f"forced: store seeded from {args.store_seed}: "

@@ -306,3 +306,30 @@ def test_deciding_on_a_curve_prices_on_it(two_sessions, tmp_path, capsys):
         for arm in ("plain", "all", "peer-suffix"):
             assert row[arm]["priced_x_plain"] == row[arm]["projected_x_plain"], (arm, row[arm])
             assert row[arm]["bookkeeping_share"] is None  # the surrogate's step is not the model's
+
+
+def test_sessions_a_server_would_refuse_are_skipped_and_a_reply_without_a_request_replays(
+        tmp_path, capsys):
+    """A session whose tools a server would refuse is skipped with its reason, the others run;
+    a session that opens with the assistant's reply (no message before it) replays under
+    every arm, identical to plain."""
+    with gzip.open(TRANSCRIPTS, "rt", encoding="utf-8") as fh:
+        good = next(r for r in map(json.loads, fh) if r.get("tools")
+                    and any(m.get("tool_calls") for m in r["messages"]))
+    bad = {**good, "source": "broken_tools", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": "not a schema"}}]}
+    call = next(m for m in good["messages"] if m.get("tool_calls"))
+    opening = {**good, "source": "assistant_first", "messages": [call]}
+    path = tmp_path / "odd.jsonl"
+    path.write_text("".join(json.dumps(s) + "\n" for s in (bad, opening)))
+    report = replay_report(tiny_replay_args(path, 8, "--arms", "plain,strict,all"), tmp_path)
+    assert report["identical"] is True and set(report["rows"]) == {"overall", "assistant_first"}
+    err = capsys.readouterr().err
+    assert "1 sessions not rendered (broken_tools: ValueError: tools[0].function.parameters" in err
+
+
+def test_a_bad_fill_knob_is_one_error_line(monkeypatch, capsys):
+    monkeypatch.setenv("MLX_FILL_SOURCES", "warp")
+    assert forced.main(["--surrogate", "--per-source", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "MLX_FILL_SOURCES: unknown sources ['warp']" in err, err

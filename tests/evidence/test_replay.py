@@ -70,16 +70,41 @@ def _write_lines(path: Path, lines: list[str], gz: bool = False) -> Path:
 
 @pytest.mark.parametrize("gz", [False, True])
 def test_load_sessions_skips_and_reports_corrupt_lines(tmp_path, gz):
+    raw_not_text = {"role": "assistant", "tool_calls": [{"name": "f", "arguments": {}, "arguments_raw": 1}]}
     lines = [json.dumps(_structured()), "{truncated", "[1, 2]", json.dumps({"messages": []}),
              json.dumps({"messages": [{"content": "no role"}]}), "",
              json.dumps({"messages": [{"role": "user", "content": ["parts"]}]}),
              json.dumps({"messages": [{"role": "assistant", "tool_calls": [{"arguments": {}}]}]}),
+             json.dumps({"messages": [raw_not_text]}),
+             '{"messages": [{"role": "user", "content": "bad \\ud800 half"}]}',
              json.dumps(_inline())]
     sessions, corrupt = replay.load_recordings(_write_lines(tmp_path / "t.jsonl", lines, gz=gz))
     assert [s["session_id"] for s in sessions] == ["s-structured", "s-inline"]
-    assert [(c.line, c.reason.split(":")[0]) for c in corrupt] == [
+    assert [(c.line, c.reason.split(":")[0].split(" (")[0]) for c in corrupt] == [
         (2, "invalid JSON"), (3, "not a JSON object"), (4, "no messages list"), (5, "a message without a role"),
-        (7, "a message whose content is not a string"), (8, "a tool call without a name")]
+        (7, "a message whose content is not a string"), (8, "a tool call without a name"),
+        (9, "a tool call whose arguments_raw is not a string"), (10, "text that is not Unicode")]
+
+
+def test_a_byte_order_mark_is_not_a_corrupt_first_line(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + (json.dumps(_structured()) + "\n").encode())
+    sessions, corrupt = replay.load_recordings(path)
+    assert corrupt == [] and [s["session_id"] for s in sessions] == ["s-structured"]
+
+
+def test_a_recorded_call_whose_arguments_are_a_json_string_reads_as_the_object():
+    """The recording format holds ``arguments`` as an object; a file that holds the JSON string
+    instead is read as the OpenAI form is (parsed, the string kept raw), never written twice
+    escaped."""
+    session = _structured()
+    as_string = json.loads(json.dumps(session))
+    for m in as_string["messages"]:
+        for c in m.get("tool_calls") or []:
+            c["arguments"] = c.pop("arguments_raw", None) or json.dumps(c["arguments"])
+    read = replay.as_recording(as_string)
+    assert replay._render_history(read) == replay._render_history(session)
+    assert replay.synthesize_tools(read["messages"]) == replay.synthesize_tools(session["messages"])
 
 
 def _openai_twin(session: dict) -> dict:

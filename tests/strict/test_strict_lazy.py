@@ -37,6 +37,14 @@ def test_lazy_source_still_rejects_malformed_tools_up_front():
         lazy_strict_source(tokenizer("qwen3"), USER, bad)
 
 
+def test_no_conversation_and_a_conversation_ending_in_a_reply_get_no_source():
+    """Nothing a template can render after (an empty message list raises in some templates),
+    and nothing to answer: no source, whatever the model emits."""
+    tok, tool_list = tokenizer("qwen3"), tools()
+    assert lazy_strict_source(tok, [], tool_list) is None
+    assert lazy_strict_source(tok, [*USER, {"role": "assistant", "content": "x"}], tool_list) is None
+
+
 def test_parse_fallbacks_reach_the_request_telemetry():
     from mlx_fill.core.proposal import DecodeView, FillSession
     tok, tool_list = tokenizer("qwen3-coder"), tools()
