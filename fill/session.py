@@ -286,9 +286,16 @@ def build_session(
             from mlx_fill.spec.draft import DraftModelSource
             sources.append(DraftProposalSource(DraftModelSource(draft_model),
                                                length=lambda: DRAFT_TOKENS))
+    from_env = trace_path is None
     trace_path = trace_path if trace_path is not None else os.environ.get("MLX_FILL_TRACE") or None
-    trace = (open(trace_path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 -- closed by finish_session
-             if trace_path else None)
+    try:
+        trace = (open(trace_path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 -- closed by finish_session
+                 if trace_path else None)
+    except OSError as e:
+        if not from_env:
+            raise
+        raise BadEnvironment(f"MLX_FILL_TRACE={trace_path} cannot be appended to ({e.strerror}); "
+                             f"name a file in an existing folder") from None
     session = FillSession(sources, prompt_ids=prompt_ids, eos_ids=eos_ids, plan=plan,
                           max_span=max_span, allow_assert=temperature == 0, trace=trace,
                           pace=pace)

@@ -113,3 +113,13 @@ def test_serve_environment_it_cannot_use(name, value, needle, tmp_path, monkeypa
     monkeypatch.setenv(name, value.format(tmp=tmp_path))
     one_error_line(capsys, ["serve", "--model", str(model), "--port", str(free_port())],
                    needle.format(tmp=tmp_path))
+
+
+def test_a_trace_file_that_cannot_be_opened_at_a_request_is_named(tmp_path, monkeypatch):
+    """A library caller that never ran ``check_env`` (or a folder removed since) gets the knob
+    named, not the bare ``OSError``."""
+    from mlx_fill.session import BadEnvironment, build_session
+
+    monkeypatch.setenv("MLX_FILL_TRACE", str(tmp_path / "gone" / "trace.jsonl"))
+    with pytest.raises(BadEnvironment, match=r"MLX_FILL_TRACE=.*gone/trace.jsonl cannot be appended"):
+        build_session("strict", model=None, tokenizer=None, prompt_ids=[1], logprobs=True)
