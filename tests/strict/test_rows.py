@@ -106,6 +106,28 @@ def test_a_tools_key_rows_are_compiled_on_its_first_call_whatever_the_tool_count
     assert {name for _, name, _ in source.table.keys} == {"op47"}
 
 
+
+def test_key_rows_another_request_compiled_fire_in_a_request_built_before(monkeypatch):
+    """Requests share a table: key rows one request compiles mid-decode fire in another that
+    was built before they existed (its after-value texts are read again)."""
+    from mlx_fill.strict import rows
+    monkeypatch.setattr(rows, "_TABLES", {})  # a table no earlier test compiled keys into
+    tok, tool_list = tokenizer("qwen3"), tools("keys")
+    conversation = [*USER, {"role": "assistant", "content": "Sure."}, {"role": "user", "content": "Go."}]
+    first, second = strict_source(tok, USER, tool_list), strict_source(tok, conversation, tool_list)
+    assert first.table is second.table and not first.table.keys
+    args = {"path": "a.py", "old_text": "x = 1", "new_text": "x = 2"}
+    teacher_force(first, reply_ids(tok, USER, tool_list, _call_reply("edit_file", args)),
+                  frozenset(tok.eos_token_ids))
+    assert first.table.keyed == {"edit_file"}
+    second.compile_keys = None  # it can only fire what the first request compiled
+    ids = reply_ids(tok, conversation, tool_list, _call_reply("edit_file", args))
+    fires = teacher_force(second, ids, frozenset(tok.eos_token_ids))
+    assert contained(ids, fires), fires
+    assert {"strict:key:edit_file.old_text", "strict:key:edit_file.new_text"} <= {
+        o for _, _, o in fires}, fires
+
+
 def test_next_required_follows_the_schema_order():
     schema = {s.name: s for s in tool_schemas(tools("keys"))}["book_flight"]
     assert schema.next_required(()) == "user_id"
