@@ -106,7 +106,7 @@ PROMOTABLE = ("strict:scaffold", "strict:name", ECHO_ORIGIN)
 
 
 def _promotable(entry: str) -> bool:
-    return any(entry in (row, row + ":") or entry.startswith(row + ":")
+    return any(entry == row or entry.startswith(row + ":")
                or entry.endswith(":") and row.startswith(entry) for row in PROMOTABLE)
 
 

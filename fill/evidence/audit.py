@@ -264,11 +264,10 @@ def print_rows(tok, family: str, tools, out) -> int:
     """Print every compiled row with its certainty class; returns how many rows lack one."""
     messages = [{"role": "user", "content": "audit"}]
     table = table_for(tok, messages, tools)
-    if table is not None:
-        compile_all_keys(table, tok, messages, tools)
     if table is None:
         print(f"[{family}] no rows: the template cannot render tool calls", file=out)
         return 0
+    compile_all_keys(table, tok, messages, tools)
     rows = table.rows()
     classes = {c: sum(r.certainty == c for r in rows) for c in CERTAINTIES}
     print(f"[{family}] syntax={table.syntax} rows={len(rows)} "

@@ -731,17 +731,23 @@ def _common_suffix(seqs: list[tuple[int, ...]]) -> tuple[int, ...]:
     return tuple(common)
 
 
+def awaits_reply(messages: list[dict] | None) -> bool:
+    """Whether ``messages`` is a conversation a template renders and a reply follows: not
+    empty (some templates raise on no message) and not ending with the assistant's own turn."""
+    return bool(messages) and messages[-1].get("role") != "assistant"
+
+
 def compile_table(tokenizer, messages: list[dict], tools: list[dict] | None,
                   template_kwargs: dict | None = None) -> RowTable | None:
     """Compile strict rows for this conversation; None when there is nothing to compile.
 
     Raises ``ValueError`` (naming the path) for malformed tools/schemas. Returns None when there
-    are no tools, the tokenizer has no tool-call markers, the conversation ends with an
-    assistant message, or the template cannot render tool calls after the generation prompt.
+    are no tools, the tokenizer has no tool-call markers, the conversation awaits no reply
+    (:func:`awaits_reply`), or the template cannot render tool calls after the generation prompt.
     """
     schemas = tool_schemas(tools)
     markers = _markers(tokenizer)
-    if not schemas or markers is None or (messages and messages[-1].get("role") == "assistant"):
+    if not schemas or markers is None or not awaits_reply(messages):
         return None
     protocol = protocol_markers(getattr(tokenizer, "chat_template", None),
                                 getattr(tokenizer, "eos_token", None))
@@ -843,7 +849,7 @@ def table_for(tokenizer, messages: list[dict], tools: list[dict] | None,
     """The cached table for this identity when this conversation renders the same reference
     call body; otherwise a freshly compiled one (cached when the identity is new)."""
     schemas = tool_schemas(tools)
-    if not schemas or (messages and messages[-1].get("role") == "assistant"):
+    if not schemas or not awaits_reply(messages):
         return None
     key = identity_key(tokenizer, tools, template_kwargs)
     if key in _TABLES:

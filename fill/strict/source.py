@@ -92,7 +92,8 @@ from typing import Callable
 
 from .guards import SYNTAXES, Role, TurnGuard
 from mlx_fill.core.proposal import DecodeView, Proposal
-from .rows import Row, RowTable, compile_tool_keys, initial_role, resumed_heads, table_for
+from .rows import (Row, RowTable, awaits_reply, compile_tool_keys, initial_role, resumed_heads,
+                   table_for)
 from .schema import tool_schemas
 from .tokenbytes import IncrementalText, token_bytes
 
@@ -319,8 +320,8 @@ def lazy_strict_source(tokenizer, messages: list[dict], tools: list[dict] | None
     """:func:`strict_source` for serving: tools are validated now (ValueError naming the path),
     rows are compiled only once the model emits the tool-call start token. Falls back to the
     eager source when that marker is not one token of the vocabulary."""
-    if not tool_schemas(tools) or not messages or messages[-1].get("role") == "assistant":
-        return None  # no call to serve, or no conversation a template can render
+    if not tool_schemas(tools) or not awaits_reply(messages):
+        return None
     start = getattr(tokenizer, "tool_call_start", None) or ""
     start_id = tokenizer.convert_tokens_to_ids(start) if start else None
     if not isinstance(start_id, int) or tokenizer.encode(start, add_special_tokens=False) != [start_id]:

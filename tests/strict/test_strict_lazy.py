@@ -42,6 +42,7 @@ def test_no_conversation_and_a_conversation_ending_in_a_reply_get_no_source():
     and nothing to answer: no source, whatever the model emits."""
     tok, tool_list = tokenizer("qwen3"), tools()
     assert lazy_strict_source(tok, [], tool_list) is None
+    assert strict_source(tok, [], tool_list) is None  # the eager fallback alike
     assert lazy_strict_source(tok, [*USER, {"role": "assistant", "content": "x"}], tool_list) is None
 
 
