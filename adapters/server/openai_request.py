@@ -130,8 +130,11 @@ def _messages(value: Any) -> list[dict]:
         content = m.get("content")
         if content is not None and not isinstance(content, (str, list)):
             raise RequestError(422, f"{where}.content: expected a string or an array", f"{where}.content")
-        if content is None:  # OpenAI's assistant turn that only calls tools; templates read a string
-            m = dict(m, content="")
+        if content is None:
+            if role != "assistant" or not m.get("tool_calls"):
+                raise RequestError(400, f"{where}.content: required unless an assistant message "
+                                        f"has tool_calls", f"{where}.content")
+            m = dict(m, content="")  # templates read a string
         elif isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
@@ -193,6 +196,9 @@ def _tools(value: Any, limits: Limits) -> list[dict] | None:
         if params is None:
             continue
         where = f"tools[{i}]" + (".function.parameters" if "function" in tool else ".parameters")
+        if isinstance(params, dict) and params.get("type", "object") != "object":
+            raise RequestError(400, f"{where}: must be a schema of type 'object', got type "
+                                    f"{params['type']!r}", where)
         if value_depth(params) > limits.max_schema_depth:
             raise RequestError(400, f"{where}: nested deeper than {limits.max_schema_depth} levels",
                                where)

@@ -137,6 +137,31 @@ def test_a_role_no_template_renders_is_400(client, role, needle):
     assert needle in err["message"], err
 
 
+@pytest.mark.parametrize("message", [
+    {"role": "user", "content": None},
+    {"role": "tool", "tool_call_id": "c", "content": None},
+    {"role": "assistant", "content": None},
+])
+def test_null_content_is_400_unless_an_assistant_calls_tools(client, message):
+    err = error(post(client, {"messages": [*USER, message]}), 400, "messages[1].content")
+    assert "unless an assistant message has tool_calls" in err["message"], err
+
+
+def test_null_content_of_an_assistant_that_calls_tools_is_served(client):
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    r = post(client, {"messages": [*USER, {"role": "assistant", "content": None,
+                                           "tool_calls": [call]},
+                                   {"role": "tool", "tool_call_id": "c", "content": "ok"}],
+                      "tools": [tool({"type": "object"})]})
+    assert r.status_code == 200, r.text
+
+
+def test_parameters_of_a_type_other_than_object_are_400(client):
+    err = error(post(client, {"messages": USER, "tools": [tool({"type": "string"})]}), 400,
+                "tools[0].function.parameters")
+    assert "type 'object'" in err["message"], err
+
+
 # Renders every message under its own role, as ChatML templates that read ``message.role`` do.
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
