@@ -228,7 +228,7 @@ class ServerFill:
                 or (getattr(args, "top_logprobs", -1) or -1) > 0,
                 response_format=body.get("response_format"),
                 media=kwargs.get("input_embeddings") is not None,
-                prediction=body.get("prediction"), ledger=ledger,
+                prediction=fill_request.prediction, ledger=ledger,
                 acceptance=self.acceptance.setdefault(model_key, {}),
                 global_tree=self.store_for(model_key), group=group)
         except ValueError as e:

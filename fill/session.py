@@ -224,7 +224,7 @@ def build_session(
 
     ``prompt_ids``: the full rendered prompt (cached prefix included). ``logprobs`` is true when
     the client asked for logprobs or top_logprobs. ``prediction``: an OpenAI Predicted Outputs
-    object. ``refuse``: a reason the caller already has to serve without fill (e.g.
+    object, or the ids it encodes to where the caller has them (:func:`prediction_ids`). ``refuse``: a reason the caller already has to serve without fill (e.g.
     ``compile_budget``); no source is built then. ``max_span`` / ``trace_path`` default to
     ``MLX_FILL_MAX_SPAN`` / ``MLX_FILL_TRACE``. ``draft_model``: a loaded draft model (same
     tokenizer) proposing :data:`DRAFT_TOKENS` ids per round after every other source.
@@ -257,8 +257,8 @@ def build_session(
     plan = unqualified()
     if refusal is None:
         tool_schemas(tools)  # ValueError naming the path of a malformed tool
-        predicted = (tokenizer.encode(prediction_text(prediction), add_special_tokens=False)
-                     if prediction is not None else [])
+        predicted = (prediction if isinstance(prediction, list)
+                     else prediction_ids(tokenizer, prediction)) or []
         # after the request's own validation: a bad request measures nothing
         plan = plan_for(model, group)
         pace.round_overhead = plan.round_overhead  # the serial loop's plain steps are pipelined

@@ -142,13 +142,13 @@ class Engine:
             raise RequestError(400, f"messages: the model's chat template rejected the request "
                                     f"({type(e).__name__}: {e})", "messages") from None
 
-    def _session(self, req: ChatRequest, prompt_ids: list[int]):
+    def _session(self, req: ChatRequest, prompt_ids: list[int], predicted: list[int] | None):
         from mlx_fill.session import build_session
         refuse = "compile_budget" if over_compile_budget(req.tools, self.limits) else None
         session = build_session(
             self.mode, model=self.model, tokenizer=self.tokenizer, prompt_ids=prompt_ids,
             messages=req.messages, tools=req.tools, template_kwargs=req.chat_template_kwargs,
-            temperature=req.temperature, seed=req.seed, prediction=req.prediction,
+            temperature=req.temperature, seed=req.seed, prediction=predicted,
             global_tree=self.global_tree, ledger=self.ledger, draft_model=self.draft,
             refuse=refuse, acceptance=self.acceptance)
         return session
@@ -181,12 +181,14 @@ class Engine:
     def prepare(self, req: ChatRequest) -> Prepared:
         """Render the prompt and build the fill session; RequestError (400) when the template or
         the fill sources reject the request. Runs on the worker thread, before any response."""
+        from mlx_fill.session import prediction_ids
         prompt_ids = self.render(req)
         try:
-            session = self._session(req, prompt_ids)
+            predicted = prediction_ids(self.tokenizer, req.prediction)
+            session = self._session(req, prompt_ids, predicted)
         except ValueError as e:
             raise RequestError(400, str(e), str(e).split(":", 1)[0]) from None
-        return Prepared(req, prompt_ids, session)
+        return Prepared(req, prompt_ids, session, predicted)
 
     def generate(self, prepared: Prepared, cancelled: threading.Event,
                  on_text: Callable[[str], None] | None = None) -> Outcome | None:
@@ -198,7 +200,7 @@ class Engine:
         import mlx.core as mx
         from mlx_lm.sample_utils import make_sampler
 
-        from mlx_fill.session import end_session, prediction_ids, usage_extra
+        from mlx_fill.session import end_session, usage_extra
         from mlx_fill.adapters.mlx_lm import generate_step
 
         req, prompt_ids, session = prepared.req, prepared.prompt_ids, prepared.session
@@ -254,8 +256,7 @@ class Engine:
         if finish == "length":
             detok.finalize()
             splitter.feed(detok.last_segment)
-        extra = usage_extra(session, prediction=prediction_ids(self.tokenizer, req.prediction),
-                            completion=tokens)
+        extra = usage_extra(session, prediction=prepared.predicted, completion=tokens)
         text = splitter.finish()
         return Outcome(text, tokens, finish, len(prompt_ids), len(prompt_ids) - len(rest), extra)
 
@@ -267,3 +268,4 @@ class Prepared:
     req: ChatRequest
     prompt_ids: list[int]
     session: Any
+    predicted: list[int] | None  # the ids of the request's prediction (None: it has none)

@@ -21,7 +21,7 @@ from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.proposal import DecodeView, FillStats
 from mlx_fill.core.cost import CostGate, DraftAcceptance
 from mlx_fill.modes import OFF, enabled
-from mlx_fill.session import build_session, check_mode
+from mlx_fill.session import build_session, check_mode, prediction_ids
 from mlx_lm import load
 from mlx_lm.generate import GenerationResponse
 from mlx_lm.generate import stream_generate as stock_stream_generate
@@ -83,6 +83,25 @@ def test_prediction_session_is_lossless_and_attaches_telemetry(lm, monkeypatch):
     assert session.emitted_ids == tokens_of(out)  # what the loop emitted, as the consumer got it
     usage = prediction_usage(predicted, session.emitted_ids)
     assert usage["accepted_prediction_tokens"] >= len(predicted) - 1  # but a re-encoded last id
+
+
+def test_a_prediction_given_as_its_ids_is_the_prediction_it_encodes(lm):
+    """A caller that has encoded the prediction (to count its tokens) passes the ids; the
+    session predicts the same ids as from the OpenAI object, and a malformed object still
+    raises."""
+    model, tok, prompt = lm
+    prediction = {"type": "content", "content": [{"type": "text", "text": "The answer is 42."}]}
+
+    def predicted(given) -> list[int]:
+        session = build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt,
+                                prediction=given)
+        return next(s.ids for s in session.sources if isinstance(s, PredictionSource))
+
+    ids = prediction_ids(tok, prediction)
+    assert ids and predicted(prediction) == predicted(ids) == ids
+    with pytest.raises(ValueError, match="prediction.type"):
+        build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt,
+                      prediction={"type": "text", "content": "x"})
 
 
 def test_fill_with_draft_model_is_rejected(lm):
