@@ -304,6 +304,7 @@ def mechanism_turns(tok, per_source: int, max_prompt: int, max_out: int) -> list
     the output the recorded reply's ids up to the end-of-turn token. Only the first
     ``SCAN_TURNS`` turns of a session are rendered (each rendering is the whole history)."""
     from mlx_fill.evidence.replay import load_recordings, recording_turns
+    from mlx_fill.evidence.transcripts import template_history
     from mlx_fill.assets.checkout import TRANSCRIPTS
 
     sessions, _ = load_recordings(TRANSCRIPTS)
@@ -316,9 +317,10 @@ def mechanism_turns(tok, per_source: int, max_prompt: int, max_out: int) -> list
                 if mine >= per_source:
                     break
                 kw = dict(tools=turn.tools, tokenize=False, enable_thinking=False)
-                head = tok.apply_chat_template(turn.messages, add_generation_prompt=True, **kw)
+                messages = template_history(turn.messages)  # as a server hands them over
+                head = tok.apply_chat_template(messages, add_generation_prompt=True, **kw)
                 whole = tok.apply_chat_template(
-                    session_turn_history(session, turn.message_index), **kw)
+                    template_history(session_turn_history(session, turn.message_index)), **kw)
                 if not whole.startswith(head):
                     continue
                 reply = whole[len(head):]
@@ -328,7 +330,7 @@ def mechanism_turns(tok, per_source: int, max_prompt: int, max_out: int) -> list
                 prompt = tok.encode(head, add_special_tokens=False)[-max_prompt:]
                 out = tok.encode(reply[:end + len("<|im_end|>")], add_special_tokens=False)
                 if len(out) >= 8:
-                    picked.append(RecordedTurn(prompt, out[:max_out], turn.messages, turn.tools))
+                    picked.append(RecordedTurn(prompt, out[:max_out], messages, turn.tools))
                     mine += 1
             if mine >= per_source:
                 break
