@@ -224,7 +224,8 @@ def build_session(
 
     ``prompt_ids``: the full rendered prompt (cached prefix included). ``logprobs`` is true when
     the client asked for logprobs or top_logprobs. ``prediction``: an OpenAI Predicted Outputs
-    object, or the ids it encodes to where the caller has them (:func:`prediction_ids`). ``refuse``: a reason the caller already has to serve without fill (e.g.
+    object, or the ids it encodes to where the caller has them (:func:`prediction_ids`).
+    ``refuse``: a reason the caller already has to serve without fill (e.g.
     ``compile_budget``); no source is built then. ``max_span`` / ``trace_path`` default to
     ``MLX_FILL_MAX_SPAN`` / ``MLX_FILL_TRACE``. ``draft_model``: a loaded draft model (same
     tokenizer) proposing :data:`DRAFT_TOKENS` ids per round after every other source.
