@@ -144,6 +144,7 @@ class GlobalSuffixTree:
         self._tokens = 0
         self._entries = 0
         self._dead = 0
+        self.generation = 0  # bumped when compaction moves bucket entries (:class:`OwnRuns`)
 
     def __len__(self) -> int:
         return self._tokens
@@ -219,11 +220,19 @@ class GlobalSuffixTree:
                     del m[key]
         self._entries = sum(len(b) for m in self._maps.values() for b in m.values())
         self._dead = 0
+        self.generation += 1
 
-    def candidates(self, ctx: list[int], exclude: int, p: SuffixParams
-                   ) -> list[tuple[Sequence[int], int, int]]:
+    def candidates(self, ctx: list[int], exclude: int, p: SuffixParams,
+                   own: "OwnRuns | None" = None) -> list[tuple[Sequence[int], int, int]]:
+        """The nearest occurrences of the trailing k-grams of ``ctx`` in other documents than
+        ``exclude``, as (document, end, match length). ``own``: the excluded document's
+        :class:`OwnRuns`, kept by its caller, so that its own entries (the most recent of a
+        bucket while its response is decoded) are stepped over once, not on every lookup."""
         found: dict[int, tuple[Sequence[int], int, int]] = {}
         n = len(ctx)
+        if own is not None and own.generation != self.generation:
+            own.runs.clear()
+            own.generation = self.generation
         for k in p.global_anchors:
             if k not in self._maps or n < k:
                 continue
@@ -232,7 +241,10 @@ class GlobalSuffixTree:
             if not bucket:
                 continue
             taken = 0
-            for i in range(len(bucket) - 1, -1, -1):
+            i = len(bucket) - 1
+            if own is not None:
+                i = own.skip((k, key), bucket, exclude)
+            for i in range(i, -1, -1):
                 v = bucket[i]
                 doc_id = v >> _END_BITS
                 if doc_id == exclude or v in found:
@@ -248,6 +260,34 @@ class GlobalSuffixTree:
             if len(found) >= p.candidates:
                 break
         return list(found.values())
+
+
+class OwnRuns:
+    """One document's runs of its own entries at the recent end of the store's buckets:
+    ``runs[bucket key] = (start, end)``, bucket entries ``start .. end - 1`` all the document's
+    (valid while the store's :attr:`GlobalSuffixTree.generation` is ``generation``: bucket
+    entries move only in compaction). A lookup steps over the run in one jump, so a response
+    that repeats a k-gram thousands of times costs its lookups O(new entries), not O(its
+    length) each."""
+
+    def __init__(self) -> None:
+        self.runs: dict[tuple, tuple[int, int]] = {}
+        self.generation = -1
+
+    def skip(self, key: tuple, bucket: "array[int]", doc_id: int) -> int:
+        """The last index of ``bucket`` below the document's own trailing entries (-1: none
+        left), remembering the run for the next lookup."""
+        end = len(bucket)
+        i = end - 1
+        start, run_end = self.runs.get(key, (0, 0))
+        while i >= 0 and bucket[i] >> _END_BITS == doc_id:
+            if i == run_end - 1:
+                i = start - 1
+                break
+            i -= 1
+        if i + 1 < end:
+            self.runs[key] = (i + 1, end)
+        return i
 
 
 def request_candidates(index: EchoIndex, p: SuffixParams) -> list[tuple[Sequence[int], int, int]]:
@@ -276,6 +316,7 @@ class SuffixDraft(IndexedDraft):
         self.params = params
         self._prompt_len = 0
         self._doc: int | None = None
+        self._own = OwnRuns()
         self.last: SuffixDraftResult | None = None
 
     def prefill(self, prompt: Sequence[int]) -> None:
@@ -283,6 +324,7 @@ class SuffixDraft(IndexedDraft):
         self._prompt_len = len(prompt)
         if self.global_tree is not None:
             self._doc = self.global_tree.open(prompt)
+            self._own = OwnRuns()
 
     def draft(self, feed: Sequence[int], n: int) -> list[int]:
         self.advance(feed)
@@ -297,7 +339,7 @@ class SuffixDraft(IndexedDraft):
         best = SuffixDraftResult(tuple(ids), score, L, "request")
         if self.global_tree is not None:
             gids, gscore, gL = speculate(
-                self.global_tree.candidates(self.index.seq, self._doc or 0, p), p, n)
+                self.global_tree.candidates(self.index.seq, self._doc or 0, p, self._own), p, n)
             if gscore > score:
                 best = SuffixDraftResult(tuple(gids), gscore, gL, "global")
         self.last = best

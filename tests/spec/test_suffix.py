@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 from mlx_fill.core.index import EchoIndex
-from mlx_fill.spec.suffix import (GlobalSuffixTree, SuffixDraft, SuffixParams, _match_len,
-                                  request_candidates, speculate)
+from mlx_fill.spec.suffix import (_END_BITS, GlobalSuffixTree, OwnRuns, SuffixDraft, SuffixParams,
+                                  _match_len, request_candidates, speculate)
 
 
 def test_match_len_equals_brute_force():
@@ -64,6 +64,52 @@ def test_global_tree_never_matches_the_callers_own_response():
     p = SuffixParams(global_anchors=(2,))
     assert g.candidates([9, 1, 2], exclude=own, p=p) == []
     assert g.candidates([9, 1, 2], exclude=0, p=p)
+
+
+def test_own_runs_find_what_a_full_scan_finds_through_interleaving_and_compaction():
+    """Two responses decoded at once, a third store growing and evicted (so compaction moves
+    entries): every lookup with a remembered run equals the lookup without one."""
+    rng = random.Random(1)
+    g = GlobalSuffixTree(max_tokens=600, ks=(1, 2, 4, 8), context_tokens=2)
+    p = SuffixParams(global_anchors=(8, 4, 2, 1))
+    docs = {d: (OwnRuns(), [7, 8]) for d in (g.open([7, 8]), g.open([7, 8]))}
+    generations = set()
+    for step in range(3000):
+        doc = rng.choice(list(docs))
+        runs, ctx = docs[doc]
+        t = rng.choice([1, 1, 1, 2, 3]) if step % 500 < 400 else rng.randrange(40)
+        ctx.append(t)
+        g.extend(doc, [t])
+        if step % 7 == 0:
+            other = g.open([t])
+            g.extend(other, [rng.choice([1, 2, 3]) for _ in range(12)])
+        assert g.candidates(ctx, doc, p, runs) == g.candidates(ctx, doc, p)
+        generations.add(g.generation)
+    assert len(generations) > 1  # compaction ran while runs were remembered
+
+
+class _Reads(list):
+    """A bucket that counts the entries read."""
+
+    reads = 0
+
+    def __getitem__(self, i):
+        type(self).reads += 1
+        return super().__getitem__(i)
+
+
+def test_own_runs_step_over_a_long_run_of_the_documents_entries_in_one_jump():
+    own, other = 5, 4
+    bucket = _Reads([other << _END_BITS | 3] + [own << _END_BITS | i for i in range(5000)])
+    runs = OwnRuns()
+    assert runs.skip(("k",), bucket, own) == 0  # the first lookup reads the run once
+    for i in range(5000, 5010):
+        bucket.append(own << _END_BITS | i)
+        _Reads.reads = 0
+        assert runs.skip(("k",), bucket, own) == 0
+        assert _Reads.reads <= 3  # the new entry, the run's last, and nothing more
+    bucket.append(other << _END_BITS | 9)  # another response's entry ends the run
+    assert runs.skip(("k",), bucket, own) == len(bucket) - 1
 
 
 def test_cross_request_tree_predicts_a_repeated_reply_opening():
