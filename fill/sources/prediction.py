@@ -15,6 +15,7 @@ has stopped matching costs lookups, not forwards.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from typing import Any
 
@@ -68,9 +69,10 @@ class PredictionSource:
         for k in ANCHORS:
             if len(emitted) < k:
                 continue
-            ends = self._grams[k].get(tuple(emitted[-k:]))
+            ends = self._grams[k].get(tuple(emitted[-k:]))  # ascending
             if ends:
-                return next((e for e in ends if e >= after), ends[0]), k
+                at = bisect_left(ends, after)
+                return (ends[at] if at < len(ends) else ends[0]), k
         return None, 0
 
     def propose(self, view: DecodeView) -> Proposal | None:
@@ -122,7 +124,6 @@ def prediction_usage(predicted: Sequence[int], completion: Sequence[int]) -> dic
     where the completion's next :data:`ALIGN_ANCHOR` ids occur (the ids it skips are rejected:
     the edit deleted them), or, where they occur nowhere ahead, the completion's id is passed
     (the edit inserted it). Linear in both lengths (a binary search per divergence)."""
-    from bisect import bisect_left
     starts: dict[tuple[int, ...], list[int]] = {}  # anchor -> its places in ``predicted``, ascending
     for at in range(len(predicted) - ALIGN_ANCHOR + 1):
         starts.setdefault(tuple(predicted[at:at + ALIGN_ANCHOR]), []).append(at)
