@@ -339,7 +339,7 @@ def end_session(session: FillSession | None, ledger: Any = None) -> None:
     if ledger is not None:
         try:
             ledger.save()
-        except OSError as e:
+        except (OSError, ValueError) as e:  # unwritable, or made corrupt by another process
             log.warning("mlx-fill: evidence ledger not saved (%s)", e)
 
 

@@ -1,5 +1,8 @@
-"""The evidence ledger: verified agreement per (model, template, origin: a source or a strict
-row), persisted (the file keeps them under ``rows``).
+"""The evidence ledger: verified agreement per (model, template, claim), persisted (the file
+keeps them under ``rows``). A source's claim is its origin (``echo:corroborated``: every draft
+it makes stands on the same policy); a strict row's is its origin and the ids it writes where it
+fires (:attr:`mlx_fill.strict.rows.Row.claim`), so evidence for a row never promotes another
+row of the same origin that writes other ids (a scaffold row under another tool set).
 
 Every ``verify`` outcome of a ledger-tracked row is an agreement (the target produced every
 proposed id) or a disagreement. A row is promoted from ``verify`` to ``assert`` only once it has
@@ -11,16 +14,20 @@ value, spacing inside a JSON arguments object) is never promoted, whatever ``eli
 and however much evidence it has; the ledger logs that once per row.
 
 Counters live in ``user_cache_dir()/"ledger"/<slug>.json``, one file per model/template pair,
-written atomically on :meth:`Ledger.save`.
+written atomically on :meth:`Ledger.save`, which adds this process's counts since it last read
+the file to what the file holds then (under a lock): servers sharing a cache lose no
+disagreement another recorded.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +38,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class OriginEvidence:
+class Evidence:
     agreements: int = 0
     disagreements: int = 0
 
@@ -45,16 +52,20 @@ class Ledger:
     template: str
     promote_after: int = DEFAULT_PROMOTE_AFTER
     eligible: frozenset[str] = frozenset()
-    origins: dict[str, OriginEvidence] = field(default_factory=dict)
+    claims: dict[str, Evidence] = field(default_factory=dict)
     path: Path | None = None
     _refused: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
+    # the counts as last read from or written to the file (what :meth:`save` adds to is the rest)
+    _saved: dict[str, tuple[int, int]] = field(default_factory=dict, init=False, repr=False,
+                                               compare=False)
 
     def __post_init__(self) -> None:
         if self.promote_after < 1:
             raise ValueError(f"promote_after must be >= 1, got {self.promote_after}")
 
-    def record(self, origin: str, agreed: bool) -> None:
-        ev = self.origins.setdefault(origin, OriginEvidence())
+    def record(self, claim: str, agreed: bool) -> None:
+        """One verified outcome of ``claim`` (an origin, or a strict row's claim)."""
+        ev = self.claims.setdefault(claim, Evidence())
         if agreed:
             ev.agreements += 1
         else:
@@ -65,10 +76,12 @@ class Ledger:
         return origin in self.eligible or any(
             e.endswith(":") and origin.startswith(e) for e in self.eligible)
 
-    def promoted(self, origin: str, *, certainty: str | None = None) -> bool:
+    def promoted(self, origin: str, *, certainty: str | None = None,
+                 claim: str | None = None) -> bool:
         """True iff ``origin`` may be asserted: not a ``likely`` strict row, eligible, enough
-        agreements, none against. ``certainty`` is the row's class (None for sources that are
-        not compiled rows). Temperature is the session's to enforce (no ``assert`` above 0)."""
+        agreements for its ``claim`` (default: the origin itself), none against. ``certainty``
+        is the row's class (None for sources that are not compiled rows). Temperature is the
+        session's to enforce (no ``assert`` above 0)."""
         if not self.is_eligible(origin):
             return False
         if certainty != "determined" and certainty is not None:
@@ -77,24 +90,63 @@ class Ledger:
                 log.info("evidence ledger: %s is a %s strict row; it stays verify whatever "
                          "MLX_FILL_PROMOTE says", origin, certainty)
             return False
-        ev = self.origins.get(origin)
+        ev = self.claims.get(claim or origin)
         return ev is not None and ev.disagreements == 0 and ev.agreements >= self.promote_after
 
     def to_json(self) -> dict:
         return {"model": self.model, "template": self.template,
                 "rows": {k: {"agreements": v.agreements, "disagreements": v.disagreements}
-                         for k, v in sorted(self.origins.items())}}
+                         for k, v in sorted(self.claims.items())}}
 
     def save(self) -> Path:
+        """Write the counters: what the file holds now (another process may have saved since
+        this one read it) plus what this process recorded since; this ledger then holds the
+        sum. Raises ValueError for a file that became corrupt or foreign meanwhile."""
         path = self.path or ledger_path(self.model, self.template)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.to_json(), f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
+        with _locked(path):
+            merged = _read_rows(path, self.model, self.template)
+            for claim, ev in self.claims.items():
+                agreements, disagreements = self._saved.get(claim, (0, 0))
+                now = merged.setdefault(claim, Evidence())
+                now.agreements += ev.agreements - agreements
+                now.disagreements += ev.disagreements - disagreements
+            self.claims = merged
+            self._saved = {k: (v.agreements, v.disagreements) for k, v in merged.items()}
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.to_json(), f, indent=2, sort_keys=True)
+                f.write("\n")
+            os.replace(tmp, path)
         self.path = path
         return path
+
+
+@contextmanager
+def _locked(path: Path):
+    """An exclusive lock on ``path``'s ledger among processes (a ``.lock`` file beside it)."""
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _read_rows(path: Path, model: str, template: str) -> dict[str, Evidence]:
+    """The counters ``path`` holds ({} without a file); ValueError for a corrupt file or one
+    of another model/template."""
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        rows = {claim: Evidence(int(ev["agreements"]), int(ev["disagreements"]))
+                for claim, ev in data["rows"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"corrupt evidence ledger {path}: {e}") from e
+    if data.get("model") != model or data.get("template") != template:
+        raise ValueError(f"ledger {path} belongs to another model/template")
+    return rows
 
 
 def ledger_path(model: str, template: str) -> Path:
@@ -111,13 +163,6 @@ def load_ledger(model: str, template: str, *, promote_after: int = DEFAULT_PROMO
     error, never silently reset (it holds the only record of past disagreements)."""
     path = ledger_path(model, template)
     led = Ledger(model, template, promote_after, frozenset(eligible), path=path)
-    if path.exists():
-        try:
-            data = json.loads(path.read_text())
-            for origin, ev in data["rows"].items():
-                led.origins[origin] = OriginEvidence(int(ev["agreements"]), int(ev["disagreements"]))
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"corrupt evidence ledger {path}: {e}") from e
-        if data.get("model") != model or data.get("template") != template:
-            raise ValueError(f"ledger {path} belongs to another model/template")
+    led.claims = _read_rows(path, model, template)
+    led._saved = {k: (v.agreements, v.disagreements) for k, v in led.claims.items()}
     return led

@@ -149,6 +149,15 @@ class Row:
                              f"got {self.certainty!r}")
 
     @property
+    def claim(self) -> str:
+        """What asserting this row would claim, as the evidence ledger counts it: its origin
+        and the ids it writes where it fires (its key, trigger and span). A row of the same
+        origin that writes other ids, as a scaffold row does under another tool set, is
+        another claim with evidence of its own."""
+        digest = hashlib.sha256(repr((self.key, self.trigger, self.span)).encode()).hexdigest()
+        return f"{self.origin}@{digest[:12]}"
+
+    @property
     def origin(self) -> str:
         return f"strict:{self.kind}:{self.detail}" if self.detail else f"strict:{self.kind}"
 

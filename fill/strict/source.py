@@ -130,6 +130,7 @@ class StrictSource:
         self.text = IncrementalText(tokens)
         self.stats = StrictStats()
         self.armed = True
+        self._made: tuple[Proposal, Row] | None = None  # the last verify proposal and its row
         self._seen = 0
         self._fired_in_call = False
         self._calls_ended = 0
@@ -235,23 +236,34 @@ class StrictSource:
             span = span[:n]
         self.stats.fires += 1
         self._fired_in_call = True
-        return Proposal(span, policy, row.origin, row.certainty, yields=row.yields)
+        proposal = Proposal(span, policy, row.origin, row.certainty, yields=row.yields)
+        self._made = (proposal, row) if policy == "verify" else None
+        return proposal
 
     def _policy(self, row: Row) -> str:
-        """``assert`` only for a row the ledger promotes; the ledger refuses ``likely`` rows."""
-        promoted = self.ledger is not None and self.ledger.promoted(row.origin,
-                                                                    certainty=row.certainty)
+        """``assert`` only for a row whose claim the ledger promotes; the ledger refuses
+        ``likely`` rows."""
+        promoted = self.ledger is not None and self.ledger.promoted(
+            row.origin, certainty=row.certainty, claim=row.claim)
         return "assert" if promoted else "verify"
 
     def feedback(self, proposal: Proposal, accepted: int) -> None:
-        """Count committed ids; a verified row's outcome is evidence for the ledger."""
+        """Count committed ids; a verified row's outcome is evidence for the ledger, under the
+        row's claim: a disagreement always, an agreement only where the whole span was verified
+        (a prefix the gate kept says nothing of the ids after it, which an assert would write)."""
         self.stats.accepted += accepted
         if proposal.policy != "verify":
             return
         if self.gate is not None:
             self.gate.observe_proposed(len(proposal.ids), accepted)
-        if self.ledger is not None:
-            self.ledger.record(proposal.origin, accepted == len(proposal.ids))
+        made, self._made = self._made, None
+        if (self.ledger is None or made is None or made[0].origin != proposal.origin
+                or made[0].ids[:len(proposal.ids)] != tuple(proposal.ids)):
+            return  # not the proposal this source made last (the session may cut it shorter)
+        row = made[1]
+        agreed = accepted == len(proposal.ids)
+        if not agreed or len(proposal.ids) == len(row.span):
+            self.ledger.record(row.claim, agreed)
 
 
 def _ends_with(seq, tail: tuple[int, ...]) -> bool:

@@ -102,7 +102,7 @@ def test_echo_source_is_verify_unless_ledger_promotes_and_never_at_temperature()
     src.feedback(p, 2)
     src2 = make()
     src2.feedback(src2.propose(DecodeView(seq, [])), 2)
-    assert led.origins["echo:corroborated"].agreements == 2
+    assert led.claims["echo:corroborated"].agreements == 2
     assert make().propose(DecodeView(seq, [])).policy == "assert"
     # above temperature 0 the session (allow_assert=False, as build_session arms it) drops it
     assert FillSession([make()], allow_assert=False).propose(DecodeView(seq, [])) is None

@@ -48,8 +48,27 @@ def test_persisted_under_user_cache_dir_and_reloaded(tmp_path):
     assert path.parent == tmp_path / "ledger" and path == ledger_path(led.model, led.template)
     again = load_ledger("mlx-community/Qwen3-0.6B", "{{ template }}", promote_after=2,
                         eligible=frozenset({ROW}))
-    assert again.origins[ROW].agreements == 2 and again.promoted(ROW)
-    assert load_ledger("other-model", "{{ template }}").origins == {}
+    assert again.claims[ROW].agreements == 2 and again.promoted(ROW)
+    assert load_ledger("other-model", "{{ template }}").claims == {}
+
+
+def test_two_servers_sharing_a_ledger_file_lose_none_of_each_others_counts():
+    """Each save adds what its process recorded since it last read the file: a disagreement
+    one server recorded is never overwritten by another's save (it would let a demoted row be
+    promoted again)."""
+    first = load_ledger("m", "t", promote_after=2, eligible=frozenset({ROW}))
+    second = load_ledger("m", "t", promote_after=2, eligible=frozenset({ROW}))
+    first.record(ROW, False)
+    first.save()
+    for _ in range(3):
+        second.record(ROW, True)
+    second.save()
+    assert not second.promoted(ROW)  # the save read the other server's disagreement
+    first.record(ROW, True)
+    first.save()
+    again = load_ledger("m", "t", promote_after=2, eligible=frozenset({ROW}))
+    assert (again.claims[ROW].agreements, again.claims[ROW].disagreements) == (4, 1)
+    assert not again.promoted(ROW)
 
 
 def test_corrupt_or_foreign_ledger_is_an_error_not_a_reset():

@@ -91,9 +91,10 @@ def test_likely_rows_stay_verify_after_1000_agreements(family, monkeypatch, tmp_
     caplog.set_level(logging.INFO, logger="mlx_fill.sources.ledger")
     first, _ = _policies(tok, tool_list, ids, ledger)
     assert first and all(pol == "verify" for _, _, pol in first)
-    for origin in {o for o, _, _ in first}:
+    assert {claim.split("@")[0] for claim in ledger.claims} == {o for o, _, _ in first}
+    for claim in list(ledger.claims):  # every row's claim, as its verified rounds counted it
         for _ in range(1000):
-            ledger.record(origin, True)
+            ledger.record(claim, True)
     later, _ = _policies(tok, tool_list, ids, ledger)
     _policies(tok, tool_list, ids, ledger)
     likely = [(o, pol) for o, c, pol in later if c == "likely"]
@@ -105,6 +106,36 @@ def test_likely_rows_stay_verify_after_1000_agreements(family, monkeypatch, tmp_
     refused_rows = [r.args[0] for r in refusals]
     assert refused_rows and len(refused_rows) == len(set(refused_rows))  # once per row
     assert "strict:close" in refused_rows
+
+
+def _tool_set(*names: str) -> list[dict]:
+    return [{"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {"command": {"type": "string"}},
+        "required": ["command"]}}} for name in names]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3-coder", "qwen3.5"])  # GLM's scaffold holds no name
+def test_a_rows_evidence_promotes_only_the_ids_it_was_verified_on(family, tmp_path):
+    """Agreements for the scaffold row under one tool set do not promote the scaffold row of
+    another, which also writes the prefix its tools' names share: the model may call a tool it
+    was not given, and there that row is verified and refused, not asserted."""
+    from mlx_fill.sources.ledger import Ledger
+
+    tok = tokenizer(family)
+    ledger = Ledger("m", "t", promote_after=2, eligible=frozenset({"strict:"}),
+                    path=tmp_path / "ledger.json")
+    bash = _reply(call("bash", {"command": "ls"}))
+    many, few = _tool_set("bash", "read", "read_file", "edit"), _tool_set("read", "read_file")
+    for _ in range(2):
+        _policies(tok, many, reply_ids(tok, USER, many, bash), ledger)
+    promoted, _ = _policies(tok, many, reply_ids(tok, USER, many, bash), ledger)
+    assert ("strict:scaffold", "determined", "assert") in promoted  # its own evidence promotes it
+    ids = reply_ids(tok, USER, few, bash)
+    for _ in range(2):
+        under_few, session = _policies(tok, few, ids, ledger)
+        scaffold = [pol for o, _, pol in under_few if o == "strict:scaffold"]
+        assert scaffold and set(scaffold) == {"verify"}
+        assert session.stats.verify_rejected > 0  # it wrote `read`, the model `bash`
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -124,6 +155,33 @@ def test_key_rows_stay_verify_after_1000_agreements(family, monkeypatch, tmp_pat
     later, _ = _policies(tok, tool_list, ids, ledger)
     assert [(o, c, p) for o, c, p in later if o in keys] == [
         (o, "likely", "verify") for o, _, _ in first if o in keys]
+
+
+def test_only_a_whole_row_verified_is_an_agreement_and_any_refusal_a_disagreement(tmp_path):
+    """Proposals cut to one id (``max_span``) agree on a prefix of the scaffold row: that says
+    nothing of the ids an assert of the row would write after it, so the row gets no agreement
+    (the one-id rest of the row entered mid-span is a row of its own, whole when verified); a
+    refused prefix is a disagreement of the row's claim."""
+    from mlx_fill.sources.ledger import Ledger
+
+    tok, tool_list = tokenizer("qwen3.5"), tools()
+    ledger = Ledger("m", "t", promote_after=1, eligible=frozenset({"strict:"}),
+                    path=tmp_path / "ledger.json")
+    ids = reply_ids(tok, USER, tool_list, _reply(call("bash", {"command": "ls"})))
+
+    def force(accept) -> list[str]:
+        src = strict_source(tok, USER, tool_list, ledger=ledger)
+        session = FillSession([src], max_span=1)
+        for pos in range(len(ids)):
+            p = session.propose(DecodeView([], ids[:pos]))
+            if p is not None:
+                session.feedback(p, accept(p, pos), pos)
+        return [r.claim for r in src.table.head.values() if r.kind == "scaffold"]
+
+    scaffold = force(lambda p, pos: int(tuple(ids[pos:pos + 1]) == p.ids))
+    assert len(scaffold) == 1 and scaffold[0] not in ledger.claims
+    force(lambda p, pos: 0)
+    assert (ledger.claims[scaffold[0]].agreements, ledger.claims[scaffold[0]].disagreements) == (0, 1)
 
 
 def test_trace_and_usage_name_the_class():
