@@ -105,7 +105,7 @@ class Ledger:
         path = self.path or ledger_path(self.model, self.template)
         path.parent.mkdir(parents=True, exist_ok=True)
         with _locked(path):
-            merged = _read_rows(path, self.model, self.template)
+            merged = _read_claims(path, self.model, self.template)
             for claim, ev in self.claims.items():
                 agreements, disagreements = self._saved.get(claim, (0, 0))
                 now = merged.setdefault(claim, Evidence())
@@ -133,7 +133,7 @@ def _locked(path: Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _read_rows(path: Path, model: str, template: str) -> dict[str, Evidence]:
+def _read_claims(path: Path, model: str, template: str) -> dict[str, Evidence]:
     """The counters ``path`` holds ({} without a file); ValueError for a corrupt file or one
     of another model/template."""
     if not path.exists():
@@ -163,6 +163,6 @@ def load_ledger(model: str, template: str, *, promote_after: int = DEFAULT_PROMO
     error, never silently reset (it holds the only record of past disagreements)."""
     path = ledger_path(model, template)
     led = Ledger(model, template, promote_after, frozenset(eligible), path=path)
-    led.claims = _read_rows(path, model, template)
+    led.claims = _read_claims(path, model, template)
     led._saved = {k: (v.agreements, v.disagreements) for k, v in led.claims.items()}
     return led
