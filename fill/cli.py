@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return _run(name, rest)
+    except KeyboardInterrupt:  # what was being written is written whole or not at all
+        print(f"mlx-fill {name}: interrupted", file=sys.stderr)
+        return 130
     except ModuleNotFoundError as e:  # an optional extra that is not installed
         extra = EXTRAS.get((e.name or "").split(".")[0])
         if extra is None:

@@ -135,3 +135,60 @@ def test_a_missing_extra_is_named_with_its_install_command(capsys, monkeypatch, 
 
     monkeypatch.setattr(cli.importlib, "import_module", absent)
     one_error_line(capsys, [command, "--help"], missing, f"mlx-fill[{extra}]")
+
+
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys):
+    def interrupted(name, rest):
+        raise KeyboardInterrupt
+    monkeypatch.setattr("mlx_fill.cli._run", interrupted)
+    assert main(["demo"]) == 130
+    assert capsys.readouterr().err == "mlx-fill demo: interrupted\n"
+
+
+def test_qualify_refuses_an_unwritable_cache_before_measuring(tmp_path, monkeypatch, capsys):
+    model = fixtures.fixture_path("qwen3-json")
+    cache = tmp_path / "cache"
+    cache.write_text("a file")
+    monkeypatch.setenv("MLX_FILL_CACHE", str(cache))
+    monkeypatch.setattr("mlx_fill.core.model_folder.load_model_folder",
+                        lambda *a, **k: pytest.fail("measured before checking the cache"))
+    one_error_line(capsys, ["qualify", "--quick", "--model", str(model)], "is a file")
+
+
+def test_serve_names_a_corrupt_ledger_in_one_line(tmp_path, monkeypatch):
+    """The ledger holds the only record of past disagreements: never reset, and never a
+    traceback."""
+    from adapter_models import random_qwen3_dir
+    from mlx_lm.utils import load_tokenizer
+
+    from mlx_fill.adapters.server.engine import Engine
+    from mlx_fill.core.errors import UserError
+    from mlx_fill.sources.ledger import ledger_path
+
+    monkeypatch.setenv("MLX_FILL_CACHE", str(tmp_path))
+    model = random_qwen3_dir()
+    path = ledger_path(str(model), load_tokenizer(model).chat_template)
+    path.parent.mkdir(parents=True)
+    path.write_text("[]")
+    with pytest.raises(UserError, match="corrupt evidence ledger .*move the file away"):
+        Engine(str(model), mode="strict")
+    assert path.read_text() == "[]"
+
+
+def test_a_damaged_fixture_folder_is_not_intact(tmp_path):
+    """A folder whose weights were removed or cut short, or whose config no longer parses, is
+    assembled again rather than handed to a loader."""
+    source = fixtures.fixture_path("qwen3-json")
+    folder = tmp_path / "qwen3-json"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (folder / name).write_bytes((source / name).read_bytes())
+    assert fixtures._intact(folder)
+    weights = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(weights[:len(weights) // 2])
+    assert not fixtures._intact(folder)
+    (folder / "model.safetensors").unlink()
+    assert not fixtures._intact(folder)
+    (folder / "model.safetensors").write_bytes(weights)
+    (folder / "config.json").write_text("{bad")
+    assert not fixtures._intact(folder)

@@ -96,7 +96,10 @@ class Engine:
         self.ledger = None
         if self.mode != "off":
             from mlx_fill.session import server_ledger
-            self.ledger = server_ledger(str(model_path), self.tokenizer)
+            try:
+                self.ledger = server_ledger(str(model_path), self.tokenizer)
+            except ValueError as e:  # a corrupt or foreign ledger file: the user's to move away
+                raise UserError(f"{e}; move the file away to start a new ledger") from None
         self.acceptance: dict = {}  # per-draft acceptance estimates, kept for the server's lifetime
         self.global_tree = None
         if self.mode == "all":

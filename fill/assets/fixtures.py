@@ -141,6 +141,26 @@ def parse_tool_calls(tokenizer, text: str, tools: list[dict] | None) -> list[dic
     return calls
 
 
+def _intact(folder: Path) -> bool:
+    """Whether an assembled model folder still loads: ``config.json`` parses, and each of its
+    ``*.safetensors`` files (at least one) is as long as its header says (a file removed, cut
+    short or overwritten with other text fails; the folder is then assembled again)."""
+    try:
+        json.loads((folder / "config.json").read_text())
+        weights = sorted(folder.glob("*.safetensors"))
+        for path in weights:
+            with open(path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size))
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"),
+                      default=0)
+            if path.stat().st_size != 8 + size + end:
+                return False
+    except (OSError, ValueError, TypeError, KeyError, IndexError):
+        return False
+    return bool(weights)
+
+
 def fixture_path(name: str) -> Path:
     """A complete model dir (config.json, model.safetensors, tokenizer files, chat template) that
     ``mlx_lm.load`` and ``mlx_lm.server --model`` accept. Idempotent; rebuilt when the committed
@@ -164,14 +184,14 @@ def fixture_path(name: str) -> Path:
         build = functools.partial(_assemble, name)
     dest = user_cache_dir() / "fixtures" / name
     stamp = dest / STAMP
-    if stamp.is_file() and stamp.read_text().strip() == digest:
+    if stamp.is_file() and stamp.read_text().strip() == digest and _intact(dest):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     # one builder per fixture across processes (test workers, ranks of mlx.launch, a server and a
     # script): the others wait on the lock and then find the stamp
     with open(dest.parent / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if stamp.is_file() and stamp.read_text().strip() == digest:
+        if stamp.is_file() and stamp.read_text().strip() == digest and _intact(dest):
             return dest
         tmp = dest.with_name(dest.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)

@@ -25,9 +25,9 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
-from .errors import UserError, int_up_to, model_dir, output_file
+from .errors import UserError, int_up_to, model_dir, output_file, unwritable
 from .exactness import arrays_equal, cache_content
-from .plan import DispatchPlan, PlanKey, config_key, format_key, save_plan
+from .plan import DispatchPlan, PlanKey, cached_dir, config_key, format_key, save_plan
 from .shapes import SHAPES
 from .primitive import (Unsupported, append, cache_offset, check_supported, checkpoint,
                         restore, rewind, ring_window)
@@ -488,6 +488,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from mlx_fill.core.model_folder import load_model_folder
 
+    problem = None if args.out is not None else unwritable(cached_dir())
+    if problem:  # before minutes of measuring, not after
+        raise UserError(f"cannot write the plan into the user cache: {problem}; set "
+                        f"MLX_FILL_CACHE to a writable folder or pass --out")
     model, config = load_model_folder(args.model, tokenizer=False)
     if args.dtype is not None:
         model.set_dtype(getattr(mx, args.dtype))
