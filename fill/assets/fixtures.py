@@ -141,6 +141,12 @@ def parse_tool_calls(tokenizer, text: str, tools: list[dict] | None) -> list[dic
     return calls
 
 
+def _built(folder: Path, digest: str) -> bool:
+    """Whether ``folder`` holds the fixture assembled from inputs of ``digest``, intact."""
+    stamp = folder / STAMP
+    return stamp.is_file() and stamp.read_text().strip() == digest and _intact(folder)
+
+
 def _intact(folder: Path) -> bool:
     """Whether an assembled model folder still loads: ``config.json`` parses, and each of its
     ``*.safetensors`` files (at least one) is as long as its header says (a file removed, cut
@@ -183,15 +189,14 @@ def fixture_path(name: str) -> Path:
         digest = _input_digest(name)
         build = functools.partial(_assemble, name)
     dest = user_cache_dir() / "fixtures" / name
-    stamp = dest / STAMP
-    if stamp.is_file() and stamp.read_text().strip() == digest and _intact(dest):
+    if _built(dest, digest):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     # one builder per fixture across processes (test workers, ranks of mlx.launch, a server and a
     # script): the others wait on the lock and then find the stamp
     with open(dest.parent / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if stamp.is_file() and stamp.read_text().strip() == digest and _intact(dest):
+        if _built(dest, digest):
             return dest
         tmp = dest.with_name(dest.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -213,8 +218,7 @@ def _widened(name: str, factor: int) -> Path:
     digest = hashlib.sha256((source / STAMP).read_bytes() + Path(widen.__file__).read_bytes()
                             + str(factor).encode()).hexdigest()
     dest = user_cache_dir() / "fixtures" / f"{name}-x{factor}"
-    stamp = dest / STAMP
-    if stamp.is_file() and stamp.read_text().strip() == digest:
+    if _built(dest, digest):
         return dest
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

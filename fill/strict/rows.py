@@ -44,6 +44,7 @@ conversation only when that conversation renders the same reference call body.
 
 from __future__ import annotations
 
+import functools
 import bisect
 import hashlib
 import json
@@ -148,7 +149,7 @@ class Row:
             raise ValueError(f"row {self.origin}: certainty must be one of {CERTAINTIES}, "
                              f"got {self.certainty!r}")
 
-    @property
+    @functools.cached_property
     def claim(self) -> str:
         """What asserting this row would claim, as the evidence ledger counts it: its origin
         and the ids it writes where it fires (its key, trigger and span). A row of the same

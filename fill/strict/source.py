@@ -130,7 +130,7 @@ class StrictSource:
         self.text = IncrementalText(tokens)
         self.stats = StrictStats()
         self.armed = True
-        self._made: tuple[Proposal, Row] | None = None  # the last verify proposal and its row
+        self._verified: Row | None = None  # the row of the last verify proposal made
         self._seen = 0
         self._fired_in_call = False
         self._calls_ended = 0
@@ -236,9 +236,8 @@ class StrictSource:
             span = span[:n]
         self.stats.fires += 1
         self._fired_in_call = True
-        proposal = Proposal(span, policy, row.origin, row.certainty, yields=row.yields)
-        self._made = (proposal, row) if policy == "verify" else None
-        return proposal
+        self._verified = row if policy == "verify" else None
+        return Proposal(span, policy, row.origin, row.certainty, yields=row.yields)
 
     def _policy(self, row: Row) -> str:
         """``assert`` only for a row whose claim the ledger promotes; the ledger refuses
@@ -256,11 +255,10 @@ class StrictSource:
             return
         if self.gate is not None:
             self.gate.observe_proposed(len(proposal.ids), accepted)
-        made, self._made = self._made, None
-        if (self.ledger is None or made is None or made[0].origin != proposal.origin
-                or made[0].ids[:len(proposal.ids)] != tuple(proposal.ids)):
-            return  # not the proposal this source made last (the session may cut it shorter)
-        row = made[1]
+        row, self._verified = self._verified, None
+        if (self.ledger is None or row is None or row.origin != proposal.origin
+                or row.span[:len(proposal.ids)] != tuple(proposal.ids)):
+            return  # not the row this source proposed last (the session may cut it shorter)
         agreed = accepted == len(proposal.ids)
         if not agreed or len(proposal.ids) == len(row.span):
             self.ledger.record(row.claim, agreed)
