@@ -2,13 +2,18 @@
 
 The app (routes, errors, streaming) is :mod:`.app`; the engine that owns the model is
 :mod:`.engine`. Every :class:`~mlx_fill.limits.Limits` bound is a flag. Binds 127.0.0.1 unless
-``--host`` says otherwise; a port that cannot be bound is one line, said before the model loads.
+``--host`` says otherwise; a port that cannot be bound is one line, said before the model loads. Once the model is
+loaded it prints one line, ``mlx-fill serve: URL/v1 (MODEL, fill MODE)``, with the port it
+listens on (any free one for ``--port 0``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import socket
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +23,7 @@ from mlx_fill.spec.suffix import STORE_TOKENS, STORE_TOKENS_CEILING
 from .app import create_app
 from .engine import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP, DEFAULT_PROMPT_CACHE_BYTES, Engine
 
-__all__ = ["Engine", "add_arguments", "check_listen", "create_app", "limits_from", "run"]
+__all__ = ["Engine", "add_arguments", "base_url", "bind", "create_app", "limits_from", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,21 +66,33 @@ def limits_from(args: argparse.Namespace) -> Limits:
     return Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
 
 
-def check_listen(host: str, port: int) -> None:
-    """A :class:`UserError` when ``host:port`` cannot be bound (in use, out of range, not an
-    address of this machine), said before the model loads."""
-    import socket
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` and not yet listening (clients are refused until
+    :func:`run` listens, after the model loads). Port 0 takes any free port. A
+    :class:`UserError` when it cannot be bound (in use, out of range, not an address of this
+    machine)."""
     if not 0 <= port <= 65535:
         raise UserError(f"cannot listen on {host}:{port} (a port is 0 to 65535); pick another --port")
     try:
         family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        with socket.socket(family, kind) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-            probe.bind(address)
+        sock = socket.socket(family, kind)
     except OSError as err:
-        reason = err.strerror or str(err)
-        raise UserError(f"cannot listen on {host}:{port} ({reason}); pick another --port or "
-                        f"--host") from err
+        raise UserError(f"cannot listen on {host}:{port} ({err.strerror or err}); pick another "
+                        f"--port or --host") from err
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        sock.bind(address)
+    except OSError as err:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port} ({err.strerror or err}); pick another "
+                        f"--port or --host") from err
+    return sock
+
+
+def base_url(sock: socket.socket) -> str:
+    """The URL a client reaches the bound ``sock`` at (its real port when 0 was asked)."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if sock.family == socket.AF_INET6 else f"http://{host}:{port}"
 
 
 def run(args: argparse.Namespace, store_seed: Callable[[Any, Any], None] | None = None) -> int:
@@ -85,15 +102,22 @@ def run(args: argparse.Namespace, store_seed: Callable[[Any, Any], None] | None 
         limits = limits_from(args)
     except ValueError as err:
         raise UserError(str(err)) from err
-    check_listen(args.host, args.port)
     if args.max_tokens > limits.max_tokens_ceiling:
         raise UserError(f"--max-tokens {args.max_tokens} is above --max-tokens-ceiling "
                         f"{limits.max_tokens_ceiling}; lower it or raise the ceiling")
-    engine = Engine(args.model, mode=args.fill, draft_model=args.draft_model,
-                    prompt_cache_size=args.prompt_cache_size, max_tokens=args.max_tokens,
-                    limits=limits, prefill_step_size=args.prefill_step_size,
-                    prompt_cache_bytes=args.prompt_cache_bytes, dtype=args.dtype,
-                    store_tokens=args.store_tokens, store_seed=store_seed)
-    uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=limits.shutdown_grace_s)
-    return 0
+    sock = bind(args.host, args.port)
+    with sock:
+        engine = Engine(args.model, mode=args.fill, draft_model=args.draft_model,
+                        prompt_cache_size=args.prompt_cache_size, max_tokens=args.max_tokens,
+                        limits=limits, prefill_step_size=args.prefill_step_size,
+                        prompt_cache_bytes=args.prompt_cache_bytes, dtype=args.dtype,
+                        store_tokens=args.store_tokens, store_seed=store_seed)
+        config = uvicorn.Config(create_app(engine), log_level=args.log_level,
+                                timeout_graceful_shutdown=limits.shutdown_grace_s)
+        server = uvicorn.Server(config)
+        sock.listen(config.backlog)
+        print(f"mlx-fill serve: {base_url(sock)}/v1 ({engine.model_path}, fill {args.fill})",
+              file=sys.stderr, flush=True)
+        with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the Ctrl-C it shut down on
+            server.run(sockets=[sock])
+    return 0 if server.started else 1
