@@ -163,11 +163,6 @@ def batch_min_gain(plan: DispatchPlan, batch: int) -> float:
     return batch / plan.cost_of(batch) if batch > 1 else 1.0
 
 
-def expected_emitted(survival: Sequence[float], m: int) -> float:
-    """Expected tokens emitted by a round proposing ``m`` ids (the correction/bonus included)."""
-    return 1.0 + sum(survival[:m])
-
-
 def round_costs(plan: DispatchPlan, max_len: int, extra_rows: int = 1) -> list[float]:
     """``costs[m]`` = cost of a round proposing ``m`` ids, in one-row-forward units: its
     ``m + extra_rows`` rows in the plan's chunks (:meth:`DispatchPlan.rows_cost`)."""

@@ -112,7 +112,7 @@ class Ledger:
                 now.agreements += ev.agreements - agreements
                 now.disagreements += ev.disagreements - disagreements
             self.claims = merged
-            self._saved = {k: (v.agreements, v.disagreements) for k, v in merged.items()}
+            self._mark_saved()
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
             with os.fdopen(fd, "w") as f:
                 json.dump(self.to_json(), f, indent=2, sort_keys=True)
@@ -120,6 +120,10 @@ class Ledger:
             os.replace(tmp, path)
         self.path = path
         return path
+
+    def _mark_saved(self) -> None:
+        """The counters held now are what the file holds."""
+        self._saved = {k: (v.agreements, v.disagreements) for k, v in self.claims.items()}
 
 
 @contextmanager
@@ -164,5 +168,5 @@ def load_ledger(model: str, template: str, *, promote_after: int = DEFAULT_PROMO
     path = ledger_path(model, template)
     led = Ledger(model, template, promote_after, frozenset(eligible), path=path)
     led.claims = _read_claims(path, model, template)
-    led._saved = {k: (v.agreements, v.disagreements) for k, v in led.claims.items()}
+    led._mark_saved()
     return led
