@@ -16,7 +16,8 @@ and however much evidence it has; the ledger logs that once per row.
 Counters live in ``user_cache_dir()/"ledger"/<slug>.json``, one file per model/template pair,
 written atomically on :meth:`Ledger.save`, which adds this process's counts since it last read
 the file to what the file holds then (under a lock): servers sharing a cache lose no
-disagreement another recorded.
+disagreement another recorded. A save waits at most :data:`LOCK_WAIT_S` for the lock; one that
+does not get it leaves its counts to the next save.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +36,7 @@ from pathlib import Path
 from mlx_fill.core.paths import user_cache_dir
 
 DEFAULT_PROMOTE_AFTER = 50
+LOCK_WAIT_S = 2.0  # the longest a save waits on another process's lock (a save takes milliseconds)
 log = logging.getLogger(__name__)
 
 
@@ -101,10 +104,12 @@ class Ledger:
     def save(self) -> Path:
         """Write the counters: what the file holds now (another process may have saved since
         this one read it) plus what this process recorded since; this ledger then holds the
-        sum. Raises ValueError for a file that became corrupt or foreign meanwhile."""
+        sum. Raises ValueError for a file that became corrupt or foreign meanwhile, and
+        TimeoutError when another process holds the file's lock (:data:`LOCK_WAIT_S`); the
+        counts not written stay counted here, and the next save writes them."""
         path = self.path or ledger_path(self.model, self.template)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with _locked(path):
+        with _locked(path, LOCK_WAIT_S):
             merged = _read_claims(path, self.model, self.template)
             for claim, ev in self.claims.items():
                 agreements, disagreements = self._saved.get(claim, (0, 0))
@@ -127,10 +132,21 @@ class Ledger:
 
 
 @contextmanager
-def _locked(path: Path):
-    """An exclusive lock on ``path``'s ledger among processes (a ``.lock`` file beside it)."""
-    with open(path.with_name(path.name + ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+def _locked(path: Path, wait_s: float):
+    """An exclusive lock on ``path``'s ledger among processes (a ``.lock`` file beside it);
+    TimeoutError when another process holds it for ``wait_s`` seconds."""
+    lock_path = path.with_name(path.name + ".lock")
+    with open(lock_path, "a") as lock:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{lock_path} held by another process for {wait_s:g} s; "
+                                       f"the counts are kept for the next save") from None
+                time.sleep(0.01)
         try:
             yield
         finally:

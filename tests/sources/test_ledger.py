@@ -71,6 +71,28 @@ def test_two_servers_sharing_a_ledger_file_lose_none_of_each_others_counts():
     assert not again.promoted(ROW)
 
 
+def test_a_save_that_cannot_take_the_lock_gives_up_and_the_next_save_writes_its_counts(monkeypatch):
+    """A process holding the ledger's lock (stopped, say) delays a save by at most
+    LOCK_WAIT_S; what that save would have written is written by the next one."""
+    import fcntl
+    from mlx_fill.sources import ledger
+    monkeypatch.setattr(ledger, "LOCK_WAIT_S", 0.1)
+    led = load_ledger("m", "t")
+    led.record(ROW, False)
+    path = ledger_path("m", "t")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(TimeoutError, match="held by another process"):
+            led.save()
+        fcntl.flock(held, fcntl.LOCK_UN)
+    assert not path.exists()
+    led.record(ROW, True)
+    led.save()
+    again = load_ledger("m", "t")
+    assert (again.claims[ROW].agreements, again.claims[ROW].disagreements) == (1, 1)
+
+
 def test_corrupt_or_foreign_ledger_is_an_error_not_a_reset():
     path = ledger_path("m", "t")
     path.parent.mkdir(parents=True)
