@@ -21,6 +21,7 @@ import math
 from typing import Any
 
 from mlx_fill.adapters import mlx_lm_seam as seam
+from mlx_fill.core.model_folder import vocab_size
 
 INT64 = 1 << 63
 UINT64 = 1 << 64
@@ -110,12 +111,6 @@ def refusal(body: Any, vocab_size: int | None = None, *, temperature: Any = None
             if not 0 <= token < vocab_size:
                 return f"logit_bias keys must be token ids between 0 and {vocab_size - 1}"
     return None
-
-
-def vocab_size(model: Any) -> int | None:
-    """The logits width of a loaded mlx-lm model (``model.args.vocab_size``), or None."""
-    size = getattr(getattr(model, "args", None), "vocab_size", None)
-    return size if isinstance(size, int) and size > 0 else None
 
 
 def refused(handler: Any, request: Any) -> bool:

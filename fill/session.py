@@ -38,12 +38,14 @@ from pathlib import Path
 from typing import Any
 
 from mlx_fill.core.errors import UserError, unwritable
+from mlx_fill.core.model_folder import vocab_size
 from mlx_fill.core.paths import user_cache_dir
 from mlx_fill.core.plan import read_plan_file, unqualified
 from mlx_fill.modes import check_mode
 from mlx_fill.core.resolve import plan_for
 from mlx_fill.sources.prediction import ORIGIN as PREDICTION
-from mlx_fill.sources.prediction import PredictionSource, prediction_text, prediction_usage
+from mlx_fill.sources.prediction import (PredictionSource, checked_ids, prediction_text,
+                                         prediction_usage)
 from mlx_fill.core.cost import CostGate
 from mlx_fill.strict.schema import tool_schemas
 from mlx_fill.strict.source import lazy_strict_source
@@ -258,8 +260,8 @@ def build_session(
     plan = unqualified()
     if refusal is None:
         tool_schemas(tools)  # ValueError naming the path of a malformed tool
-        predicted = (prediction if isinstance(prediction, list)
-                     else prediction_ids(tokenizer, prediction)) or []
+        predicted = (checked_ids(prediction, vocab_size(model) or _tokenizer_size(tokenizer))
+                     if isinstance(prediction, list) else prediction_ids(tokenizer, prediction)) or []
         # after the request's own validation: a bad request measures nothing
         plan = plan_for(model, group)
         pace.round_overhead = plan.round_overhead  # the serial loop's plain steps are pipelined
@@ -361,6 +363,15 @@ def usage_extra(session: FillSession | None, *, prediction: Sequence[int] | None
     if prediction is not None and completion is not None:
         extra["completion_tokens_details"] = prediction_usage(prediction, completion)
     return extra
+
+
+def _tokenizer_size(tokenizer: Any) -> int | None:
+    """How many ids the tokenizer knows, added tokens included (None: it does not say)."""
+    inner = getattr(tokenizer, "_tokenizer", tokenizer)
+    try:
+        return len(inner)
+    except TypeError:
+        return None
 
 
 def prediction_ids(tokenizer: Any, prediction: Any) -> list[int] | None:

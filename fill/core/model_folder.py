@@ -58,3 +58,13 @@ def check_tokenizer(ref: str | Path, tokenizer: Any) -> None:
                         f"{err.lineno}); fix the folder's chat template") from err
     except Exception:  # noqa: BLE001 -- a template may refuse one lone message; requests say so
         pass
+
+
+def vocab_size(model: Any) -> int | None:
+    """The logits width of a loaded mlx-lm model (its ``args.vocab_size``, or its text
+    model's for one that nests it under ``text_config``), or None."""
+    args = getattr(model, "args", None)
+    size = getattr(args, "vocab_size", None)
+    if size is None and isinstance(getattr(args, "text_config", None), dict):
+        size = args.text_config.get("vocab_size")
+    return size if isinstance(size, int) and size > 0 else None

@@ -15,6 +15,7 @@ has stopped matching costs lookups, not forwards.
 
 from __future__ import annotations
 
+import numbers
 from bisect import bisect_left
 from collections.abc import Sequence
 from typing import Any
@@ -35,15 +36,40 @@ def prediction_text(prediction: Any) -> str:
         raise ValueError(f"prediction.type: expected 'content', got {prediction.get('type')!r}")
     content = prediction.get("content")
     if isinstance(content, str):
-        return content
+        return _unicode(content, "prediction.content")
     if isinstance(content, list):
         parts = []
         for i, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ValueError(f"prediction.content[{i}]: expected {{'type': 'text', 'text': str}}")
-            parts.append(part["text"])
+            parts.append(_unicode(part["text"], f"prediction.content[{i}].text"))
         return "".join(parts)
     raise ValueError("prediction.content: expected a string or a list of text parts")
+
+
+def _unicode(text: str, where: str) -> str:
+    """``text``, which a tokenizer can encode; ValueError naming ``where`` for a lone surrogate
+    (JSON's ``"\\ud800"`` decodes to one)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"{where}: not valid Unicode (a lone surrogate at character "
+                         f"{err.start})") from None
+    return text
+
+
+def checked_ids(ids: Sequence[Any], vocab: int | None) -> list[int]:
+    """``ids`` (a prediction given as token ids) as ints, each a token id of a vocabulary of
+    ``vocab`` ids (None: unknown, only negative ids are refused). ValueError naming the first
+    that is not: an id outside the vocabulary would index past the embedding."""
+    out = []
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0 or (
+                vocab is not None and t >= vocab):
+            bound = f"0 to {vocab - 1}" if vocab is not None else "0 or more"
+            raise ValueError(f"prediction[{i}]: expected a token id from {bound}, got {t!r}")
+        out.append(int(t))
+    return out
 
 
 class PredictionSource:

@@ -104,6 +104,23 @@ def test_a_prediction_given_as_its_ids_is_the_prediction_it_encodes(lm):
                       prediction={"type": "text", "content": "x"})
 
 
+def test_a_prediction_that_is_not_text_or_token_ids_is_one_value_error(lm):
+    """Ids outside the vocabulary (an embedding lookup past its rows ends the process), ids
+    that are not integers, and text no tokenizer can encode (a lone surrogate, as JSON's
+    ``"\\ud800"`` decodes) are refused before anything runs, each naming what is wrong."""
+    model, tok, prompt = lm
+    vocab = model.args.vocab_size
+    for given, needle in (([1, vocab], rf"prediction\[1\]: expected a token id from 0 to {vocab - 1}"),
+                          ([-1], r"prediction\[0\]"), ([3, None], r"prediction\[1\]"),
+                          ([[1, 2]], r"prediction\[0\]"), ([True], r"prediction\[0\]"),
+                          ({"type": "content", "content": "x\ud800y"}, "prediction.content: not valid Unicode"),
+                          ({"type": "content", "content": [{"type": "text", "text": "\udfff"}]},
+                           r"prediction.content\[0\].text: not valid Unicode")):
+        with pytest.raises(ValueError, match=needle):
+            build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt, prediction=given)
+    build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt, prediction=[0, vocab - 1])
+
+
 def test_fill_with_draft_model_is_rejected(lm):
     model, tok, prompt = lm
     session = build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt)
