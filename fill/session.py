@@ -226,7 +226,8 @@ def build_session(
 
     ``prompt_ids``: the full rendered prompt (cached prefix included). ``logprobs`` is true when
     the client asked for logprobs or top_logprobs. ``prediction``: an OpenAI Predicted Outputs
-    object, or the ids it encodes to where the caller has them (:func:`prediction_ids`).
+    object, or the ids it encodes to where the caller has them (:func:`prediction_ids`; a list
+    or tuple, each a token id of the model's vocabulary).
     ``refuse``: a reason the caller already has to serve without fill (e.g.
     ``compile_budget``); no source is built then. ``max_span`` / ``trace_path`` default to
     ``MLX_FILL_MAX_SPAN`` / ``MLX_FILL_TRACE``. ``draft_model``: a loaded draft model (same
@@ -235,7 +236,8 @@ def build_session(
     every cost-gated source's per-draft acceptance estimates across requests (None: each
     request starts from the prior). The session carries the dispatch plan (:func:`~mlx_fill.core.resolve.plan_for`: looked up once
     per configuration and process, quick-qualified on the loaded model the first time no plan
-    applies). Raises ValueError for a bad mode, malformed tools/schemas or a malformed prediction.
+    applies). Raises ValueError for a bad mode or ``max_span``, malformed tools/schemas or a malformed
+    prediction.
     The caller ends it with :func:`end_session` when generation ends.
 
     ``group``: the ``mx.distributed`` group a sharded ``model`` spans (``sharded_load`` under
@@ -245,6 +247,10 @@ def build_session(
     rank whose build raises must still decode with a session: use :func:`follower_session`.
     """
     mode = check_mode(mode)
+    if max_span is not None and (isinstance(max_span, bool) or not isinstance(max_span, int)
+                                 or not 1 <= max_span <= MAX_SPAN_CEILING):
+        raise ValueError(f"max_span: expected a whole number from 1 to {MAX_SPAN_CEILING}, "
+                         f"got {max_span!r}")
     if mode == "off":
         return None
     from mlx_fill.core.shared import ranks_of
@@ -260,8 +266,10 @@ def build_session(
     plan = unqualified()
     if refusal is None:
         tool_schemas(tools)  # ValueError naming the path of a malformed tool
-        predicted = (checked_ids(prediction, vocab_size(model) or _tokenizer_size(tokenizer))
-                     if isinstance(prediction, list) else prediction_ids(tokenizer, prediction)) or []
+        if isinstance(prediction, (list, tuple)):  # the ids, from a caller that encoded them
+            predicted = checked_ids(prediction, vocab_size(model) or _tokenizer_size(tokenizer))
+        else:
+            predicted = prediction_ids(tokenizer, prediction) or []
         # after the request's own validation: a bad request measures nothing
         plan = plan_for(model, group)
         pace.round_overhead = plan.round_overhead  # the serial loop's plain steps are pipelined

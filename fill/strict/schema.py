@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import jsonschema
 from referencing import Registry, Resource
-from referencing.exceptions import Unresolvable
+from referencing.exceptions import NoSuchAnchor, PointerToNowhere, Unresolvable
 from referencing.jsonschema import DRAFT202012
 
 from mlx_fill.limits import SCHEMA_DEPTH_CAP, value_depth
@@ -181,8 +181,11 @@ def _resolve(root: dict, node: object, where: str) -> dict:
             raise ValueError(f"{where}.$ref: reference cycle")
         try:
             node = resolver.lookup(node["$ref"]).contents
-        except Unresolvable as e:
-            raise ValueError(f"{where}.$ref: cannot resolve {node['$ref']!r} ({e})") from None
+        except Unresolvable as e:  # its text quotes the whole schema: name the kind only
+            kind = ("nothing is at that pointer in the schema" if isinstance(e, PointerToNowhere)
+                    else "no such anchor in the schema" if isinstance(e, NoSuchAnchor)
+                    else "only references into the schema itself resolve")
+            raise ValueError(f"{where}.$ref: cannot resolve {node['$ref']!r} ({kind})") from None
     if not isinstance(node, dict):
         raise ValueError(f"{where}: must resolve to an object schema")
     return node

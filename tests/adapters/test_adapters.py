@@ -98,7 +98,7 @@ def test_a_prediction_given_as_its_ids_is_the_prediction_it_encodes(lm):
         return next(s.ids for s in session.sources if isinstance(s, PredictionSource))
 
     ids = prediction_ids(tok, prediction)
-    assert ids and predicted(prediction) == predicted(ids) == ids
+    assert ids and predicted(prediction) == predicted(ids) == predicted(tuple(ids)) == ids
     with pytest.raises(ValueError, match="prediction.type"):
         build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt,
                       prediction={"type": "text", "content": "x"})
@@ -119,6 +119,18 @@ def test_a_prediction_that_is_not_text_or_token_ids_is_one_value_error(lm):
         with pytest.raises(ValueError, match=needle):
             build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt, prediction=given)
     build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt, prediction=[0, vocab - 1])
+
+
+def test_a_max_span_outside_one_to_the_ceiling_is_one_value_error(lm):
+    """``max_span`` is checked as ``MLX_FILL_MAX_SPAN`` is: 0 or -1 do not silently turn fill
+    off, a fraction does not fail later inside a source."""
+    from mlx_fill.session import MAX_SPAN_CEILING
+    model, tok, prompt = lm
+    for bad in (0, -1, 2.5, True, MAX_SPAN_CEILING + 1):
+        with pytest.raises(ValueError, match="max_span: expected a whole number"):
+            build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt, max_span=bad)
+    assert build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt,
+                         max_span=MAX_SPAN_CEILING) is not None
 
 
 def test_fill_with_draft_model_is_rejected(lm):

@@ -259,6 +259,23 @@ def test_draft_model_source_is_lossless():
     assert "fill" not in plain.usage_extra
 
 
+def test_tool_choice_none_compiles_no_rows_for_the_tools_the_prompt_does_not_show():
+    """Under ``tool_choice: "none"`` the template renders no tools, so the session has no strict
+    rows for them (a row for a tool the model was not shown would guess at what it writes)."""
+    from mlx_fill.adapters.server.openai_request import parse_chat_request
+    from mlx_fill.adapters.server.serve import Engine
+
+    model, _ = serving_model_dir()
+    engine = Engine(str(model), mode="strict")
+
+    def strict_sources(choice: str) -> list[str]:
+        req = parse_chat_request({"messages": AGENT_MESSAGES, "tools": AGENT_TOOLS,
+                                  "tool_choice": choice, "max_tokens": 8})
+        return [s.name for s in engine.prepare(req).session.sources if s.name.startswith("strict")]
+
+    assert strict_sources("auto") and strict_sources("none") == []
+
+
 def test_engine_keeps_a_persisted_evidence_ledger(tmp_path, monkeypatch):
     """A fill-on engine records verified rows in the ledger for its model and template and
     writes it after each request; only ``MLX_FILL_PROMOTE`` rows are eligible for promotion."""

@@ -237,6 +237,22 @@ def test_malformed_tools_raise_with_the_offending_path(bad, path):
     assert str(err.value).startswith(path), str(err.value)
 
 
+@pytest.mark.parametrize("ref,why", [("#/$defs/missing", "nothing is at that pointer"),
+                                     ("#nope", "no such anchor"),
+                                     ("https://example.com/s.json", "only references into the schema")])
+def test_an_unresolvable_ref_is_one_short_line_whatever_the_schema_size(ref, why):
+    """The error names the reference and why it does not resolve, not the schema it was looked
+    up in (a large schema made it kilobytes long)."""
+    props = {f"k{i}": {"type": "string", "description": "d" * 200} for i in range(50)}
+    props["r"] = {"$ref": ref}
+    with pytest.raises(ValueError) as err:
+        tool_schemas([{"type": "function", "function": {"name": "t", "parameters": {
+            "type": "object", "properties": props}}}])
+    text = str(err.value)
+    assert text.startswith("tools[0].function.parameters.properties.r.$ref: cannot resolve")
+    assert why in text and "\n" not in text and len(text) < 200, text
+
+
 def test_schema_check_is_memoized_yet_every_request_gets_its_error():
     """The meta-schema check is cached on the schema's JSON; a bad schema still fails on every
     request (with the path of the tool it sits in now), a good one is not re-checked."""
