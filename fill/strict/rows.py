@@ -134,7 +134,8 @@ class Row:
     ``key`` row) or the text written since the last argument value ended (``close``, ``key``).
     ``trigger`` are ids the emitted stream must end with; ``span`` the ids to propose;
     ``certainty`` its class (only a ``determined`` row may ever be asserted). A row without a
-    valid class cannot be built.
+    valid class cannot be built. ``resumes``: for a row entered mid-span
+    (:func:`resumed_heads`), the claim of the row whose span it finishes.
     """
 
     kind: str
@@ -143,6 +144,7 @@ class Row:
     trigger: tuple[int, ...]
     span: tuple[int, ...]
     certainty: Certainty
+    resumes: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.certainty not in CERTAINTIES:
@@ -154,7 +156,11 @@ class Row:
         """What asserting this row would claim, as the evidence ledger counts it: its origin
         and the ids it writes where it fires (its key, trigger and span). A row of the same
         origin that writes other ids, as a scaffold row does under another tool set, is
-        another claim with evidence of its own."""
+        another claim with evidence of its own. A row entered mid-span makes the claim of the
+        row it finishes: the model writing its rest after writing the start itself is the whole
+        row agreeing, and a disagreement with the whole row holds against every part of it."""
+        if self.resumes is not None:
+            return self.resumes
         digest = hashlib.sha256(repr((self.key, self.trigger, self.span)).encode()).hexdigest()
         return f"{self.origin}@{digest[:12]}"
 
@@ -524,8 +530,9 @@ def resumed_heads(rows: dict[str, Row], table: Sequence[bytes]) -> dict[str, Row
     """Head rows entered mid-span: for a row whose first ``k`` span ids were emitted without
     the row firing (a gate kept only a prefix, or a batched step emitted one id first), the row
     keyed by the body after them (``key`` + their text), triggered by ``trigger`` + those ids,
-    proposing the rest of the span with the row's own class. The rest of a forced span is
-    forced by the same template text, so nothing about the row changes but where it starts.
+    proposing the rest of the span with the row's own class and making the row's own claim
+    (:attr:`Row.claim`). The rest of a forced span is forced by the same template text, so
+    nothing about the row changes but where it starts.
     Close rows need none: every position after a value's end is a close row of its own.
     A key that a compiled row or another resumption already holds is dropped (ambiguous);
     a prefix that splits a UTF-8 character has no key."""
@@ -543,7 +550,7 @@ def resumed_heads(rows: dict[str, Row], table: Sequence[bytes]) -> dict[str, Row
                 continue
             taken.add(key)
             out[key] = replace(row, key=key, trigger=(*row.trigger, *row.span[:k]),
-                               span=row.span[k:])
+                               span=row.span[k:], resumes=row.claim)
     return out
 
 

@@ -11,7 +11,8 @@ import pytest
 
 from mlx_fill.strict.guards import SYNTAXES, Markers, Role, TurnGuard
 from mlx_fill.core.proposal import DecodeView, FillSession
-from mlx_fill.strict.rows import CERTAINTIES, Row, compile_all_keys, compile_table
+from mlx_fill.strict.rows import CERTAINTIES, Row, compile_all_keys, compile_table, resumed_heads
+from mlx_fill.strict.tokenbytes import token_bytes
 from mlx_fill.session import server_ledger
 from mlx_fill.strict.source import strict_source
 from strict_helpers import FAMILIES, call, contained, reply_ids, teacher_force, tokenizer, tools
@@ -159,29 +160,40 @@ def test_key_rows_stay_verify_after_1000_agreements(family, monkeypatch, tmp_pat
 
 def test_only_a_whole_row_verified_is_an_agreement_and_any_refusal_a_disagreement(tmp_path):
     """Proposals cut to one id (``max_span``) agree on a prefix of the scaffold row: that says
-    nothing of the ids an assert of the row would write after it, so the row gets no agreement
-    (the one-id rest of the row entered mid-span is a row of its own, whole when verified); a
-    refused prefix is a disagreement of the row's claim."""
+    nothing of the ids an assert of the row would write after it, so no prefix is an agreement.
+    The rows entered mid-span make the row's own claim: the last id, verified whole as the rest
+    of the row, completes the row the model wrote, one agreement. A refused id of it is a
+    disagreement of that one claim: no part of the row is promoted after it, whatever agrees
+    later."""
     from mlx_fill.sources.ledger import Ledger
 
     tok, tool_list = tokenizer("qwen3.5"), tools()
-    ledger = Ledger("m", "t", promote_after=1, eligible=frozenset({"strict:"}),
+    ledger = Ledger("m", "t", promote_after=2, eligible=frozenset({"strict:"}),
                     path=tmp_path / "ledger.json")
     ids = reply_ids(tok, USER, tool_list, _reply(call("bash", {"command": "ls"})))
 
-    def force(accept) -> list[str]:
+    def force(accept) -> tuple[str, list[Row]]:
         src = strict_source(tok, USER, tool_list, ledger=ledger)
         session = FillSession([src], max_span=1)
         for pos in range(len(ids)):
             p = session.propose(DecodeView([], ids[:pos]))
             if p is not None:
                 session.feedback(p, accept(p, pos), pos)
-        return [r.claim for r in src.table.head.values() if r.kind == "scaffold"]
+        (row,) = [r for r in src.table.head.values() if r.kind == "scaffold"]
+        rests = resumed_heads(src.table.head_rows(0), token_bytes(tok)).values()
+        return row.claim, [r for r in rests if r.resumes == row.claim]
 
-    scaffold = force(lambda p, pos: int(tuple(ids[pos:pos + 1]) == p.ids))
-    assert len(scaffold) == 1 and scaffold[0] not in ledger.claims
+    def follow(p, pos) -> int:
+        return int(tuple(ids[pos:pos + 1]) == p.ids)
+
+    scaffold, rests = force(follow)
+    assert rests and {r.claim for r in rests} == {scaffold}
+    assert (ledger.claims[scaffold].agreements, ledger.claims[scaffold].disagreements) == (1, 0)
     force(lambda p, pos: 0)
-    assert (ledger.claims[scaffold[0]].agreements, ledger.claims[scaffold[0]].disagreements) == (0, 1)
+    assert ledger.claims[scaffold].disagreements >= 1
+    force(follow)
+    assert ledger.claims[scaffold].agreements == 2
+    assert not any(ledger.promoted(r.origin, certainty=r.certainty, claim=r.claim) for r in rests)
 
 
 def test_trace_and_usage_name_the_class():
