@@ -135,8 +135,8 @@ def _start_measuring(model: Any, lookup: Lookup, prior: DispatchPlan | None,
             else "qualifying this model once (quick)")
     print(f"mlx-fill: no complete dispatch plan for {key.backend} {key.dtype} "
           f"{key.shape.split()[0]} (BLAS {key.blas} {key.blas_version} {key.blas_core}".rstrip()
-          + f"); {what} in the background for at most {budget_s():.0f} s "
-          "(MLX_FILL_QUALIFY_BUDGET_S); meanwhile "
+          + f"); {what} in the background: its cost curve, then chunk sizes for up to "
+          f"{budget_s():.0f} s (MLX_FILL_QUALIFY_BUDGET_S); meanwhile "
           + (f"max_chunk={prior.max_chunk}" if prior is not None else "one token per forward"),
           file=sys.stderr, flush=True)
     from . import qualify  # noqa: F401 -- imported here: the exit hook may not import

@@ -98,7 +98,7 @@ def test_shipped_plan_refused_under_another_blas_and_qualified_one_used(
     assert session_for(model).plan == res.plan and len(qualify_calls) == 1
     started, done = capsys.readouterr().err.splitlines()
     assert "qualifying" in started and "openblas 0.3.21 SkylakeX" in started
-    assert "in the background for at most 120 s" in started and "saved to" in done
+    assert "then chunk sizes for up to 120 s" in started and "saved to" in done
     text = resolve.format_resolution(res)
     assert "source: qualified now" in text
     assert "blas_core: '' in the plan, 'SkylakeX' here" in text
