@@ -49,6 +49,7 @@ def serving_model_dir() -> tuple[Path, bool]:
 
 import contextlib
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -80,6 +81,20 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float = 120
         if time.monotonic() > deadline:
             raise RuntimeError(f"server not ready after {timeout}s:\n{log.read_text()[-3000:]}")
         time.sleep(0.3)
+
+
+def wait_line(proc: subprocess.Popen, log: Path, pattern: str, timeout: float = 120.0) -> re.Match:
+    """The first line of ``log`` matching ``pattern`` (a regular expression), once written;
+    RuntimeError (with the end of ``log``) when ``proc`` exits first or ``timeout`` seconds
+    pass."""
+    deadline = time.monotonic() + timeout
+    while not (found := re.search(pattern, log.read_text(), re.M)):
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no line {pattern!r} after {timeout}s:\n{log.read_text()[-3000:]}")
+        time.sleep(0.3)
+    return found
 
 
 @contextlib.contextmanager

@@ -73,17 +73,15 @@ def bind(host: str, port: int) -> socket.socket:
     machine)."""
     if not 0 <= port <= 65535:
         raise UserError(f"cannot listen on {host}:{port} (a port is 0 to 65535); pick another --port")
+    sock = None
     try:
         family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind)
-    except OSError as err:
-        raise UserError(f"cannot listen on {host}:{port} ({err.strerror or err}); pick another "
-                        f"--port or --host") from err
-    try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
         sock.bind(address)
     except OSError as err:
-        sock.close()
+        if sock is not None:
+            sock.close()
         raise UserError(f"cannot listen on {host}:{port} ({err.strerror or err}); pick another "
                         f"--port or --host") from err
     return sock

@@ -27,6 +27,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from .errors import UserError, int_up_to, model_dir, output_file, unwritable
 from .exactness import arrays_equal, cache_content
+from .model_folder import vocab_size
 from .plan import DispatchPlan, PlanKey, cached_dir, config_key, format_key, save_plan
 from .shapes import SHAPES
 from .primitive import (Unsupported, append, cache_offset, check_supported, checkpoint,
@@ -357,13 +358,9 @@ def measure_round_overhead(model: Any, cache: list[Any], repeats: int, steps: in
 
 
 def vocab_of(model: Any) -> int:
-    """The model's vocabulary size: from its mlx-lm configuration, else one forward's logits."""
-    args = getattr(model, "args", None)
-    text = getattr(args, "text_config", None)
-    for value in (getattr(args, "vocab_size", None), (text or {}).get("vocab_size")):
-        if value:
-            return int(value)
-    return int(model(mx.array([[0]]), cache=make_prompt_cache(model)).shape[-1])
+    """The model's vocabulary size: from its mlx-lm configuration
+    (:func:`~mlx_fill.core.model_folder.vocab_size`), else one forward's logits."""
+    return vocab_size(model) or int(model(mx.array([[0]]), cache=make_prompt_cache(model)).shape[-1])
 
 
 def qualify(model: Any, *, quick: bool, vocab: int | None = None, repeats: int | None = None,

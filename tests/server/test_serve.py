@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -21,6 +20,7 @@ from adapter_models import (
     free_port,
     running_server,
     serving_model_dir,
+    wait_line,
     wait_ready,
 )
 
@@ -382,18 +382,13 @@ def test_shutdown_during_a_generation_then_exit_is_clean():
 def test_port_zero_listens_on_a_free_port_and_says_which(tmp_path):
     """``--port 0``: once loaded, the server prints one line with the URL it listens on, and
     answers there."""
-    import re
     model, _ = serving_model_dir()
     log = tmp_path / "serve.log"
     argv = [str(BIN / "mlx-fill"), "serve", "--model", str(model), "--port", "0"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
         try:
-            deadline = time.monotonic() + 120
-            while not (found := re.search(r"^mlx-fill serve: (http://127\.0\.0\.1:(\d+)/v1) \(",
-                                          log.read_text(), re.M)):
-                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
-                time.sleep(0.3)
+            found = wait_line(proc, log, r"^mlx-fill serve: (http://127\.0\.0\.1:(\d+)/v1) \(")
             url, port = found.group(1), int(found.group(2))
             assert port != 0
             wait_ready(proc, url.removesuffix("/v1") + "/health", log)
