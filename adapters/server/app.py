@@ -147,7 +147,7 @@ async def _complete(engine: Engine, worker: ThreadPoolExecutor, request: Request
     out = await future
     if out is None:
         return error_response(499, "client closed the request")
-    content, reasoning, calls = split_output(engine.tokenizer, out.text, req.tools)
+    content, reasoning, calls = split_output(engine.tokenizer, out.text, req.shown_tools)
     message: dict[str, Any] = {"role": "assistant", "content": content or None}
     if reasoning:
         message["reasoning"] = reasoning
@@ -203,7 +203,7 @@ def _stream(engine: Engine, worker: ThreadPoolExecutor, prepared: Any, rid: str,
                 if value is None:
                     break
                 out: Outcome = value
-                content, reasoning, calls = split_output(engine.tokenizer, out.text, req.tools)
+                content, reasoning, calls = split_output(engine.tokenizer, out.text, req.shown_tools)
                 delta: dict[str, Any] = {}
                 if content.startswith(streamed) and len(content) > len(streamed):
                     delta["content"] = content[len(streamed):]  # held back, never a call

@@ -23,13 +23,6 @@ DEFAULT_PREFILL_STEP = 2048
 DEFAULT_PROMPT_CACHE_BYTES = 8 << 30
 
 
-def _shown_tools(req: ChatRequest) -> list[dict] | None:
-    """The tools the prompt shows the model: none under ``tool_choice: "none"``. The session
-    compiles rows for these tools only (a row for a tool the model was not shown guesses at a
-    call it cannot know)."""
-    return None if req.tool_choice == "none" else req.tools
-
-
 class PrefillCancelled(Exception):
     """Raised between prefill chunks when the client left or the server is shutting down."""
 
@@ -145,7 +138,7 @@ class Engine:
         """``messages`` rendered with the request's tools and template variables, as ids."""
         try:
             return list(self.tokenizer.apply_chat_template(
-                messages, tools=_shown_tools(req), add_generation_prompt=True, tokenize=True,
+                messages, tools=req.shown_tools, add_generation_prompt=True, tokenize=True,
                 **req.chat_template_kwargs))
         except Exception as e:  # noqa: BLE001 -- template errors are the request's (e.g. a role it rejects)
             raise RequestError(400, f"messages: the model's chat template rejected the request "
@@ -153,10 +146,10 @@ class Engine:
 
     def _session(self, req: ChatRequest, prompt_ids: list[int], predicted: list[int] | None):
         from mlx_fill.session import build_session
-        refuse = "compile_budget" if over_compile_budget(req.tools, self.limits) else None
+        refuse = "compile_budget" if over_compile_budget(req.shown_tools, self.limits) else None
         session = build_session(
             self.mode, model=self.model, tokenizer=self.tokenizer, prompt_ids=prompt_ids,
-            messages=req.messages, tools=_shown_tools(req), template_kwargs=req.chat_template_kwargs,
+            messages=req.messages, tools=req.shown_tools, template_kwargs=req.chat_template_kwargs,
             temperature=req.temperature, seed=req.seed, prediction=predicted,
             global_tree=self.global_tree, ledger=self.ledger, draft_model=self.draft,
             refuse=refuse, acceptance=self.acceptance)

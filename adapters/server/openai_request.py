@@ -68,6 +68,12 @@ class ChatRequest:
     prediction: dict | None = None
     chat_template_kwargs: dict = field(default_factory=dict)
 
+    @property
+    def shown_tools(self) -> list[dict] | None:
+        """The tools the prompt shows the model, and the only ones a reply's calls are parsed
+        against: none under ``tool_choice: "none"`` (OpenAI's contract: no call is returned)."""
+        return None if self.tool_choice == "none" else self.tools
+
 
 def _typed(body: dict, name: str, types: tuple, label: str) -> Any:
     value = body.get(name)

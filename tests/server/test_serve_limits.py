@@ -375,3 +375,36 @@ def test_hook_never_renders_a_request_template(engine, monkeypatch):
     session = hook_session(engine, monkeypatch, {
         "messages": USER, "tools": TOOLS, "chat_template_kwargs": {"chat_template": "{{ 7*7 }}"}})
     assert session.stats.refusals == {"template_kwargs": 1}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_no_tool_call_is_returned_under_tool_choice_none(engine, client, monkeypatch, stream):
+    """A reply that writes a call to a tool the prompt did not show (``tool_choice: "none"``)
+    comes back as content with ``finish_reason`` stop, as OpenAI's contract says; under
+    ``auto`` the same text is the call."""
+    from mlx_fill.adapters.server.engine import Outcome
+
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    monkeypatch.setattr(engine, "generate", lambda prepared, cancelled, on_text=None: Outcome(
+        text=call, tokens=[1, 2, 3], finish_reason="stop", prompt_tokens=5, cached_tokens=0))
+
+    def reply(choice: str) -> tuple[str, list, str]:
+        body = {"messages": USER, "tools": TOOLS, "tool_choice": choice, "stream": stream}
+        r = post(client, body)
+        assert r.status_code == 200, r.text
+        if not stream:
+            choice0 = r.json()["choices"][0]
+            msg = choice0["message"]
+            return msg["content"] or "", msg.get("tool_calls") or [], choice0["finish_reason"]
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: {")]
+        deltas = [c["choices"][0] for c in chunks if c.get("choices")]
+        content = "".join(d["delta"].get("content") or "" for d in deltas)
+        calls = [t for d in deltas for t in d["delta"].get("tool_calls") or []]
+        return content, calls, deltas[-1]["finish_reason"]
+
+    content, calls, finish = reply("none")
+    assert (content, calls, finish) == (call, [], "stop")
+    content, calls, finish = reply("auto")
+    assert [c["function"]["name"] for c in calls] == ["get_weather"] and finish == "tool_calls"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"} and not content.strip()
