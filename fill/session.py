@@ -10,7 +10,8 @@ strict + echo + suffix + ngram, plus the sources named in ``extra_sources`` / ``
 every mode but ``off``. Every source that proposes ``verify`` drafts from context (echo, suffix,
 ngram, prediction) is priced per draft by a :class:`~mlx_fill.core.cost.CostGate` on the
 request's dispatch plan: it proposes only the prefix whose expected accepted ids pay for the
-forward under the loaded model's own cost curve.
+forward under the loaded model's own cost curve. The model-free sources (echo, suffix, ngram)
+compete for each view: the longest of their priced drafts is made.
 
 A request that fill must not touch still gets a session, refused with a counted reason, so the
 reason shows in ``usage.fill.refusals``: ``logprobs`` (forced tokens have no real logprobs),
@@ -262,6 +263,7 @@ def build_session(
                                  media=media)
     eos_ids = sorted(getattr(tokenizer, "eos_token_ids", ()) or ())
     sources: list[ProposalSource] = []
+    names: list[str] = []  # the model-free roster's sources, which compete for each view
     pace = Pace()  # the session's and its gates' bar (the batched lane raises it per step)
     plan = unqualified()
     if refusal is None:
@@ -309,7 +311,7 @@ def build_session(
                              f"name a file in an existing folder") from None
     session = FillSession(sources, prompt_ids=prompt_ids, eos_ids=eos_ids, plan=plan,
                           max_span=max_span, allow_assert=temperature == 0, trace=trace,
-                          pace=pace)
+                          pace=pace, compete=names)
     if refusal is not None:
         session.refuse(refusal)
     return attach_shared(session, group)

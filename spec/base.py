@@ -69,5 +69,11 @@ class DraftProposalSource:
             return None
         return Proposal(tuple(int(t) for t in ids), "verify", self.name)
 
+    def withdraw(self) -> None:
+        """The draft just proposed was not made (another source's was)."""
+        withdraw = getattr(self.source, "withdraw", None)
+        if withdraw is not None:
+            withdraw()
+
     def feedback(self, proposal: Proposal, accepted: int) -> None:
         self.source.commit(list(proposal.ids), accepted)

@@ -50,6 +50,9 @@ class GatedDraft:
         self.gate.observe_proposed(len(drafted), accepted)
         self.source.commit(drafted, accepted)
 
+    def withdraw(self) -> None:
+        self.gate.withdraw()
+
 
 def draft_key(source: Any) -> Hashable:
     """The key a draft is priced under: the source's description of its last draft

@@ -341,6 +341,12 @@ class CostGate:
             self._shadows.append(_Shadow(offered, self.acceptance.tables(self._proposed),
                                          first=drafted))
 
+    def withdraw(self) -> None:
+        """The draft :meth:`offer` last let through was not proposed after all (another
+        source's was): it is kept as a shadow, as a declined draft is."""
+        offered, self._offered = self._offered, []
+        self.shadow(offered, self._proposed)
+
     def shadow(self, ids: Sequence[int], key: Hashable = ()) -> None:
         """Keep a draft that was not proposed; the next fed ids score it (not kept while
         :data:`MAX_SHADOWS` drafts are being scored)."""

@@ -13,7 +13,7 @@ import json
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
-from typing import IO, TYPE_CHECKING, Any, Literal, Protocol, Sequence, runtime_checkable
+from typing import IO, TYPE_CHECKING, Any, Collection, Literal, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:
     from .plan import DispatchPlan
@@ -142,12 +142,22 @@ class FillStats:
         return d
 
 
+def longest(drafts: Sequence[Proposal]) -> int:
+    """The index of the longest of ``drafts``, the first of equal lengths: each was priced by
+    its own source's gate, which proposes a draft only as far as it pays, so the longest is the
+    one whose evidence reaches furthest."""
+    return max(range(len(drafts)), key=lambda k: (len(drafts[k].ids), -k))
+
+
 class FillSession:
     """Per-request fill state: sources in priority order, caps, telemetry and trace.
 
     A source that raises is disarmed for the rest of the request (counted in
     ``stats.source_errors``); generation continues without it. ``allow_assert`` is False at
     temperature > 0 unless explicitly enabled, in which case ``assert`` proposals are dropped.
+    ``compete``: names of sources asked together, the model-free roster, whose gates each price
+    their own draft: the longest ``verify`` proposal among them is made (:func:`longest`), and
+    the others are withdrawn (``withdraw()``: a declined draft, scored as a shadow).
     """
 
     def __init__(
@@ -161,6 +171,7 @@ class FillSession:
         allow_assert: bool = True,
         trace: IO[str] | None = None,
         pace: Pace | None = None,
+        compete: Collection[str] = (),
     ) -> None:
         """``prompt_ids``: the full rendered prompt (the decode loop may only see the suffix
         after a prompt-cache hit); ``plan``: the dispatch plan (``build_session`` resolves it once per
@@ -173,6 +184,7 @@ class FillSession:
         self.allow_assert = allow_assert
         self.trace = trace
         self.pace = pace if pace is not None else Pace()
+        self.compete = frozenset(compete)
         self.stats = FillStats()
         # the ids the consumer received, in order (the decode loop's list, shared: written only
         # where a token is emitted)
@@ -191,7 +203,8 @@ class FillSession:
         self.stats.refusals[reason] += 1
 
     def propose(self, view: DecodeView) -> Proposal | None:
-        """The first usable proposal of the armed sources, cut at EOS and ``max_span``; None
+        """The first usable proposal of the armed sources in priority order (of the competing
+        sources', the longest: :func:`longest`), cut at EOS and ``max_span``; None
         for a view that ends with an end id (a chained view led by the sample that ends the
         sequence: nothing follows it). A proposal that ``yields`` is made only when no later
         source proposes (those sources are asked for this view as if it had not been made)."""
@@ -206,7 +219,11 @@ class FillSession:
 
     def _propose(self, view: DecodeView) -> Proposal | None:
         held = None  # the first yielding proposal, made if no later source proposes
+        drafts: list[tuple[ProposalSource, Proposal]] = []  # the competing sources' verify spans
         for src in list(self.sources):
+            competes = src.name in self.compete
+            if drafts and not competes:
+                break
             try:
                 p = src.propose(view)
             except Exception as e:  # a broken source must never break generation
@@ -227,10 +244,26 @@ class FillSession:
             if p.policy == "assert" and not self._assert_pays(len(ids)):
                 continue
             p = p if len(ids) == len(p.ids) else replace(p, ids=tuple(ids))
-            if not p.yields:
-                return p
-            held = held or p
+            if competes and p.policy == "verify":
+                drafts.append((src, p))
+            elif not p.yields:
+                return self._made(p, drafts, None)
+            else:
+                held = held or p
+        if drafts:
+            maker, p = drafts[longest([d for _, d in drafts])]
+            return self._made(p, drafts, maker)
         return held
+
+    def _made(self, p: Proposal, drafts: list[tuple[ProposalSource, Proposal]],
+              maker: ProposalSource | None) -> Proposal:
+        """``p``, after withdrawing the competing drafts of every source but ``maker``."""
+        for src, _ in drafts:
+            if src is not maker:
+                withdraw = getattr(src, "withdraw", None)
+                if withdraw is not None:
+                    withdraw()
+        return p
 
     def _assert_pays(self, m: int) -> bool:
         """Whether asserting ``m`` ids (``m`` rows in the plan's chunks plus the round's

@@ -110,7 +110,8 @@ class EchoSource:
     is true (the evidence ledger promoted row ``echo:corroborated`` for this model/template)
     and the span is corroborated by >= 2 occurrences, had no
     branch stop and ends at a delimiter. Feedback on corroborated ``verify`` spans is reported
-    to ``record(origin, agreed)`` (the ledger), agreement iff every id was accepted.
+    to ``record(origin, agreed)`` (the ledger), agreement iff every id was accepted; a span the
+    session cut short (at an end id or its span cap) is no evidence.
     With a ``gate`` (:class:`~mlx_fill.core.cost.CostGate`) every span is priced under its own
     key (:meth:`EchoDraft.confidence`: anchor, corroboration, delimiter end): the gate keeps
     the prefix that pays, and a span it declines is scored as a shadow draft. A cut span is
@@ -127,6 +128,7 @@ class EchoSource:
         self._record = record
         self._prompt_len = -1
         self._seen = 0
+        self._corroborated: tuple[int, ...] = ()  # the last corroborated span proposed whole
 
     def propose(self, view: DecodeView) -> Proposal | None:
         if self._prompt_len < 0:
@@ -147,15 +149,22 @@ class EchoSource:
                 return None
         corroborated = (n == len(span.ids) and span.corroboration >= 2 and not span.branch_stop
                         and span.at_delimiter)
+        self._corroborated = span.ids if corroborated else ()
         if corroborated and self._assert_allowed():
             return Proposal(span.ids, "assert", f"{self.name}:corroborated")
         return Proposal(span.ids[:n], "verify", f"{self.name}:corroborated" if corroborated
                         else self.name)
+
+    def withdraw(self) -> None:
+        """The span just proposed was not made (another source's was): scored as a shadow."""
+        if self.gate is not None:
+            self.gate.withdraw()
 
     def feedback(self, proposal: Proposal, accepted: int) -> None:
         if proposal.policy != "verify":
             return
         if self.gate is not None:
             self.gate.observe_proposed(len(proposal.ids), accepted)
-        if self._record is not None and proposal.origin.endswith(":corroborated"):
+        if (self._record is not None and proposal.origin.endswith(":corroborated")
+                and proposal.ids == self._corroborated):  # evidence only for the whole span
             self._record(proposal.origin, accepted == len(proposal.ids))

@@ -86,6 +86,20 @@ def test_gate_shadow_drafts_keep_learning_without_proposing():
     assert gate.stats.rounds == before + 1 and gate.stats.q(1) < 1.0
 
 
+def test_a_withdrawn_offer_is_scored_as_a_shadow_of_its_key():
+    """An offer the gate let through that another source's draft displaced teaches the gate
+    what it would have earned, under its own key, and is never reported as proposed."""
+    acc = DraftAcceptance(8, decay=1.0)
+    gate = CostGate(FLAT, 8, acceptance=acc)
+    assert gate.offer([1, 2, 3, 4], key=("k",)) == 4
+    gate.withdraw()
+    before = acc.stats(("k",)).q(3)
+    gate.begin([1, 2, 3, 4])
+    assert acc.stats(("k",)).q(3) > before and acc.stats(("k",)).rounds == 1
+    gate.observe_proposed(0, 0)  # nothing of the withdrawn offer is left to settle
+    assert not gate._shadows
+
+
 def test_shadow_positions_count_as_their_ids_arrive():
     """A long shadow teaches the gate before it settles: each position is recorded as soon as
     the id for its slot is emitted."""

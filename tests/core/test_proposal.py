@@ -13,6 +13,7 @@ class _Fixed:
         self.ids = ids
         self.yields = yields
         self.asked = 0
+        self.withdrawn = 0
         self.feedback_got: list[tuple[tuple[int, ...], int]] = []
 
     def propose(self, view: DecodeView) -> Proposal | None:
@@ -21,6 +22,9 @@ class _Fixed:
 
     def feedback(self, proposal: Proposal, accepted: int) -> None:
         self.feedback_got.append((proposal.ids, accepted))
+
+    def withdraw(self) -> None:
+        self.withdrawn += 1
 
 
 def test_a_yielding_proposal_is_made_only_when_no_later_source_proposes():
@@ -45,3 +49,38 @@ def test_of_two_yielding_proposals_the_first_is_made():
     first, second = _Fixed("strict", (5, 6), yields=True), _Fixed("echo", (1, 2), yields=True)
     made = FillSession([first, second]).propose(DecodeView([], [7], ()))
     assert made is not None and made.ids == (5, 6)
+
+
+def test_the_longest_of_the_competing_drafts_is_made_and_the_others_are_withdrawn():
+    """The roster's sources are all asked; the longest draft wins (the earlier of equal ones), the
+    others are withdrawn, and the outcome reaches the source that made it."""
+    key = _Fixed("strict", (1, 2), yields=True)
+    echo, suffix, ngram = _Fixed("echo", (1, 2)), _Fixed("suffix", (1, 2, 3)), _Fixed("ngram", (1, 2, 3))
+    model = _Fixed("draft", (9, 9, 9, 9))
+    session = FillSession([key, echo, suffix, ngram, model], compete=("echo", "suffix", "ngram"))
+    made = session.propose(DecodeView([], [7], ()))
+    assert made is not None and made.origin == "suffix" and made.ids == (1, 2, 3)
+    assert (echo.asked, suffix.asked, ngram.asked, model.asked) == (1, 1, 1, 0)
+    assert (echo.withdrawn, suffix.withdrawn, ngram.withdrawn, key.withdrawn) == (1, 0, 1, 0)
+    session.feedback(made, 2, 1)
+    assert suffix.feedback_got == [((1, 2, 3), 2)] and echo.feedback_got == ngram.feedback_got == []
+
+
+def test_of_equal_competing_drafts_the_earlier_source_s_is_made():
+    echo, suffix = _Fixed("echo", (1, 2, 8)), _Fixed("suffix", (1, 2, 3))
+    session = FillSession([echo, suffix], compete=("echo", "suffix"))
+    made = session.propose(DecodeView([], [7], ()))
+    assert made is not None and made.origin == "echo" and made.ids == (1, 2, 8)
+    assert (echo.withdrawn, suffix.withdrawn) == (0, 1)
+
+
+def test_competing_drafts_are_compared_after_the_cut_at_an_end_id():
+    echo, suffix = _Fixed("echo", (1, 2, 3)), _Fixed("suffix", (1, 0, 3, 4))
+    made = FillSession([echo, suffix], compete=("echo", "suffix")).propose(DecodeView([], [7], (0,)))
+    assert made is not None and made.origin == "echo" and suffix.withdrawn == 1
+
+
+def test_a_source_outside_the_competition_keeps_its_priority():
+    first, echo, suffix = _Fixed("prediction", (5, 6)), _Fixed("echo", (1,)), _Fixed("suffix", (1, 2, 3))
+    made = FillSession([first, echo, suffix], compete=("echo", "suffix")).propose(DecodeView([], [7], ()))
+    assert made is not None and made.origin == "prediction" and echo.asked == suffix.asked == 0

@@ -110,6 +110,19 @@ def test_echo_source_is_verify_unless_ledger_promotes_and_never_at_temperature()
     assert make().propose(DecodeView(seq, [])).policy == "verify"
 
 
+def test_a_corroborated_span_made_only_in_part_is_no_evidence_for_its_row():
+    """The session may make a corroborated span cut short (here at an end id); its prefix
+    verified whole does not count as the row's agreement."""
+    seq = [1, 2, 3, 99, 0, 1, 2, 3, 99, 0, 1, 2]
+    led = Ledger("m", "t", promote_after=1, eligible=frozenset({"echo:corroborated"}))
+    src = EchoSource(EchoDraft(EchoIndex(), anchors=(2,), candidates=2, delimiters={99}),
+                     assert_allowed=lambda: led.promoted("echo:corroborated"), record=led.record)
+    made = FillSession([src]).propose(DecodeView(seq, [], (99,)))
+    assert made.ids == (3,) and made.origin == "echo:corroborated"
+    src.feedback(made, 1)
+    assert "echo:corroborated" not in led.claims and not led.promoted("echo:corroborated")
+
+
 def test_echo_source_incremental_feed_equals_fresh_lookup():
     rng = random.Random(3)
     prompt = [rng.randrange(6) for _ in range(200)]
