@@ -80,7 +80,7 @@ def test_key_names_kernels_and_shape(model):
 
 
 def test_shipped_plan_refused_under_another_blas_and_qualified_one_used(
-        model, plan_dirs, qualify_calls, monkeypatch, capsys):
+        model, plan_dirs, qualify_calls, monkeypatch, capsys, steady_cost):
     here = config_key(model)
     shipped = DispatchPlan(key=here, max_chunk=16, cost={2: 1.5}, qualified=True, note="shipped")
     save_plan(shipped, plan_dirs / "cpu-test.json")
@@ -104,7 +104,8 @@ def test_shipped_plan_refused_under_another_blas_and_qualified_one_used(
     assert "blas_core: '' in the plan, 'SkylakeX' here" in text
 
 
-def test_auto_qualify_happens_once_and_is_cached(model, plan_dirs, qualify_calls, monkeypatch):
+def test_auto_qualify_happens_once_and_is_cached(model, plan_dirs, qualify_calls, monkeypatch,
+                                                 steady_cost):
     assert session_for(model).plan.max_chunk == 1  # served one token per forward meanwhile
     assert resolve.wait_qualified(timeout=600)
     first = session_for(model)
@@ -118,7 +119,7 @@ def test_auto_qualify_happens_once_and_is_cached(model, plan_dirs, qualify_calls
     assert len(qualify_calls) == 1
 
 
-def test_a_lazily_cast_model_is_measured_in_the_background(model, plan_dirs, capsys):
+def test_a_lazily_cast_model_is_measured_in_the_background(model, plan_dirs, capsys, steady_cost):
     """Weights cast with ``set_dtype`` and not yet evaluated are a graph on the caller's stream;
     the measuring thread measures the model, not the error evaluating them there."""
     model.set_dtype(mx.bfloat16)
@@ -283,7 +284,7 @@ def tiny_served_dir(tmp_path):
     return path
 
 
-def test_serve_engine_qualifies_at_start_up(tiny_served_dir, plan_dirs, qualify_calls):
+def test_serve_engine_qualifies_at_start_up(tiny_served_dir, plan_dirs, qualify_calls, steady_cost):
     from mlx_fill.adapters.server.serve import Engine
     engine = Engine(str(tiny_served_dir), mode="strict")
     assert resolve.wait_qualified(timeout=600)
