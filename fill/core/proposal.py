@@ -259,10 +259,14 @@ class FillSession:
               maker: ProposalSource | None) -> Proposal:
         """``p``, after withdrawing the competing drafts of every source but ``maker``."""
         for src, _ in drafts:
-            if src is not maker:
-                withdraw = getattr(src, "withdraw", None)
-                if withdraw is not None:
-                    withdraw()
+            withdraw = getattr(src, "withdraw", None)
+            if src is maker or withdraw is None:
+                continue
+            try:
+                withdraw()
+            except Exception as e:  # a broken source must never break generation
+                self.stats.source_errors[f"{src.name}:{type(e).__name__}"] += 1
+                self.sources.remove(src)
         return p
 
     def _assert_pays(self, m: int) -> bool:

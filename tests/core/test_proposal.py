@@ -84,3 +84,15 @@ def test_a_source_outside_the_competition_keeps_its_priority():
     first, echo, suffix = _Fixed("prediction", (5, 6)), _Fixed("echo", (1,)), _Fixed("suffix", (1, 2, 3))
     made = FillSession([first, echo, suffix], compete=("echo", "suffix")).propose(DecodeView([], [7], ()))
     assert made is not None and made.origin == "prediction" and echo.asked == suffix.asked == 0
+
+
+def test_a_source_whose_withdraw_raises_is_disarmed_and_the_view_still_gets_its_draft():
+    class Broken(_Fixed):
+        def withdraw(self) -> None:
+            raise RuntimeError("broken")
+
+    echo, suffix = Broken("echo", (1,)), _Fixed("suffix", (1, 2))
+    session = FillSession([echo, suffix], compete=("echo", "suffix"))
+    made = session.propose(DecodeView([], [7], ()))
+    assert made is not None and made.origin == "suffix"
+    assert session.stats.source_errors == {"echo:RuntimeError": 1} and session.sources == [suffix]
