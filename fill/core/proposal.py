@@ -142,13 +142,6 @@ class FillStats:
         return d
 
 
-def longest(drafts: Sequence[Proposal]) -> int:
-    """The index of the longest of ``drafts``, the first of equal lengths: each was priced by
-    its own source's gate, which proposes a draft only as far as it pays, so the longest is the
-    one whose evidence reaches furthest."""
-    return max(range(len(drafts)), key=lambda k: (len(drafts[k].ids), -k))
-
-
 class FillSession:
     """Per-request fill state: sources in priority order, caps, telemetry and trace.
 
@@ -156,8 +149,9 @@ class FillSession:
     ``stats.source_errors``); generation continues without it. ``allow_assert`` is False at
     temperature > 0 unless explicitly enabled, in which case ``assert`` proposals are dropped.
     ``compete``: names of sources asked together, the model-free roster, whose gates each price
-    their own draft: the longest ``verify`` proposal among them is made (:func:`longest`), and
-    the others are withdrawn (``withdraw()``: a declined draft, scored as a shadow).
+    their own draft (as far as it pays), so the longest ``verify`` proposal among them, the one
+    whose evidence reaches furthest, is made (the earlier source's of equal ones), and the others
+    are withdrawn (``withdraw()``: a declined draft, scored as a shadow).
     """
 
     def __init__(
@@ -204,7 +198,7 @@ class FillSession:
 
     def propose(self, view: DecodeView) -> Proposal | None:
         """The first usable proposal of the armed sources in priority order (of the competing
-        sources', the longest: :func:`longest`), cut at EOS and ``max_span``; None
+        sources', the longest), cut at EOS and ``max_span``; None
         for a view that ends with an end id (a chained view led by the sample that ends the
         sequence: nothing follows it). A proposal that ``yields`` is made only when no later
         source proposes (those sources are asked for this view as if it had not been made)."""
@@ -251,7 +245,7 @@ class FillSession:
             else:
                 held = held or p
         if drafts:
-            maker, p = drafts[longest([d for _, d in drafts])]
+            maker, p = max(drafts, key=lambda d: len(d[1].ids))  # the first of equal lengths
             return self._made(p, drafts, maker)
         return held
 
