@@ -198,10 +198,10 @@ class FillSession:
 
     def propose(self, view: DecodeView) -> Proposal | None:
         """The first usable proposal of the armed sources in priority order (of the competing
-        sources', the longest), cut at EOS and ``max_span``; None
-        for a view that ends with an end id (a chained view led by the sample that ends the
-        sequence: nothing follows it). A proposal that ``yields`` is made only when no later
-        source proposes (those sources are asked for this view as if it had not been made)."""
+        sources', the longest), cut at EOS and ``max_span``; None for a view that ends with an
+        end id (a chained view led by the sample that ends the sequence: nothing follows it). A
+        proposal that ``yields`` is made only when no later source proposes (those sources are
+        asked for this view as if it had not been made)."""
         if self.refused is not None or (view.emitted and view.emitted[-1] in view.eos_ids):
             return None
         self.pace.first_in_flight = not view.pending
@@ -221,8 +221,7 @@ class FillSession:
             try:
                 p = src.propose(view)
             except Exception as e:  # a broken source must never break generation
-                self.stats.source_errors[f"{src.name}:{type(e).__name__}"] += 1
-                self.sources.remove(src)
+                self._disarm(src, e)
                 continue
             if p is None:
                 continue
@@ -259,9 +258,14 @@ class FillSession:
             try:
                 withdraw()
             except Exception as e:  # a broken source must never break generation
-                self.stats.source_errors[f"{src.name}:{type(e).__name__}"] += 1
-                self.sources.remove(src)
+                self._disarm(src, e)
         return p
+
+    def _disarm(self, src: ProposalSource, err: Exception) -> None:
+        """Drop ``src``, which raised ``err``, for the rest of the request, counted in
+        ``stats.source_errors``."""
+        self.stats.source_errors[f"{src.name}:{type(err).__name__}"] += 1
+        self.sources.remove(src)
 
     def _assert_pays(self, m: int) -> bool:
         """Whether asserting ``m`` ids (``m`` rows in the plan's chunks plus the round's
@@ -294,9 +298,8 @@ class FillSession:
             if proposal.origin == src.name or proposal.origin.startswith(src.name + ":"):
                 try:
                     src.feedback(proposal, accepted)
-                except Exception as e:
-                    self.stats.source_errors[f"{src.name}:{type(e).__name__}"] += 1
-                    self.sources.remove(src)
+                except Exception as e:  # a broken source must never break generation
+                    self._disarm(src, e)
                 break
         if self.trace is not None:
             event = {"t": time.time(), "position": position, "origin": proposal.origin,
