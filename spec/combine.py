@@ -19,7 +19,7 @@ from typing import Any, Hashable, Sequence
 
 from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.proposal import DecodeView, Pace, Proposal
-from mlx_fill.core.cost import AcceptanceByPosition, best_length, pays, round_costs
+from mlx_fill.core.cost import AcceptanceByPosition, RoundCosts, best_length, pays
 
 
 class BestOf:
@@ -39,7 +39,7 @@ class BestOf:
         self.members = list(members)
         self.name = name
         self.max_len = max_len
-        self.costs = round_costs(plan, max_len, extra_rows) if plan is not None else None
+        self.costs = RoundCosts(plan, max_len, extra_rows) if plan is not None else None
         self.stats = stats if stats is not None else {}
         self.pace = pace if pace is not None else Pace()
         self._shadow: dict[int, tuple[Hashable, list[int], int]] = {}
@@ -71,13 +71,14 @@ class BestOf:
             else:
                 self._shadow[i] = (key, ids, ok)
 
-    def _value(self, i: int, key: Hashable, ids: list[int]) -> tuple[float, int]:
-        """(expected tokens per unit cost, length to propose) for member ``i``'s draft; without
-        a cost curve, (expected tokens, the whole draft)."""
+    def _value(self, i: int, key: Hashable, ids: list[int], kv: int) -> tuple[float, int]:
+        """(expected tokens per unit cost, length to propose) for member ``i``'s draft appended
+        at KV length ``kv``; without a cost curve, (expected tokens, the whole draft)."""
         stats = self._stats(i, key)
         if self.costs is None:
             return 1.0 + sum(stats.survival(len(ids))), len(ids)
-        m, rate = best_length(stats, len(ids), self.costs, overhead=self.pace.round_overhead,
+        m, rate = best_length(stats, len(ids), self.costs.at(kv),
+                              overhead=self.pace.round_overhead,
                               first_in_flight=self.pace.first_in_flight)
         return rate, m
 
@@ -98,7 +99,7 @@ class BestOf:
             if not ids:
                 continue
             key = m.confidence()
-            value, length = self._value(i, key, ids)
+            value, length = self._value(i, key, ids, self._seen)
             drafts.append((i, key, ids))
             if length > 0 and (best is None or value > best[0]):
                 best = (value, i, key, ids[:length])

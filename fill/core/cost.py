@@ -1,10 +1,10 @@
 """The cost model: how many ids to propose this round, priced for the draft at hand.
 
 A verify round over ``m`` proposed ids runs one forward of ``m + extra_rows`` rows, which costs
-``plan.cost_of(m + extra_rows)`` one-row forwards (the loaded model's own ``qualify`` cost curve)
-plus the round's fixed overhead (``Pace.round_overhead``: a round's forward is synchronous, a plain
-step is pipelined), and emits ``1 + sum_{j=1..m} prod_{i<j} q_i`` tokens in expectation, where
-``q_i`` is the probability that position ``i`` of THIS draft is accepted given every earlier one
+``plan.cost_of(m + extra_rows, kv)`` one-row forwards at the KV length ``kv`` it appends at (the
+loaded model's own ``qualify`` cost curve) plus the round's fixed overhead
+(``Pace.round_overhead``: a round's forward is synchronous, a plain step is pipelined), and emits
+``1 + sum_{j=1..m} prod_{i<j} q_i`` tokens in expectation, where ``q_i`` is the probability that position ``i`` of THIS draft is accepted given every earlier one
 was (a draft that starts at the slot whose sample is already in flight is priced without its first
 id: :func:`choose_length`). Plain decoding emits one token per one-row forward, so a round is worth
 running only when its expected tokens per unit cost exceed 1 (by :data:`PRICE_MARGIN`, for the
@@ -163,10 +163,32 @@ def batch_min_gain(plan: DispatchPlan, batch: int) -> float:
     return batch / plan.cost_of(batch) if batch > 1 else 1.0
 
 
-def round_costs(plan: DispatchPlan, max_len: int, extra_rows: int = 1) -> list[float]:
-    """``costs[m]`` = cost of a round proposing ``m`` ids, in one-row-forward units: its
-    ``m + extra_rows`` rows in the plan's chunks (:meth:`DispatchPlan.rows_cost`)."""
-    return [1.0] + [plan.rows_cost(m + extra_rows) for m in range(1, max_len + 1)]
+def round_costs(plan: DispatchPlan, max_len: int, extra_rows: int = 1,
+                kv: int | None = None) -> list[float]:
+    """``costs[m]`` = cost of a round proposing ``m`` ids at KV length ``kv``, in one-row-forward
+    units: its ``m + extra_rows`` rows in the plan's chunks (:meth:`DispatchPlan.rows_cost`)."""
+    return [1.0] + [plan.rows_cost(m + extra_rows, kv) for m in range(1, max_len + 1)]
+
+
+# Round costs are priced at the KV length rounded down to a multiple of this: c(M) moves by
+# well under 1% over it (it is affine in the KV length over thousands of ids).
+KV_STEP = 256
+
+
+class RoundCosts:
+    """:func:`round_costs` of one plan, draft limit and extra rows at any KV length, computed
+    once per :data:`KV_STEP` of KV length (once in all where c(M) does not depend on it)."""
+
+    def __init__(self, plan: DispatchPlan, max_len: int, extra_rows: int = 1):
+        self.plan, self.max_len, self.extra_rows = plan, max_len, extra_rows
+        self._at: dict[int | None, list[float]] = {}
+
+    def at(self, kv: int | None) -> list[float]:
+        step = None if kv is None or not self.plan.kv_dependent else kv // KV_STEP * KV_STEP
+        costs = self._at.get(step)
+        if costs is None:
+            costs = self._at[step] = round_costs(self.plan, self.max_len, self.extra_rows, step)
+        return costs
 
 
 def best_length(stats: AcceptanceByPosition, max_len: int, costs: Sequence[float],
@@ -295,7 +317,7 @@ class CostGate:
         self.max_len = max_len
         self.extra_rows = extra_rows
         self.acceptance = acceptance if acceptance is not None else DraftAcceptance(max_len)
-        self.costs = round_costs(plan, max_len, extra_rows)
+        self.costs = RoundCosts(plan, max_len, extra_rows)
         self._shadows: list[_Shadow] = []
         self._proposed: Hashable = ()  # key of the last draft :meth:`offer` let through
         self._offered: list[int] = []  # that draft's ids, up to ``max_len``
@@ -313,7 +335,8 @@ class CostGate:
             return 0
         return choose_length(self.plan, self.acceptance.stats(key), limit, extra_rows=self.extra_rows,
                              min_gain=self.pace.min_gain, overhead=self.pace.round_overhead,
-                             costs=self.costs, first_in_flight=self.pace.first_in_flight)
+                             costs=self.costs.at(self.pace.kv_length),
+                             first_in_flight=self.pace.first_in_flight)
 
     def observe(self, drafted: int, accepted: int, key: Hashable = ()) -> None:
         self.acceptance.observe(key, drafted, accepted)

@@ -32,6 +32,7 @@ from .paths import user_cache_dir
 
 PlanMode = Literal["exact", "fast"]
 FAST_MAX_CHUNK = 64
+COST_KV = 512  # KV length ``qualify`` measures the cost curve at
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,11 @@ class DispatchPlan:
     plan as ``prior`` measures the rest). ``reason``: why ``max_chunk`` is 1 when ``qualify``
     could not measure the model at all (an unsupported cache, a failed forward).
 
+    ``long_cost[m]``: time(m-row forward at KV length ``long_kv``) / time(1-row forward at
+    ``cost_kv``), ``m = 1`` included; empty where only ``cost_kv`` was measured. A forward's time
+    is affine in the KV length it attends over (the weights once, then attention over every
+    cached row), so the two lengths give c(M) at any KV length (:meth:`cost_of`).
+
     ``shapes[m]``: the append shape (:mod:`~mlx_fill.core.shapes`) qualified for chunks of
     ``m`` rows, ``native`` or ``batched-m1``; a size without an entry takes the entry of the
     next larger measured size (whose checks covered it), else ``native``."""
@@ -95,6 +101,9 @@ class DispatchPlan:
     pending: tuple[int, ...] = ()
     reason: str = ""
     shapes: dict[int, str] = field(default_factory=dict)
+    cost_kv: int = COST_KV
+    long_kv: int = 0
+    long_cost: dict[int, float] = field(default_factory=dict)
 
     def shape_for(self, m: int) -> str:
         """The append shape a chunk of ``m`` rows runs with under this plan."""
@@ -126,26 +135,36 @@ class DispatchPlan:
     def _chunk_limit(self) -> int:
         return max(1, self.max_chunk) if self.mode == "exact" else max(self.max_chunk, FAST_MAX_CHUNK)
 
-    def rows_cost(self, n: int) -> float:
-        """Cost of appending ``n`` rows in chunks of at most the plan's chunk size, in one-row
-        forwards (KV boundaries aside: an exact plan with ``max_chunk = 1`` costs ``n``, whatever
-        c(M) says)."""
+    def rows_cost(self, n: int, kv: int | None = None) -> float:
+        """Cost of appending ``n`` rows at KV length ``kv`` in chunks of at most the plan's chunk
+        size, in one-row forwards at that length (KV boundaries aside: an exact plan with
+        ``max_chunk = 1`` costs ``n``, whatever c(M) says)."""
         full, rest = divmod(n, self._chunk_limit())
-        return full * self.cost_of(self._chunk_limit()) + (self.cost_of(rest) if rest else 0.0)
+        return (full * self.cost_of(self._chunk_limit(), kv)
+                + (self.cost_of(rest, kv) if rest else 0.0))
 
-    def cost_of(self, m: int) -> float:
-        """c(m) in one-row-forward units: measured where known, linear interpolation between
-        measured points, linear extrapolation (pessimistic) beyond them, ``m`` when unmeasured."""
+    @property
+    def kv_dependent(self) -> bool:
+        """Whether c(M) depends on the KV length (a second length was measured)."""
+        return bool(self.cost) and bool(self.long_cost) and self.long_kv > self.cost_kv
+
+    def cost_of(self, m: int, kv: int | None = None) -> float:
+        """c(m) in one-row-forward units at KV length ``kv`` (None: at ``cost_kv``): measured
+        where known, linear interpolation between measured sizes, linear extrapolation
+        (pessimistic) beyond them, ``m`` when unmeasured. With a ``long_cost`` curve both row
+        counts' times are affine in ``kv`` through the two measured lengths, and c(m) is their
+        ratio."""
         if m <= 1:
             return 1.0
         if not self.cost:
             return float(m)
-        pts = sorted({1: 1.0, **self.cost}.items())
-        for (m0, c0), (m1, c1) in zip(pts, pts[1:]):
-            if m0 <= m <= m1:
-                return c0 + (c1 - c0) * (m - m0) / (m1 - m0)
-        (m0, c0), (m1, c1) = pts[-2], pts[-1]
-        return c1 + (c1 - c0) / (m1 - m0) * (m - m1)
+        near = _on_curve({1: 1.0, **self.cost}, m)
+        if kv is None or not self.kv_dependent:
+            return near
+        f = (max(kv, 0) - self.cost_kv) / (self.long_kv - self.cost_kv)
+        one = 1.0 + f * (self.long_cost.get(1, 1.0) - 1.0)
+        rows = near + f * (_on_curve(self.long_cost, m) - near)
+        return rows / one if one > 0.0 and rows > 0.0 else near
 
     def with_mode(self, mode: PlanMode) -> "DispatchPlan":
         return replace(self, mode=mode)
@@ -154,6 +173,7 @@ class DispatchPlan:
         d = asdict(self)
         d["cost"] = {str(k): v for k, v in self.cost.items()}
         d["shapes"] = {str(k): v for k, v in self.shapes.items()}
+        d["long_cost"] = {str(k): v for k, v in self.long_cost.items()}
         return d
 
     @property
@@ -171,7 +191,22 @@ class DispatchPlan:
                    round_overhead=float(d.get("round_overhead", 0.0)), note=str(d.get("note", "")),
                    pending=tuple(int(m) for m in d.get("pending", ())),
                    reason=str(d.get("reason", "")),
-                   shapes={int(k): str(v) for k, v in d.get("shapes", {}).items()})
+                   shapes={int(k): str(v) for k, v in d.get("shapes", {}).items()},
+                   cost_kv=int(d.get("cost_kv", COST_KV)), long_kv=int(d.get("long_kv", 0)),
+                   long_cost={int(k): float(v) for k, v in d.get("long_cost", {}).items()})
+
+
+def _on_curve(points: dict[int, float], m: int) -> float:
+    """The value at ``m`` of the piecewise-linear curve through ``points`` (row count -> time),
+    extrapolated linearly beyond its ends."""
+    pts = sorted(points.items())
+    if len(pts) == 1:
+        return pts[0][1]
+    for (m0, c0), (m1, c1) in zip(pts, pts[1:]):
+        if m0 <= m <= m1:
+            return c0 + (c1 - c0) * (m - m0) / (m1 - m0)
+    (m0, c0), (m1, c1) = (pts[0], pts[1]) if m < pts[0][0] else (pts[-2], pts[-1])
+    return c1 + (c1 - c0) / (m1 - m0) * (m - m1)
 
 
 def unqualified(key: PlanKey | None = None) -> DispatchPlan:
@@ -332,3 +367,14 @@ def format_key(key: PlanKey | None) -> list[str]:
     if key is None:
         return ["key: none"]
     return ["key:"] + [f"  {f.name}: {getattr(key, f.name) or '-'}" for f in fields(key)]
+
+
+def format_cost(plan: DispatchPlan) -> str:
+    """c(M) at the KV lengths it was measured at, and the round overhead, on one line."""
+    sizes = sorted(m for m in plan.cost if m > 1)
+    if not sizes:
+        return f"cost: none measured  round overhead={plan.round_overhead:.2f}"
+    kvs = [plan.cost_kv, plan.long_kv] if plan.kv_dependent else [plan.cost_kv]
+    parts = [f"at KV {kv}: " + " ".join(f"c({m})={plan.cost_of(m, kv):.2f}" for m in sizes)
+             for kv in kvs]
+    return f"cost {';  '.join(parts)}  round overhead={plan.round_overhead:.2f}"

@@ -94,11 +94,14 @@ class Pace:
     for every step in both of its lanes). ``first_in_flight``: whether the proposal asked for
     now starts at the slot whose sample is in flight (a view's end, :attr:`DecodeView.pending`
     False): its first id must match that sample and buys nothing by itself
-    (:func:`~mlx_fill.core.cost.choose_length`); the session sets it for every view."""
+    (:func:`~mlx_fill.core.cost.choose_length`); the session sets it for every view, and
+    ``kv_length``, the KV length the round's rows would be appended at (the view's prompt and
+    emitted ids), which c(M) depends on (:meth:`~mlx_fill.core.plan.DispatchPlan.cost_of`)."""
 
     min_gain: float = 1.0
     round_overhead: float = 0.0
     first_in_flight: bool = False
+    kv_length: int | None = None
 
 
 @dataclass
@@ -205,6 +208,7 @@ class FillSession:
         if self.refused is not None or (view.emitted and view.emitted[-1] in view.eos_ids):
             return None
         self.pace.first_in_flight = not view.pending
+        self.pace.kv_length = len(view.prompt) + len(view.emitted)
         t0 = time.perf_counter()
         try:
             return self._propose(view)
@@ -276,7 +280,8 @@ class FillSession:
             return True
         if self.plan is None:
             return False
-        return m / (self.plan.rows_cost(m) + self.pace.round_overhead) > self.pace.min_gain
+        rows = self.plan.rows_cost(m, self.pace.kv_length)
+        return m / (rows + self.pace.round_overhead) > self.pace.min_gain
 
     def feedback(self, proposal: Proposal, accepted: int, position: int) -> None:
         """Record the outcome; forward it to the source that made the proposal."""

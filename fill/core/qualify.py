@@ -28,7 +28,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from .errors import UserError, int_up_to, model_dir, output_file, unwritable
 from .exactness import arrays_equal, cache_content
 from .model_folder import vocab_size
-from .plan import DispatchPlan, PlanKey, cached_dir, config_key, format_key, save_plan
+from .plan import (COST_KV, DispatchPlan, PlanKey, cached_dir, config_key, format_cost, format_key,
+                   save_plan)
 from .shapes import SHAPES
 from .primitive import (Unsupported, append, cache_offset, check_supported, checkpoint,
                         restore, rewind, ring_window)
@@ -41,7 +42,10 @@ QUICK_SIZES = (1, 2, 3, 4, 8, 16)
 # differently from one row at KV 384, 512, 768, 1024, 2048 but not at 0-257 (qwen3-json).
 FULL_KV = (0, 1, 255, 256, 257, 511, 512, 1023, 1024, 2048, 4095, 4096, 8192)
 QUICK_KV = (0, 1, 255, 256, 257, 511, 512)
-COST_KV = 512
+# The second KV length the cost curve is measured at: agents' prompts run to thousands of ids,
+# where attending over the cache is a large share of a forward (SmolLM2-135M bf16 on a 2-core
+# x86 CPU: c(8) = 3.17 at KV 512, 4.06 at 4096).
+LONG_KV = 4096
 MAX_REPEATS = 1000
 Agree = Callable[[bool], bool]
 
@@ -252,6 +256,17 @@ def cost_cache(model: Any, vocab: int) -> list[Any]:
     return cache
 
 
+def _timed_append(model: Any, cache: list[Any], ids: list[int], plan: DispatchPlan) -> float:
+    """Seconds of one verify forward of ``ids`` appended to ``cache`` (left as it was)."""
+    _step()
+    cp = checkpoint(model, cache, plan)
+    t0 = time.perf_counter()
+    mx.eval(append(model, cache, ids, plan=plan, logits="all", record=cp))
+    dt = time.perf_counter() - t0
+    rewind(cp, 0)
+    return dt
+
+
 def measure_cost(model: Any, cache: list[Any], sizes: tuple[int, ...], vocab: int,
                  repeats: int, shape: str = "native") -> dict[int, float]:
     """c(M): median over interleaved repeats of time(M-row verify forward) / time(1-row), on
@@ -262,16 +277,56 @@ def measure_cost(model: Any, cache: list[Any], sizes: tuple[int, ...], vocab: in
     ids = _random_ids(max(sizes), vocab, 3)
     for r in range(repeats + 1):
         for m in sizes:
-            _step()
-            cp = checkpoint(model, cache, plan)
-            t0 = time.perf_counter()
-            mx.eval(append(model, cache, ids[:m], plan=plan, logits="all", record=cp))
-            dt = time.perf_counter() - t0
-            rewind(cp, 0)
+            dt = _timed_append(model, cache, ids[:m], plan)
             if r:  # the first round warms up kernels and allocations
                 times[m].append(dt)
     one = statistics.median(times[1])
     return {m: round(statistics.median(t) / one, 3) for m, t in times.items()}
+
+
+def long_cache(model: Any, cache: list[Any]) -> list[Any] | None:
+    """A cache of ``LONG_KV`` ids: every layer's keys and values in ``cache`` (a plain
+    ``KVCache`` each) repeated end to end, state caches (whose size does not grow with the
+    sequence) as they are. Timing depends on the shapes, not the values, so this stands for a
+    long prompt without prefilling one. None when a layer keeps another cache (a rotating or
+    quantized one), whose cost at length is not this."""
+    from mlx_lm.models.cache import ArraysCache, KVCache
+    have = cache_offset(cache)
+    if have <= 0 or LONG_KV % have:
+        return None
+    out = []
+    for c in cache:
+        if type(c) is KVCache:
+            keys, values = c.keys[..., :c.offset, :], c.values[..., :c.offset, :]
+            grown = KVCache()
+            grown.update_and_fetch(mx.concatenate([keys] * (LONG_KV // have), axis=2),
+                                   mx.concatenate([values] * (LONG_KV // have), axis=2))
+            out.append(grown)
+        elif isinstance(c, ArraysCache):
+            out.append(c)
+        else:
+            return None
+    mx.eval([(c.keys, c.values) for c in out if type(c) is KVCache])
+    return out
+
+
+def measure_long_cost(model: Any, cache: list[Any], grown: list[Any], plan: DispatchPlan,
+                      sizes: tuple[int, ...], vocab: int, repeats: int) -> dict[int, float]:
+    """``long_cost``: median over interleaved repeats of time(M-row verify forward on
+    ``grown``) / time(1-row forward on ``cache``), every size in the shape ``plan`` gives it."""
+    ids = _random_ids(max(sizes), vocab, 5)
+    near: list[float] = []
+    times: dict[int, list[float]] = {m: [] for m in sizes}
+    for r in range(repeats + 1):
+        one = _timed_append(model, cache, ids[:1], plan)
+        for m in sizes:
+            dt = _timed_append(model, grown, ids[:m], replace(plan, max_chunk=m, kv_boundaries=()))
+            if r:  # the first round warms up kernels and allocations
+                times[m].append(dt)
+        if r:
+            near.append(one)
+    base = statistics.median(near)
+    return {m: round(statistics.median(t) / base, 3) for m, t in times.items()}
 
 
 COST_TRIES = 3  # cost-curve measurements before a curve with some c(M) < 1 is judged
@@ -417,7 +472,6 @@ def _measure(model: Any, key: PlanKey, *, quick: bool, vocab: int | None, repeat
     costs = {shape: measure_plausible_cost(model, cache, sizes, vocab, repeats, shape, agree)
              for shape in SHAPES}
     overhead = measure_round_overhead(model, cache, repeats, stream=stream)
-    del cache
     todo = prior.pending if prior is not None else sizes
     floor = prior.max_chunk if prior is not None else 1
     bounds = prior.kv_boundaries if prior is not None else ()
@@ -435,7 +489,11 @@ def _measure(model: Any, key: PlanKey, *, quick: bool, vocab: int | None, repeat
         plan = replace(plan, max_chunk=floor, kv_boundaries=bounds, shapes=earlier)
     measured = max((c.size for c in checks), default=floor)
     cost = {m: costs[plan.shape_for(m)][m] for m in costs["native"]}
-    return replace(plan, cost=cost, round_overhead=overhead, note=note,
+    grown = long_cache(model, cache)
+    long_cost = ({} if grown is None else
+                 measure_long_cost(model, cache, grown, plan, sizes, vocab, repeats))
+    return replace(plan, cost=cost, round_overhead=overhead, note=note, cost_kv=COST_KV,
+                   long_kv=LONG_KV if long_cost else 0, long_cost=long_cost,
                    pending=pending if plan.max_chunk == max(measured, floor) else ()), checks
 
 
@@ -453,9 +511,8 @@ def format_table(plan: DispatchPlan, checks: list[Check]) -> str:
         lines.append(f"{kv:>5}{'r' if ring else ' '} " + " ".join(cells))
     lines.append("(blank: not checked, a smaller size had failed; r: reached by decoding, the "
                  "chunk crossing a sliding-window ring's end)")
-    lines.append("cost c(M) = time(M-row forward) / time(1-row forward):")
-    lines.append("  " + "  ".join(f"c({m})={c:.2f}" for m, c in sorted(plan.cost.items()))
-                 + f"  round overhead={plan.round_overhead:.2f}")
+    lines.append("c(M) = time(M-row forward) / time(1-row forward), at a KV length:")
+    lines.append("  " + format_cost(plan))
     lines.append(f"plan: mode=exact max_chunk={plan.max_chunk} "
                  f"kv_boundaries={list(plan.kv_boundaries)}")
     if plan.shapes:

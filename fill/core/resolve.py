@@ -43,6 +43,7 @@ from .plan import (
     cached_dir,
     config_key,
     find_plan,
+    format_cost,
     format_key,
     save_plan,
     shipped_dir,
@@ -288,10 +289,8 @@ def plan_source(model: Any) -> str:
 def format_resolution(res: Resolution) -> str:
     """What ``mlx-fill plan`` prints: the plan, its source, its key, every other candidate."""
     plan = res.plan
-    cost = "  ".join(f"c({m})={c:.2f}" for m, c in sorted(plan.cost.items())) or "none measured"
     lines = [f"plan: mode={plan.mode} max_chunk={plan.max_chunk} "
-             f"kv_boundaries={list(plan.kv_boundaries)}",
-             f"cost: {cost}  round overhead={plan.round_overhead:.2f}"]
+             f"kv_boundaries={list(plan.kv_boundaries)}", format_cost(plan)]
     if res.source == "qualified now":
         lines.append(f"source: qualified now ({res.seconds:.1f} s), saved to {res.path}")
     elif res.path is not None:

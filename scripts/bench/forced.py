@@ -256,15 +256,17 @@ class RoundLog:
         self.rounds: list[RoundRecord] = []
         self.proposed: list[tuple[int, tuple[int, ...]]] = []  # (position, ids) of every round
         self._pending = False
+        self._kv = 0
         propose, feedback = session.propose, session.feedback
 
         def logged_propose(view):
             self._pending = view.pending
+            self._kv = len(view.prompt) + len(view.emitted)
             return propose(view)
 
         def logged_feedback(proposal, accepted, position):
             self.rounds.append(RoundRecord(self._pending, proposal.policy, len(proposal.ids),
-                                           accepted))
+                                           accepted, self._kv))
             self.proposed.append((position, tuple(proposal.ids)))
             return feedback(proposal, accepted, position)
 
@@ -453,14 +455,17 @@ def run(turns: list[ForcedTurn], *, model, tok, plan: DispatchPlan, repeats: int
         available = offline_available(turn, proposals, history)
         if history is not None:
             history.extend(history.open(turn.prompt), turn.output)
-        oracle_priced = oracle_cost(available, plan)
-        oracle_capped = Counter({cap: oracle_cost([min(a, cap) for a in available], plan)
+        at = len(turn.prompt)
+        oracle_priced = oracle_cost(available, plan, at)
+        oracle_capped = Counter({cap: oracle_cost([min(a, cap) for a in available], plan, at)
                                  for cap in ORACLE_CAPS})
-        oracle_projected = oracle_cost(available, projection) if projection is not None else 0.0
+        oracle_projected = (oracle_cost(available, projection, at) if projection is not None
+                            else 0.0)
         own_accepted = own_positions = 0.0
         if "all" in last:
             accepted, positions = own_spans(turn, last["all"][2].proposed, available)
-            own_accepted, own_positions = oracle_cost(accepted, plan), oracle_cost(positions, plan)
+            own_accepted = oracle_cost(accepted, plan, at)
+            own_positions = oracle_cost(positions, plan, at)
         for key in (OVERALL, turn.transcript_source, f"tool:{turn.tool}"):
             g = groups[key]
             for a in arms:
@@ -698,7 +703,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = plan_for(model)
     if args.decide_on_curve:
         plan = replace(plan, cost=projection.cost, round_overhead=projection.round_overhead,
-                       max_chunk=min(plan.max_chunk, projection.max_chunk))
+                       max_chunk=min(plan.max_chunk, projection.max_chunk), long_cost={},
+                       long_kv=0)
     if args.surrogate:
         model = surrogate(model, plan)
     turns, skipped = forced_turns(tok, sessions, per_source=args.per_source,

@@ -24,12 +24,14 @@ from mlx_fill.core.plan import DispatchPlan
 @dataclass(frozen=True)
 class RoundRecord:
     """One fill round as the session saw it: ``pending`` (chained: the round's sample leads
-    the feed), ``policy``, ``proposed`` ids and how many were ``accepted``."""
+    the feed), ``policy``, ``proposed`` ids and how many were ``accepted``; ``kv``: the KV
+    length its rows were appended at (the view's prompt and emitted ids), None: unknown."""
 
     pending: bool
     policy: str
     proposed: int
     accepted: int
+    kv: int | None = None
 
     @property
     def rows(self) -> int:
@@ -60,7 +62,7 @@ def priced_cost(forwards: int, rounds: Sequence[RoundRecord], run_plan: Dispatch
     steps = forwards - round_forwards(rounds, run_plan)
     cost = float(steps)
     for r in rounds:
-        cost += (price.rows_cost(r.rows) if r.rows else 0.0) + price.round_overhead
+        cost += (price.rows_cost(r.rows, r.kv) if r.rows else 0.0) + price.round_overhead
     return cost
 
 
@@ -74,13 +76,14 @@ def accepted_prefix(ids: Sequence[int], recorded: Sequence[int], start: int) -> 
     return n
 
 
-def oracle_cost(available: Sequence[int], price: DispatchPlan) -> float:
+def oracle_cost(available: Sequence[int], price: DispatchPlan, prompt: int | None = None) -> float:
     """The least cost of emitting ``n = len(available)`` ids, ``available[p]`` being the
     longest accepted span any source offered for the slots after ``p`` (the context holding
     the output through slot ``p``). With slot ``p``'s sample pending: a plain step (cost 1: the
     serial loop runs the next forward before it yields ``p``, after the last slot too) or a
     chained round of ``m <= available[p]`` drafted ids (``m + 1`` rows,
-    ``rows_cost(m + 1) + round_overhead``) that emits slots ``p..p+m``. The first slot's sample
+    ``rows_cost(m + 1) + round_overhead``, at KV length ``prompt + p + 1`` when the turn's
+    ``prompt`` length is given) that emits slots ``p..p+m``. The first slot's sample
     costs one step; with no span anywhere the cost is plain decoding's ``n + 1`` forwards."""
     n = len(available)
     if n == 0:
@@ -88,8 +91,9 @@ def oracle_cost(available: Sequence[int], price: DispatchPlan) -> float:
     best = [0.0] * (n + 1)  # best[p]: emit slots p..n-1 with slot p's sample pending
     for p in range(n - 1, -1, -1):
         best[p] = 1.0 + best[p + 1]
+        kv = None if prompt is None else prompt + p + 1
         for m in range(1, min(available[p], n - 1 - p) + 1):
-            c = price.rows_cost(m + 1) + price.round_overhead + best[p + m + 1]
+            c = price.rows_cost(m + 1, kv) + price.round_overhead + best[p + m + 1]
             if c < best[p]:
                 best[p] = c
     return 1.0 + best[0]

@@ -11,6 +11,7 @@ import pytest
 from mlx_fill.assets.checkout import TRANSCRIPTS
 from scripts.bench import forced
 from scripts.bench.__main__ import forcing_processor
+from mlx_fill.core.plan import DispatchPlan
 from scripts.bench.oracle import RoundRecord, curve_plan, oracle_cost, priced_cost
 
 FLAT = curve_plan([1.0] * 15)  # any chunk up to 16 rows costs one forward, no round overhead
@@ -41,6 +42,17 @@ def test_priced_cost_counts_steps_rounds_and_overhead():
     # 10 forward calls: the round's one and 9 plain steps
     assert priced_cost(10, rounds, plan, plan) == pytest.approx(9 + 2.5 + 0.25 + 0.25)
     assert rounds[0].emitted == 3 and rounds[1].rows == 0
+
+
+def test_rounds_and_the_oracle_are_priced_at_their_kv_length():
+    plan = DispatchPlan(key=None, max_chunk=16, cost={2: 1.2, 16: 6.0}, qualified=True,
+                        cost_kv=512, long_kv=4096, long_cost={1: 2.0, 2: 3.6, 16: 15.0})
+    near, far = RoundRecord(True, "verify", 1, 1, kv=512), RoundRecord(True, "verify", 1, 1, kv=4096)
+    assert priced_cost(1, [near], plan, plan) == pytest.approx(1.2)
+    assert priced_cost(1, [far], plan, plan) == pytest.approx(1.8)
+    assert oracle_cost([1, 0], plan, 511) == pytest.approx(1 + 1.2)  # one round, slots 0 and 1
+    assert oracle_cost([1, 0], plan, 4095) == pytest.approx(1 + 1.8)
+    assert oracle_cost([1, 0], plan, 20000) == 1 + 2  # c(2) 2.2 there: two plain steps
 
 
 def test_own_spans_read_an_arms_rounds_at_their_positions():

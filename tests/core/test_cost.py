@@ -17,6 +17,9 @@ MILD = DispatchPlan(key=None, max_chunk=64, cost={2: 1.05, 4: 1.1, 8: 1.3, 16: 1
                     qualified=True)
 STEEP = DispatchPlan(key=None, max_chunk=16, cost={2: 1.6, 4: 2.0, 8: 3.2, 16: 6.0},
                      qualified=True)  # SmolLM2-135M bfloat16 on the 2-core CPU (real-model.md)
+# c(2) 1.5 at KV 512; at 4096 a one-row forward takes 2x, a two-row one 3.5x the 512 one-row's
+BY_KV = DispatchPlan(key=None, max_chunk=16, cost={2: 1.5, 16: 8.0}, qualified=True,
+                     cost_kv=512, long_kv=4096, long_cost={1: 2.0, 2: 3.5, 16: 14.0})
 
 
 def _stats(rate: float, rounds: int = 400, length: int = 16) -> AcceptanceByPosition:
@@ -415,3 +418,27 @@ def test_drafts_are_scored_side_by_side():
     assert acc.stats("a").q(3) > unseen.q(3)  # "a" is still scored past "b"'s end
     gate.begin([5])
     assert acc.stats("a").q(4) > unseen.q(4)
+
+
+def test_cost_depends_on_the_kv_length_through_two_measured_lengths():
+    assert BY_KV.cost_of(2) == BY_KV.cost_of(2, 512) == pytest.approx(1.5)
+    assert BY_KV.cost_of(2, 4096) == pytest.approx(3.5 / 2.0)
+    # halfway: both times affine in the KV length, c(2) their ratio
+    assert BY_KV.cost_of(2, 2304) == pytest.approx((1.5 + 1.0) / (1.0 + 0.5))
+    # beyond the longer length the same lines extend: c(2) -> 1.5 / 1.0 (the slopes' ratio)
+    assert BY_KV.cost_of(2, 7680) == pytest.approx((1.5 + 4.0) / (1.0 + 2.0))
+    assert BY_KV.rows_cost(2, 4096) == pytest.approx(1.75) and BY_KV.cost_of(1, 4096) == 1.0
+    assert STEEP.cost_of(2, 8192) == STEEP.cost_of(2) == 1.6  # one length measured: no change
+    assert DispatchPlan.from_json(BY_KV.to_json()) == BY_KV
+
+
+def test_a_draft_that_pays_at_a_short_context_is_declined_where_rows_cost_more():
+    st = DraftAcceptance(16, decay=1.0, z=0.0)
+    for accepted in [1, 1, 1, 0, 0] * 100:
+        st.observe("k", 1, accepted)  # 60% of one-id drafts accepted
+    pace = Pace()
+    gate = CostGate(BY_KV, 16, acceptance=st, pace=pace)
+    pace.kv_length = 100
+    assert gate.length("k", 1) == 1  # c(2) 1.42 here: 1.6 expected tokens for it
+    pace.kv_length = 6000
+    assert gate.length("k", 1) == 0  # c(2) 1.80: the same draft loses

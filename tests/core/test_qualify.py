@@ -45,6 +45,9 @@ def test_qualify_quick_cli_writes_a_plan(tiny_dir, tmp_path, monkeypatch, capsys
     assert plan["qualified"] and plan["max_chunk"] >= 1
     assert isinstance(plan["round_overhead"], float) and plan["round_overhead"] >= 0.0
     assert set(plan["cost"]) == {"1", "2", "3", "4", "8", "16"}
+    # a hybrid model (state caches and KV caches): c(M) measured at a second, longer KV length
+    assert plan["long_kv"] == 4096 and set(plan["long_cost"]) == set(plan["cost"])
+    assert "at KV 512:" in stdout and "at KV 4096:" in stdout
     assert plan["key"]["dtype"] == "bfloat16" and plan["key"]["quant"] == "none"
     # The plan is picked up through MLX_FILL_PLAN for a model of the same configuration.
     os.environ["MLX_FILL_PLAN"] = str(out)
@@ -176,3 +179,4 @@ def test_sliding_window_models_qualify_past_the_window(arch, steady_cost):
     assert plan.max_chunk > 1 and not plan.reason
     rings = [c for c in checks if c.ring]
     assert {c.kv for c in rings} == {16, 32} and all(c.exact for c in rings)
+    assert not plan.long_cost and not plan.kv_dependent  # a ring's cost is not a long cache's
