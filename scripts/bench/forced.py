@@ -752,7 +752,8 @@ def main(argv: list[str] | None = None) -> int:
             "store_seed": str(args.store_seed) if args.store_seed else None,
             "store_tokens": args.store_tokens,
             "plan": {"cost": plan.cost, "max_chunk": plan.max_chunk,
-                     "round_overhead": plan.round_overhead},
+                     "round_overhead": plan.round_overhead, "cost_kv": plan.cost_kv,
+                     "long_kv": plan.long_kv, "long_cost": plan.long_cost},
             "machine": f"{platform.machine()} {platform.system()}, mlx {mx.__version__}",
             "seconds": round(time.perf_counter() - t0, 1),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
