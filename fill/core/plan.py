@@ -153,7 +153,8 @@ class DispatchPlan:
         where known, linear interpolation between measured sizes, linear extrapolation
         (pessimistic) beyond them, ``m`` when unmeasured. With a ``long_cost`` curve both row
         counts' times are affine in ``kv`` through the two measured lengths, and c(m) is their
-        ratio."""
+        ratio, at least 1 (an m-row forward never costs less than a one-row one; a lower ratio
+        is timing noise)."""
         if m <= 1:
             return 1.0
         if not self.cost:
@@ -164,7 +165,7 @@ class DispatchPlan:
         f = (max(kv, 0) - self.cost_kv) / (self.long_kv - self.cost_kv)
         one = 1.0 + f * (self.long_cost.get(1, 1.0) - 1.0)
         rows = near + f * (_on_curve(self.long_cost, m) - near)
-        return rows / one if one > 0.0 and rows > 0.0 else near
+        return max(1.0, rows / one) if one > 0.0 and rows > 0.0 else near
 
     def with_mode(self, mode: PlanMode) -> "DispatchPlan":
         return replace(self, mode=mode)
