@@ -4,9 +4,10 @@ A verify round over ``m`` proposed ids runs one forward of ``m + extra_rows`` ro
 ``plan.cost_of(m + extra_rows, kv)`` one-row forwards at the KV length ``kv`` it appends at (the
 loaded model's own ``qualify`` cost curve) plus the round's fixed overhead
 (``Pace.round_overhead``: a round's forward is synchronous, a plain step is pipelined), and emits
-``1 + sum_{j=1..m} prod_{i<j} q_i`` tokens in expectation, where ``q_i`` is the probability that position ``i`` of THIS draft is accepted given every earlier one
-was (a draft that starts at the slot whose sample is already in flight is priced without its first
-id: :func:`choose_length`). Plain decoding emits one token per one-row forward, so a round is worth
+``1 + sum_{j=1..m} prod_{i<j} q_i`` tokens in expectation, where ``q_i`` is the probability
+that position ``i`` of THIS draft is accepted given every earlier one was (a draft that starts
+at the slot whose sample is already in flight is priced without its first id:
+:func:`choose_length`). Plain decoding emits one token per one-row forward, so a round is worth
 running only when its expected tokens per unit cost exceed 1 (by :data:`PRICE_MARGIN`, for the
 estimates' error); :func:`choose_length` returns the ``m`` maximizing that ratio, or 0 when no
 ``m`` beats plain decoding (a request never gets slower in expectation because a source is on).
