@@ -315,12 +315,13 @@ def measure_long_cost(model: Any, cache: list[Any], grown: list[Any], plan: Disp
     """``long_cost``: median over interleaved repeats of time(M-row verify forward on
     ``grown``) / time(1-row forward on ``cache``), every size in the shape ``plan`` gives it."""
     ids = _random_ids(max(sizes), vocab, 5)
+    one_chunk = {m: replace(plan, max_chunk=m, kv_boundaries=()) for m in sizes}
     near: list[float] = []
     times: dict[int, list[float]] = {m: [] for m in sizes}
     for r in range(repeats + 1):
         one = _timed_append(model, cache, ids[:1], plan)
         for m in sizes:
-            dt = _timed_append(model, grown, ids[:m], replace(plan, max_chunk=m, kv_boundaries=()))
+            dt = _timed_append(model, grown, ids[:m], one_chunk[m])
             if r:  # the first round warms up kernels and allocations
                 times[m].append(dt)
         if r:

@@ -256,17 +256,15 @@ class RoundLog:
         self.rounds: list[RoundRecord] = []
         self.proposed: list[tuple[int, tuple[int, ...]]] = []  # (position, ids) of every round
         self._pending = False
-        self._kv = 0
         propose, feedback = session.propose, session.feedback
 
         def logged_propose(view):
             self._pending = view.pending
-            self._kv = len(view.prompt) + len(view.emitted)
             return propose(view)
 
         def logged_feedback(proposal, accepted, position):
             self.rounds.append(RoundRecord(self._pending, proposal.policy, len(proposal.ids),
-                                           accepted, self._kv))
+                                           accepted, session.pace.kv_length))
             self.proposed.append((position, tuple(proposal.ids)))
             return feedback(proposal, accepted, position)
 
