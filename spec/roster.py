@@ -16,7 +16,6 @@ from mlx_fill.sources.ledger import Ledger
 from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.proposal import Pace, ProposalSource
 from .base import DraftProposalSource, DraftSource
-from .combine import BestOf
 from mlx_fill.core.cost import CostGate, DraftAcceptance
 from .ngram import NgramDraft
 from .suffix import GlobalSuffixTree, SuffixDraft, SuffixParams
@@ -87,7 +86,6 @@ def make_sources(
     index: EchoIndex | None = None,
     max_span: int = LOOKUP_MAX_SPAN,
     ngram_k: int = 10,
-    combine: bool = False,
     acceptance: dict | None = None,
     pace: Pace | None = None,
 ) -> list[ProposalSource]:
@@ -96,12 +94,9 @@ def make_sources(
     ``global_tree`` is the server's cross-request suffix store (create it once per server);
     ``ledger`` gates ``assert`` promotion of corroborated echo spans (row ``echo:corroborated``,
     only if the ledger lists it as eligible); ``index`` lets a caller reuse a conversation's
-    index across requests (it is synced to ``prompt_ids`` here). ``combine=True`` returns one
-    :class:`~mlx_fill.spec.combine.BestOf` source choosing among the named sources each round
-    by calibrated expected acceptance (echo then proposes ``verify`` only; ngram drafts up to
-    ``max_span`` there, since the calibrated score decides how far a draft is worth). ``acceptance`` is a
+    index across requests (it is synced to ``prompt_ids`` here). ``acceptance`` is a
     server-lifetime dict that keeps each source's acceptance statistics across requests (the
-    cost gates and the combiner's calibration); without it every request starts from the prior.
+    cost gates' estimates); without it every request starts from the prior.
     ``pace``: the request's bar, shared by the gates built here (:class:`~mlx_fill.core.proposal.Pace`).
     """
     unknown = [n for n in names if n not in NAMES]
@@ -113,18 +108,6 @@ def make_sources(
     if index is None:
         index = EchoIndex()
     index.sync(prompt_ids)
-
-    if combine:
-        members: list[Any] = []
-        for name in names:
-            if name == "echo":
-                members.append(EchoDraft(index, max_span=max_span, delimiters=delim))
-            elif name == "ngram":
-                members.append(NgramDraft(index, k=max_span))
-            else:
-                members.append(SuffixDraft(index, global_tree=global_tree,
-                                           params=SuffixParams(max_spec=max_span)))
-        return [BestOf(members, plan=plan, max_len=max_span, stats=acceptance, pace=pace)]
 
     def gate(max_len: int, name: str) -> CostGate | None:
         if plan is None:

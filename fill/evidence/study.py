@@ -9,16 +9,19 @@ continuation is accepted, and that verify forward emits accepted + 1 tokens; wit
 forward emits 1 token. ``tau`` = output tokens / forwards ("oracle tokens per forward": forwards
 only, a long verify counts as one), ``fill`` = accepted / tokens, ``rejected_per_accepted`` =
 proposed-but-rejected positions per accepted token. Given ``--cost-curve`` (a DispatchPlan JSON
-with a ``cost`` map), sources choose round lengths with the cost model and a round proposing
-``m`` ids costs ``c(m + 1)``; ``speedup`` = tokens / total cost.
+with a ``cost`` map), the cost gates choose round lengths on it and a round proposing ``m`` ids
+costs ``m + 1`` rows in the plan's chunks at the KV length it appends at (the turn's prompt and
+the ids emitted before it, :meth:`~mlx_fill.core.plan.DispatchPlan.rows_cost`); ``speedup`` =
+tokens / total cost. Every view is a chained one (its last id was sampled by the forward before
+and leads the next round's rows), as this model charges it.
 
 Rows: ``baseline`` (reference prompt lookup: n = 3..1, K = 10, first occurrence, fixed length),
-each requested source, and ``all`` (echo, suffix and ngram under one
-:class:`~mlx_fill.spec.combine.BestOf`: each round the draft with the highest calibrated expected
-acceptance is proposed), ``strict`` (:func:`mlx_fill.strict.source.strict_source`, compiled per turn
-from the session's tools) and ``best`` (strict first, then ``all``). Assert spans cost one
-forward and emit their length; an assert span that disagrees with the recording (it would
-have been wrong output) is counted in ``assert_mismatches`` and scored as a verify. One session index is shared by all rows (they see the
+each requested source alone (gated as served), ``all`` (echo, suffix and ngram as
+``MLX_FILL=all`` serves them: each priced by its own gate, competing for each view), ``strict``
+(:func:`mlx_fill.strict.source.strict_source`, compiled per turn from the session's tools) and
+``best`` (strict rows before ``all``'s sources). Assert spans emit their length for their rows'
+cost; an assert span that disagrees with the recording (it would have been wrong output) is
+counted in ``assert_mismatches`` and scored as a verify. One session index is shared by all rows (they see the
 same token stream in lockstep); each row with ``suffix`` has its own cross-request tree, which
 lives for one worker's sessions (sessions are dealt round-robin to workers).
 """
@@ -39,7 +42,8 @@ from mlx_fill.core.index import LOOKUP_MAX_SPAN, EchoIndex
 from mlx_fill.core.errors import UserError, existing_file, output_dir, positive_int
 from mlx_fill.assets.checkout import TRANSCRIPTS
 from mlx_fill.core.plan import DispatchPlan
-from mlx_fill.core.proposal import DecodeView, FillSession
+from mlx_fill.core.cost import CostGate, RoundCosts
+from mlx_fill.core.proposal import DecodeView, FillSession, Pace
 
 ROW_SOURCES = {"ngram": ["ngram"], "echo": ["echo"], "suffix": ["suffix"],
                "all": ["echo", "suffix", "ngram"], "strict": ["strict"],
@@ -94,34 +98,34 @@ class Row:
 
 def _make_session(row: Row, plan: DispatchPlan | None, prompt: list[int], index: EchoIndex,
                   max_span: int, strict: Any) -> FillSession:
+    """The row's session for one turn, built as ``build_session`` builds a request's: the
+    model-free sources gated on ``plan`` and competing for each view, strict rows before them,
+    all sharing one :class:`~mlx_fill.core.proposal.Pace` (the KV length the session sets is
+    what the gates price at)."""
     from mlx_fill.spec.base import DraftProposalSource
     from mlx_fill.spec.ngram import NgramDraft
-    from mlx_fill.spec.roster import make_sources
+    from mlx_fill.spec.roster import make_sources, source_acceptance
     if row.name == BASELINE:
         src = NgramDraft(index, n_min=1, n_max=3, k=10, occurrence="first", name=BASELINE)
-        sources: list[Any] = [DraftProposalSource(src, length=lambda: 10)]
-    else:
-        names = [n for n in row.names if n != "strict"]
-        sources = make_sources(names, plan=plan, prompt_ids=prompt, index=index,
-                               global_tree=row.global_tree, max_span=max_span,
-                               combine=row.name in COMBINED, acceptance=row.acceptance) if names else []
-        if "strict" in row.names and strict is not None:
-            sources.insert(0, strict())
-    return FillSession(sources, max_span=max_span)
-
-
-def _costs(plan: DispatchPlan | None, max_span: int) -> list[float] | None:
-    if plan is None:
-        return None
-    base = plan.cost_of(1)
-    return [plan.cost_of(m) / base for m in range(0, max_span + 3)]
+        return FillSession([DraftProposalSource(src, length=lambda: 10)], max_span=max_span)
+    pace = Pace()
+    names = [n for n in row.names if n != "strict"]
+    sources: list[Any] = make_sources(names, plan=plan, prompt_ids=prompt, index=index,
+                                      global_tree=row.global_tree, max_span=max_span,
+                                      acceptance=row.acceptance, pace=pace) if names else []
+    if "strict" in row.names and strict is not None:
+        gate = None if plan is None else CostGate(
+            plan, max_span, pace=pace, acceptance=source_acceptance(row.acceptance, "strict", max_span))
+        sources.insert(0, strict(gate))
+    return FillSession(sources, max_span=max_span, plan=plan, pace=pace, compete=names)
 
 
 def study_session(rendered, rows: list[Row], plan: DispatchPlan | None, eos: frozenset[int],
                   max_span: int, tokenizer: Any = None) -> None:
     """Teacher-forced replay of one rendered session through every row, in lockstep. Rows
     with ``strict`` get a fresh strict source per turn (needs ``tokenizer``)."""
-    costs = _costs(plan, max_span)
+    verify_costs = RoundCosts(plan, max_span, extra_rows=1) if plan is not None else None
+    assert_costs = RoundCosts(plan, max_span, extra_rows=0) if plan is not None else None
     index = EchoIndex()
     tokens = rendered.tokens
     for turn in rendered.turns:
@@ -155,7 +159,8 @@ def study_session(rendered, rows: list[Row], plan: DispatchPlan | None, eos: fro
                 live.remove(row)
                 continue
             c = row.by_source[rendered.transcript_source]
-            view = DecodeView(prompt, row.emitted, eos)
+            # every step of this model is a forward whose sample leads the next round's rows
+            view = DecodeView(prompt, row.emitted, eos, pending=True)
             p = row.session.propose(view)
             if p is None:
                 step, cost, acc, prop = 1, 1.0, 0, 0
@@ -166,17 +171,15 @@ def study_session(rendered, rows: list[Row], plan: DispatchPlan | None, eos: fro
                 while acc < limit and ids[acc] == out[ptr + acc]:
                     acc += 1
                 prop = len(ids)
-                if p.policy == "assert" and acc == len(ids):
+                asserted = p.policy == "assert" and acc == len(ids)
+                if asserted:
                     step = acc
-                    cost = costs[len(ids)] if costs else 1.0
                     c.asserted += acc
-                elif p.policy == "assert":  # would be wrong output: counted, scored as verify
-                    c.assert_mismatches += 1
+                else:  # an assert span that would be wrong output is counted, scored as verify
+                    c.assert_mismatches += p.policy == "assert"
                     step = min(acc + 1, len(out) - ptr)
-                    cost = costs[len(ids) + 1] if costs else 1.0
-                else:
-                    step = min(acc + 1, len(out) - ptr)
-                    cost = costs[len(ids) + 1] if costs else 1.0
+                costs = assert_costs if asserted else verify_costs
+                cost = costs.at(len(prompt) + ptr)[len(ids)] if costs else 1.0
                 row.session.feedback(p, acc, len(prompt) + ptr)
             c.forwards += 1
             c.cost += cost
@@ -199,23 +202,20 @@ def study_session(rendered, rows: list[Row], plan: DispatchPlan | None, eos: fro
 
 
 def _strict_factory(tokenizer: Any, rendered: Any, turn: Any):
-    """A per-turn constructor of the strict source (compiled once per turn), or None."""
+    """A per-turn constructor of the strict source, ``make(gate)`` (its rows compiled for each
+    row that calls it), or None when none compile."""
     from mlx_fill.strict.source import strict_source
     if not rendered.tools:
         return None
     msgs = rendered.messages[:turn.message_index]
+
+    def make(gate: CostGate | None = None):
+        return strict_source(tokenizer, msgs, rendered.tools, {"enable_thinking": False}, gate=gate)
     try:
-        first = strict_source(tokenizer, msgs, rendered.tools, {"enable_thinking": False})
+        compiles = make() is not None
     except ValueError:
         return None
-    if first is None:
-        return None
-    made = [first]
-
-    def make():
-        return made.pop() if made else strict_source(tokenizer, msgs, rendered.tools,
-                                                     {"enable_thinking": False})
-    return make
+    return make if compiles else None
 
 
 def _worker(args: tuple) -> dict:

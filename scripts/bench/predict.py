@@ -135,7 +135,7 @@ TASKS: tuple[EditTask, ...] = (
     EditTask("fix-typo", "spec/ngram.py",
              "Fix the misspelled word in the module docstring.",
              (("behavoiur", "behaviour"),), typo=("behaviour", "behavoiur")),
-    EditTask("rename-method", "spec/combine.py",
+    EditTask("rename-method", "fixtures/edits/combine.py",
              "Rename the method `_score_shadows` to `_score_shadow_drafts` (its definition and "
              "every call).",
              (("_score_shadows(", "_score_shadow_drafts("),)),

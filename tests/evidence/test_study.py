@@ -9,6 +9,7 @@ import pytest
 
 from mlx_fill import cli
 from mlx_fill.assets.store import load_tokenizer
+from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.evidence.study import BASELINE, markdown_report, run_study
 from mlx_fill.evidence.transcripts import markers, recorded_responses, render_recording
 
@@ -160,6 +161,39 @@ def test_baseline_row_equals_from_scratch_reference(transcripts, tok):
     assert result["corrupt_lines"] and result["corrupt_lines"][0]["line"] == 3
     report = markdown_report(result)
     assert "| baseline |" in report and "toy_inline" in report
+
+
+# rows nearly free at any KV length, and the same curve at KV 256 whose rows cost twice a plain
+# step's per row at KV 512 and beyond
+CHEAP = DispatchPlan(key=None, max_chunk=16, cost={2: 1.01, 16: 1.1}, qualified=True)
+DEAR_PAST_512 = DispatchPlan(key=None, max_chunk=16, cost={2: 1.01, 16: 1.1}, qualified=True,
+                             cost_kv=256, long_kv=512, long_cost={1: 1.0, 2: 4.0, 16: 32.0})
+
+
+def test_rounds_are_gated_and_priced_at_the_kv_length_they_append_at(tmp_path):
+    """A session whose turns all append past KV 512, on both curves: priced at each view's KV
+    length the gates decline every draft on the dear one and the study charges plain decoding;
+    on the cheap one they propose, each round near one step. Rounds made either way (the
+    baseline's) are charged at the KV length."""
+    session = _sessions()[0]
+    manual = "".join(f"Step {i}: open src/app/module_{i}.py and read its docstring.\n" for i in range(60))
+    session["messages"][0]["content"] += "\n" + manual
+    path = tmp_path / "long.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write(json.dumps(session) + "\n")
+    rows = ["echo", "all", "best"]
+    cheap = run_study(path, "qwen3", rows, workers=1, progress=False, plan=CHEAP)
+    dear = run_study(path, "qwen3", rows, workers=1, progress=False, plan=DEAR_PAST_512)
+    for name in rows:
+        got, free = dear["rows"][name]["total"], cheap["rows"][name]["total"]
+        assert free["accepted"] > 0 and free["speedup"] > 1.0, (name, free)
+        assert free["cost"] < free["forwards"] * 1.1, (name, free)
+        assert got["proposed"] == 0 and got["cost"] == got["tokens"], (name, got)
+    # the baseline proposes without a gate: the same rounds, each charged at its KV length
+    got, free = dear["rows"][BASELINE]["total"], cheap["rows"][BASELINE]["total"]
+    assert got["proposed"] == free["proposed"] > 0 and got["forwards"] == free["forwards"]
+    rounds = got["forwards"] - got["turns"]
+    assert got["cost"] > free["cost"] + 2.0 * rounds, (got, free)
 
 
 def test_cli_writes_json_report_and_plot(transcripts, tmp_path, capsys):
