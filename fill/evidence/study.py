@@ -325,10 +325,12 @@ def markdown_report(result: dict) -> str:
     rows = result["rows"]
     sources = sorted({s for r in rows.values() for s in r["by_source"]})
     with_cost = result["cost_curve"] is not None
+    lengths = ("cost gates, every round priced at its KV length" if with_cost
+               else "oracle (always propose up to max span)")
     lines = [f"# mlx-fill study: {result['transcripts']}", "",
              f"family `{result['family']}`, {result['sessions']} sessions, max span "
              f"{result['max_span']}, {result['elapsed_s']} s on {result['workers']} workers; "
-             f"lengths: {'cost model' if with_cost else 'oracle (always propose up to max span)'}.",
+             f"lengths: {lengths}.",
              "", "## Tokens per forward (tau) by transcript source", "",
              "| row | " + " | ".join(sources) + " | all sources |",
              "|---|" + "---|" * (len(sources) + 1)]
@@ -392,7 +394,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--per-source", type=positive_int, default=None,
                         help="at most N sessions of each transcript source (first N)")
     parser.add_argument("--cost-curve", type=existing_file, default=None,
-                        help="DispatchPlan JSON whose cost map prices each forward")
+                        help="DispatchPlan JSON (`mlx-fill qualify`) whose cost curve the gates "
+                             "decide on and each round is priced by, at the KV length it appends at")
     parser.add_argument("--max-span", type=positive_int, default=32,
                         help="longest proposal span, in tokens, a source may offer")
     parser.add_argument("--workers", type=positive_int, default=2, help="worker processes")
