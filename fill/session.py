@@ -50,7 +50,7 @@ from mlx_fill.sources.prediction import (PredictionSource, checked_ids, predicti
 from mlx_fill.core.cost import CostGate
 from mlx_fill.strict.schema import tool_schemas
 from mlx_fill.strict.source import lazy_strict_source
-from mlx_fill.spec.roster import ECHO_ORIGIN, NAMES, make_sources, source_acceptance
+from mlx_fill.spec.roster import ECHO_ORIGIN, NAMES, make_sources, source_gate
 from mlx_fill.spec.suffix import STORE_TOKENS, STORE_TOKENS_CEILING
 from mlx_fill.core.proposal import DEFAULT_MAX_SPAN, MEDIA_REFUSAL, FillSession, Pace, ProposalSource
 
@@ -276,15 +276,14 @@ def build_session(
         plan = plan_for(model, group)
         pace.round_overhead = plan.round_overhead  # the serial loop's plain steps are pipelined
         strict = _strict_source(tokenizer, messages, tools, template_kwargs, ledger,
-                                CostGate(plan, max_span, pace=pace, acceptance=source_acceptance(
-                                    acceptance, "strict", max_span)))
+                                source_gate(plan, max_span, "strict", acceptance=acceptance,
+                                            pace=pace))
         if strict is not None:
             sources.append(strict)
         if predicted:
             # one draft, the client's own statement of the output: no choice among keys to
             # guard against, so priced on the estimate itself
-            gate = CostGate(plan, max_span, pace=pace,
-                            acceptance=source_acceptance(acceptance, PREDICTION, max_span, z=0.0))
+            gate = source_gate(plan, max_span, PREDICTION, acceptance=acceptance, pace=pace, z=0.0)
             sources.append(PredictionSource(predicted, max_span=max_span, gate=gate))
         names = list(_MODE_SOURCES[mode])
         if mode == "all":

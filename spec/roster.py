@@ -110,10 +110,8 @@ def make_sources(
     index.sync(prompt_ids)
 
     def gate(max_len: int, name: str) -> CostGate | None:
-        if plan is None:
-            return None
-        return CostGate(plan, max_len, pace=pace,
-                        acceptance=source_acceptance(acceptance, name, max_len))
+        return None if plan is None else source_gate(plan, max_len, name, acceptance=acceptance,
+                                                     pace=pace)
 
     out: list[ProposalSource] = []
     for name in names:
@@ -135,14 +133,16 @@ def make_sources(
     return out
 
 
-def source_acceptance(acceptance: dict | None, name: str, max_len: int,
-                      z: float = 1.0) -> DraftAcceptance:
-    """Source ``name``'s per-draft estimates, priced ``z`` standard errors low
-    (:class:`~mlx_fill.core.cost.DraftAcceptance`): kept in ``acceptance`` (a server-lifetime
-    dict) when given, else fresh for this request."""
-    if acceptance is None:
-        return DraftAcceptance(max_len, z=z)
+def source_gate(plan: DispatchPlan, max_len: int, name: str, *, acceptance: dict | None,
+                pace: Pace | None, z: float = 1.0) -> CostGate:
+    """Source ``name``'s cost gate on ``plan`` against ``pace``, over its per-draft estimates
+    priced ``z`` standard errors low (:class:`~mlx_fill.core.cost.DraftAcceptance`): kept in
+    ``acceptance`` (a server-lifetime dict) when given, else fresh for this request."""
     key = (name, "gate")
-    if key not in acceptance:
-        acceptance[key] = DraftAcceptance(max_len, z=z)
-    return acceptance[key]
+    if acceptance is None:
+        estimates = DraftAcceptance(max_len, z=z)
+    else:
+        if key not in acceptance:
+            acceptance[key] = DraftAcceptance(max_len, z=z)
+        estimates = acceptance[key]
+    return CostGate(plan, max_len, pace=pace, acceptance=estimates)

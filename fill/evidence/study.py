@@ -48,7 +48,6 @@ from mlx_fill.core.proposal import DecodeView, FillSession, Pace
 ROW_SOURCES = {"ngram": ["ngram"], "echo": ["echo"], "suffix": ["suffix"],
                "all": ["echo", "suffix", "ngram"], "strict": ["strict"],
                "best": ["strict", "echo", "suffix", "ngram"]}
-COMBINED = ("all", "best")
 BASELINE = "baseline"
 METRICS = ("tokens", "forwards", "proposed", "accepted", "rejected", "cost", "turns", "asserted",
            "assert_mismatches")
@@ -104,7 +103,7 @@ def _make_session(row: Row, plan: DispatchPlan | None, prompt: list[int], index:
     what the gates price at)."""
     from mlx_fill.spec.base import DraftProposalSource
     from mlx_fill.spec.ngram import NgramDraft
-    from mlx_fill.spec.roster import make_sources, source_acceptance
+    from mlx_fill.spec.roster import make_sources, source_gate
     if row.name == BASELINE:
         src = NgramDraft(index, n_min=1, n_max=3, k=10, occurrence="first", name=BASELINE)
         return FillSession([DraftProposalSource(src, length=lambda: 10)], max_span=max_span)
@@ -114,9 +113,11 @@ def _make_session(row: Row, plan: DispatchPlan | None, prompt: list[int], index:
                                       global_tree=row.global_tree, max_span=max_span,
                                       acceptance=row.acceptance, pace=pace) if names else []
     if "strict" in row.names and strict is not None:
-        gate = None if plan is None else CostGate(
-            plan, max_span, pace=pace, acceptance=source_acceptance(row.acceptance, "strict", max_span))
-        sources.insert(0, strict(gate))
+        gate = None if plan is None else source_gate(plan, max_span, "strict",
+                                                     acceptance=row.acceptance, pace=pace)
+        made = strict(gate)
+        if made is not None:
+            sources.insert(0, made)
     return FillSession(sources, max_span=max_span, plan=plan, pace=pace, compete=names)
 
 
@@ -203,19 +204,19 @@ def study_session(rendered, rows: list[Row], plan: DispatchPlan | None, eos: fro
 
 def _strict_factory(tokenizer: Any, rendered: Any, turn: Any):
     """A per-turn constructor of the strict source, ``make(gate)`` (its rows compiled for each
-    row that calls it), or None when none compile."""
+    row that calls it; None when none compile), or None for a session without tools."""
     from mlx_fill.strict.source import strict_source
     if not rendered.tools:
         return None
     msgs = rendered.messages[:turn.message_index]
 
     def make(gate: CostGate | None = None):
-        return strict_source(tokenizer, msgs, rendered.tools, {"enable_thinking": False}, gate=gate)
-    try:
-        compiles = make() is not None
-    except ValueError:
-        return None
-    return make if compiles else None
+        try:
+            return strict_source(tokenizer, msgs, rendered.tools, {"enable_thinking": False},
+                                 gate=gate)
+        except ValueError:
+            return None
+    return make
 
 
 def _worker(args: tuple) -> dict:

@@ -186,7 +186,8 @@ def test_rounds_are_gated_and_priced_at_the_kv_length_they_append_at(tmp_path):
     dear = run_study(path, "qwen3", rows, workers=1, progress=False, plan=DEAR_PAST_512)
     for name in rows:
         got, free = dear["rows"][name]["total"], cheap["rows"][name]["total"]
-        assert free["accepted"] > 0 and free["speedup"] > 1.0, (name, free)
+        # priced, not timed: the rounds' cost in one-row forwards is below the tokens they emit
+        assert free["accepted"] > 0 and free["cost"] < free["tokens"], (name, free)
         assert free["cost"] < free["forwards"] * 1.1, (name, free)
         assert got["proposed"] == 0 and got["cost"] == got["tokens"], (name, got)
     # the baseline proposes without a gate: the same rounds, each charged at its KV length
