@@ -138,11 +138,8 @@ def source_gate(plan: DispatchPlan, max_len: int, name: str, *, acceptance: dict
     """Source ``name``'s cost gate on ``plan`` against ``pace``, over its per-draft estimates
     priced ``z`` standard errors low (:class:`~mlx_fill.core.cost.DraftAcceptance`): kept in
     ``acceptance`` (a server-lifetime dict) when given, else fresh for this request."""
+    kept = {} if acceptance is None else acceptance
     key = (name, "gate")
-    if acceptance is None:
-        estimates = DraftAcceptance(max_len, z=z)
-    else:
-        if key not in acceptance:
-            acceptance[key] = DraftAcceptance(max_len, z=z)
-        estimates = acceptance[key]
-    return CostGate(plan, max_len, pace=pace, acceptance=estimates)
+    if key not in kept:
+        kept[key] = DraftAcceptance(max_len, z=z)
+    return CostGate(plan, max_len, pace=pace, acceptance=kept[key])
