@@ -9,7 +9,7 @@ import os
 import mlx.core as mx
 import pytest
 
-from mlx_fill.core import qualify
+from mlx_fill.core import qualify, resolve
 from mlx_fill.core.paths import user_cache_dir
 from mlx_fill.assets.random_models import build, config_for
 
@@ -29,6 +29,15 @@ MODEL_CONFIGS = [
     ("qwen35-hybrid-bf16", "qwen3_5", mx.bfloat16, None),
     ("llama-swa-f32", "llama_swa", mx.float32, None),
 ]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def measurements_end_with_their_module():
+    """A first-use measurement a module's tests started in the background ends with that module:
+    it saves into the cache folder that module set and counts among that module's measurements,
+    never the next module's."""
+    yield
+    assert resolve.wait_qualified(timeout=600), "a background measurement outlived its module"
 
 
 @functools.lru_cache(maxsize=None)
