@@ -34,6 +34,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"mlx-fill serve: {args.store_seed}: {skipped_lines(corrupt)}", file=sys.stderr)
 
     def seed(tokenizer, store) -> None:
-        line = seed_store(store, sessions, tokenizer)
+        try:
+            line = seed_store(store, sessions, tokenizer)
+        except ValueError as err:  # the model's template: its replies cannot be cut into turns
+            raise UserError(f"--store-seed {args.store_seed}: {err}") from err
         print(f"mlx-fill serve: store seeded from {args.store_seed}: {line}", file=sys.stderr)
     return serve.run(args, store_seed=seed)

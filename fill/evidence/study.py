@@ -37,13 +37,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlx_fill.assets.store import FAMILIES
+from mlx_fill.assets.store import FAMILIES, load_tokenizer
 from mlx_fill.core.index import LOOKUP_MAX_SPAN, EchoIndex
 from mlx_fill.core.errors import UserError, existing_file, output_dir, positive_int
 from mlx_fill.assets.checkout import TRANSCRIPTS
 from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.cost import CostGate, RoundCosts
 from mlx_fill.core.proposal import DecodeView, FillSession, Pace
+
+from .transcripts import markers
 
 ROW_SOURCES = {"ngram": ["ngram"], "echo": ["echo"], "suffix": ["suffix"],
                "all": ["echo", "suffix", "ngram"], "strict": ["strict"],
@@ -237,7 +239,7 @@ def _worker(args: tuple) -> dict:
         s = sessions[i]
         try:
             rendered = render_recording(s, tok, mk)
-        except ValueError as e:
+        except (ValueError, KeyError, TypeError) as e:
             skipped.append(f"{s.get('session_id')}: {e}")
         else:
             study_session(rendered, rows, plan, eos, max_span, tok)
@@ -423,6 +425,10 @@ def run(args: argparse.Namespace) -> int:
                             f"with `mlx-fill qualify`") from err
         if not plan.cost:
             raise UserError(f"{args.cost_curve} has no cost map; write one with `mlx-fill qualify`")
+    try:
+        markers(load_tokenizer(args.family))
+    except ValueError as err:
+        raise UserError(f"family {args.family}: {err}") from err
     result = run_study(path, args.family, names, sessions=args.sessions,
                        per_source=args.per_source, plan=plan,
                        max_span=args.max_span, workers=args.workers,

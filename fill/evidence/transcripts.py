@@ -19,8 +19,11 @@ of the later history.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
+
+import jinja2
 
 from .replay import _render_history, load_recordings, synthesize_tools
 
@@ -41,18 +44,57 @@ class TemplateMarkers:
 
 
 def markers(tokenizer: Any) -> TemplateMarkers:
-    """Probe the template: the generation prompt with and without ``enable_thinking=False``."""
+    """Probe the template: the generation prompt with and without ``enable_thinking=False``.
+    Raises ValueError, saying why, for a template whose replies cannot be cut into turns this
+    way: one whose generation prompt writes nothing, one whose non-thinking generation prompt
+    rewrites the messages before it, or a tokenizer with no end-of-turn token."""
     msgs = [{"role": "user", "content": "x"}]
     base = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
     gen = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     nothink = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
                                             enable_thinking=False)
     if not gen.startswith(base) or not nothink.startswith(gen):
-        raise ValueError("template generation prompt is not an extension of the conversation")
+        raise ValueError("the chat template's generation prompt rewrites the "
+                         "messages before it, so its replies cannot be cut into turns")
+    if gen == base:
+        raise ValueError("the chat template's generation prompt writes nothing before a reply, "
+                         "so its replies cannot be found in a rendered conversation")
     closer = tokenizer.eos_token
     if not closer:
-        raise ValueError("tokenizer has no eos_token to end a turn")
-    return TemplateMarkers(gen[len(base):], nothink[len(gen):], closer)
+        raise ValueError("the tokenizer has no eos_token to end a turn")
+    opener = _history_opener(tokenizer, msgs, base, gen[len(base):])
+    if not nothink.startswith(base + opener):
+        opener = gen[len(base):]
+    return TemplateMarkers(opener, nothink[len(base) + len(opener):], closer)
+
+
+REPLY_PROBE = "\u2603"  # a reply no template writes around itself
+
+
+def _history_opener(tokenizer: Any, msgs: list[dict], base: str, opener: str) -> str:
+    """The part of the generation prompt ``opener`` that a reply in the history also starts
+    with: a template whose thinking-mode generation prompt opens a think block (Qwen3.5) writes
+    earlier replies without it, so the block belongs to the non-thinking ``think``."""
+    try:
+        text = tokenizer.apply_chat_template(
+            [*msgs, {"role": "assistant", "content": REPLY_PROBE}, *msgs], tokenize=False,
+            add_generation_prompt=False, enable_thinking=False)
+    except jinja2.TemplateError:
+        return opener
+    at = text.find(REPLY_PROBE, len(base))
+    if not text.startswith(base) or at < 0:
+        return opener
+    return os.path.commonprefix([opener, text[len(base):at]]) or opener
+
+
+def _render(tokenizer: Any, history: list[dict], tools: list[dict] | None) -> str:
+    """The whole conversation through the template (non-thinking); a template that refuses it
+    (a Jinja error: roles out of its order, a field it requires) raises ValueError."""
+    try:
+        return tokenizer.apply_chat_template(history, tools=tools, tokenize=False,
+                                             add_generation_prompt=False, enable_thinking=False)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"the chat template refuses the session ({e})") from e
 
 
 @dataclass(frozen=True)
@@ -110,7 +152,7 @@ def _decoded(call: dict) -> dict:
     fn = call["function"]
     try:
         arguments = json.loads(fn["arguments"])
-    except ValueError:
+    except (ValueError, RecursionError):
         return call
     return {**call, "function": {**fn, "arguments": arguments}} if isinstance(arguments, dict) else call
 
@@ -130,8 +172,7 @@ def render_recording(session: dict, tokenizer: Any, mk: TemplateMarkers | None =
     else:
         tools, origin = synthesize_tools(session["messages"]) or None, "synthesized"
     history = template_history(_render_history(session))
-    text = tokenizer.apply_chat_template(history, tools=tools, tokenize=False,
-                                         add_generation_prompt=False, enable_thinking=False)
+    text = _render(tokenizer, history, tools)
     assistants = [(i, m) for i, m in enumerate(history) if m["role"] == "assistant"]
     starts, pos = [], 0
     while True:
@@ -187,7 +228,8 @@ def recorded_responses(sessions: list[dict], tokenizer: Any
     """Every assistant reply of ``sessions`` rendered through ``tokenizer``'s template
     (:func:`render_recording`), in order, as ``(the last RESPONSE_CONTEXT prompt ids before
     it, its ids)``: what a server that had served these sessions would have stored. Returns
-    the pairs and how many sessions could not be rendered (skipped)."""
+    the pairs and how many sessions could not be rendered (skipped). Raises :func:`markers`'
+    ValueError for a template whose replies cannot be cut into turns."""
     mk = markers(tokenizer)
     out: list[tuple[list[int], list[int]]] = []
     skipped = 0

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import gzip
 import json
 import pickle
@@ -63,6 +64,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
+import jinja2
 import mlx.core as mx
 
 from mlx_fill.cli import _Parser
@@ -70,6 +72,7 @@ from mlx_fill.core.errors import UserError, float_in, int_up_to, output_file, po
 from mlx_fill.core.errors import model_dir as model_folder
 from mlx_fill.core.index import EchoIndex
 from mlx_fill.core.plan import DispatchPlan
+from mlx_fill.core.primitive import checkpoint, restore
 from mlx_fill.core.proposal import FillSession, Pace
 from mlx_fill.core.resolve import plan_for
 from mlx_fill.evidence.replay import arguments_object, read_sessions, skipped_lines
@@ -193,14 +196,25 @@ def clip_context(prompt: Sequence[int], head: int, max_context: int | None,
     return list(prompt[:head]) + tail
 
 
-def _head_length(tok, history: list[dict], tools, tokens: Sequence[int]) -> int:
-    """How many leading ids of the rendering are the system message and the tools block."""
+def _head_length(tok, history: list[dict], tools, tokens: Sequence[int],
+                 boundary: int | None) -> int:
+    """How many leading ids of the rendering are the system message and the tools block. A
+    template that renders no system message alone (one that requires a user message) renders
+    it before the first user message; the head then ends at the last message ``boundary``
+    (the generation prompt's first id) the two renderings share."""
     if not history or history[0].get("role") != "system":
         return 0
-    text = tok.apply_chat_template(history[:1], tools=tools, tokenize=False,
-                                   add_generation_prompt=False, enable_thinking=False)
-    ids = tok.encode(text, add_special_tokens=False)
-    return accepted_prefix(ids, tokens, 0)
+    render = functools.partial(tok.apply_chat_template, tools=tools, tokenize=False,
+                               add_generation_prompt=False, enable_thinking=False)
+    try:
+        return accepted_prefix(tok.encode(render(history[:1]), add_special_tokens=False), tokens, 0)
+    except jinja2.TemplateError:
+        user = next((m for m in history if m.get("role") == "user"), None)
+        if user is None or boundary is None:
+            return 0
+        shared = tokens[:accepted_prefix(
+            tok.encode(render([history[0], user]), add_special_tokens=False), tokens, 0)]
+        return max((i for i, t in enumerate(shared) if t == boundary), default=0)
 
 
 def forced_turns(tok, sessions: list[dict], *, per_source: int | None, max_tokens: int | None,
@@ -234,7 +248,8 @@ def forced_turns(tok, sessions: list[dict], *, per_source: int | None, max_token
         for rendered, turn, predicted in cands:
             key = id(rendered)
             if key not in heads:
-                heads[key] = _head_length(tok, rendered.messages, rendered.tools, rendered.tokens)
+                heads[key] = _head_length(tok, rendered.messages, rendered.tools, rendered.tokens,
+                                          boundary)
             prompt = rendered.tokens[:turn.start] + rendered.think_ids
             output = rendered.tokens[turn.start:turn.end][:max_tokens]
             out.append(ForcedTurn(
@@ -402,8 +417,6 @@ def run(turns: list[ForcedTurn], *, model, tok, plan: DispatchPlan, repeats: int
     a server serving the turns in this order does (each repeat of a turn starts from the store
     as the turn found it, so no repeat reads its own reply), and so does the oracle; each
     starts as a copy of ``store`` (a server's store before the first turn; None: empty)."""
-    from mlx_lm.models.cache import trim_prompt_cache
-
     from .__main__ import prefilled
 
     groups: dict[str, dict[str, Tally]] = defaultdict(lambda: {a: Tally() for a in [*arms, ORACLE]})
@@ -418,6 +431,7 @@ def run(turns: list[ForcedTurn], *, model, tok, plan: DispatchPlan, repeats: int
     identical = True
     for t_index, turn in enumerate(turns):
         cache = prefilled(model, turn.prompt)
+        prompt_state = checkpoint(model, cache, plan)  # every arm decodes from here
         force = [forcing_processor(1, turn.output)]
         n = len(turn.output)
 
@@ -431,7 +445,7 @@ def run(turns: list[ForcedTurn], *, model, tok, plan: DispatchPlan, repeats: int
             log = RoundLog(s) if s is not None else None
             ids, dt = timed_decode(turn.prompt[-1:], model, s, max_tokens=n, eos=frozenset(),
                                    processors=force, cache=cache)
-            trim_prompt_cache(cache, cache[0].offset - (len(turn.prompt) - 1))
+            restore(prompt_state)
             if arm_store is not None and not keep:
                 arm_store.forget_since(mark)
             return ids, dt, s, log, state
@@ -705,15 +719,21 @@ def main(argv: list[str] | None = None) -> int:
                        long_kv=0)
     if args.surrogate:
         model = surrogate(model, plan)
+    try:
+        markers(tok)
+    except ValueError as e:
+        return fail(f"{model_dir}: {e}")
     turns, skipped = forced_turns(tok, sessions, per_source=args.per_source,
                                   max_tokens=args.max_tokens, max_context=args.max_context,
                                   rewrites=args.rewrites)
-    for reason, k in skipped.items():
-        print(f"forced: {k} sessions not rendered ({reason})", file=sys.stderr)
+    not_rendered = [f"{k} sessions not rendered ({reason})" for reason, k in skipped.items()]
     if not turns:
-        return fail("no turn rewrites a file a read tool returned earlier (--rewrites); drop "
-                    "--rewrites or pass sessions with such turns" if args.rewrites
-                    else "no assistant turn to replay")
+        return fail(("no turn rewrites a file a read tool returned earlier (--rewrites); drop "
+                     "--rewrites or pass sessions with such turns" if args.rewrites
+                     else "no assistant turn to replay")
+                    + (f"; {not_rendered[0]}" if not_rendered else ""))
+    for line in not_rendered:
+        print(f"forced: {line}", file=sys.stderr)
     longest = max(len(t.prompt) for t in turns)
     if args.max_context is None and longest > LONG_PROMPT:
         print(f"forced: prompts up to {longest:,} ids are prefilled whole (minutes each on a CPU); "

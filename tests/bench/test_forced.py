@@ -278,6 +278,26 @@ def test_the_prediction_arm_replays_a_rewrite_identically(tmp_path):
     assert 0 < overall["prediction"]["fwd_per_tok"] < overall["all"]["fwd_per_tok"]
 
 
+def test_a_hybrid_model_replays_every_source_identically(two_sessions, tmp_path):
+    """Qwen3.5's recurrent layers cannot be trimmed: every arm decodes from the prompt's
+    checkpoint, restored after each decode; its template's think block is the prompt's."""
+    from mlx_fill.assets.fixtures import fixture_path
+    args = tiny_replay_args(two_sessions, 8, "--arms", "plain,all")
+    args[args.index("--model") + 1] = str(fixture_path("qwen35-xml"))
+    report = replay_report(args, tmp_path)
+    assert report["identical"] is True
+    assert set(report["rows"]) == {"overall", "tau_bench_gpt4o_airline", "aider_examples"}
+
+
+def test_a_model_whose_replies_cannot_be_cut_is_one_error_line(two_sessions, capsys):
+    from mlx_fill.assets.fixtures import fixture_path
+    args = tiny_replay_args(two_sessions, 8)
+    args[args.index("--model") + 1] = str(fixture_path("glm-xml"))
+    assert forced.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "generation prompt rewrites the messages before it" in err, err
+
+
 def test_a_file_of_corrupt_lines_is_one_error_line(tmp_path, capsys):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"messages": [{"role": "user", "content": 3}]}\n[1]\n')

@@ -6,6 +6,7 @@ import gzip
 import json
 
 import pytest
+from cli_lines import one_error_line
 
 from mlx_fill import cli
 from mlx_fill.assets.store import load_tokenizer
@@ -111,6 +112,35 @@ def test_recorded_tools_that_are_not_a_list_are_a_session_not_rendered(tok, tool
     session = dict(_sessions()[0], tool_call_style="structured", tools=tools)
     with pytest.raises(ValueError, match="tools: expected a list of tool objects"):
         render_recording(session, tok, markers(tok))
+
+
+def test_a_think_block_the_generation_prompt_opens_is_the_prompts_not_the_replys():
+    """Qwen3.5's thinking-mode generation prompt opens ``<think>``, which earlier replies in the
+    history do not carry: every reply is still found, and the block is the turn's prompt."""
+    qwen35 = load_tokenizer("qwen3.5")
+    mk = markers(qwen35)
+    assert (mk.opener, mk.think) == ("<|im_start|>assistant\n", "<think>\n\n</think>\n\n")
+    r = render_recording(_sessions()[0], qwen35, mk)
+    assert [t.message_index for t in r.turns] == [2, 4, 6]
+    assert qwen35.decode(r.tokens[r.turns[2].start:r.turns[2].end]) == (
+        "main() returns util.run(), which returns 42.<|im_end|>")
+
+
+@pytest.mark.parametrize("family, why", [
+    ("glm4.x", "generation prompt rewrites the messages before it"),
+    ("mistral-nemo", "generation prompt writes nothing before a reply")])
+def test_a_template_whose_replies_cannot_be_cut_is_refused_saying_why(family, why, capsys):
+    with pytest.raises(ValueError, match=why):
+        markers(load_tokenizer(family))
+    one_error_line(capsys, ["study", "--family", family, "--sessions", "1"], f"family {family}: ", why)
+
+
+def test_a_session_the_template_refuses_is_skipped_saying_why():
+    llama = load_tokenizer("llama3.x")
+    session = _sessions()[0]
+    session["messages"][2]["tool_calls"] *= 2  # Llama 3's template takes one call per reply
+    with pytest.raises(ValueError, match="the chat template refuses the session"):
+        render_recording(session, llama, markers(llama))
 
 
 def test_a_reply_quoting_the_end_of_turn_marker_is_not_cut_into_a_turn(tok):
