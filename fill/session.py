@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -346,7 +347,10 @@ def end_session(session: FillSession | None, ledger: Any = None) -> None:
     if session is None:
         return
     if session.trace is not None and not session.trace.closed:
-        session.trace.close()
+        try:
+            session.trace.close()
+        except OSError as e:
+            print(f"mlx-fill: trace not written ({e.strerror or e})", file=sys.stderr, flush=True)
     if ledger is not None:
         try:
             ledger.save()

@@ -10,6 +10,7 @@ rewound. The decode loop applies both through the one append-and-rewind primitiv
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
@@ -271,6 +272,16 @@ class FillSession:
         self.stats.source_errors[f"{src.name}:{type(err).__name__}"] += 1
         self.sources.remove(src)
 
+    def _drop_trace(self, err: OSError) -> None:
+        """Stop tracing after a failed write, saying so once on stderr."""
+        print(f"mlx-fill: trace not written ({err.strerror or err}); tracing stops for this "
+              f"request", file=sys.stderr, flush=True)
+        try:
+            self.trace.close()
+        except OSError:
+            pass
+        self.trace = None
+
     def _assert_pays(self, m: int) -> bool:
         """Whether asserting ``m`` ids (``m`` rows in the plan's chunks plus the round's
         overhead, every id emitted) beats ``pace``. Always at ``min_gain <= 1`` with no round
@@ -311,5 +322,8 @@ class FillSession:
                      "policy": proposal.policy, "ids": list(proposal.ids), "accepted": accepted}
             if proposal.certainty is not None:
                 event["certainty"] = proposal.certainty
-            self.trace.write(json.dumps(event) + "\n")
+            try:
+                self.trace.write(json.dumps(event) + "\n")
+            except OSError as e:  # a full disk ends the trace, never the generation
+                self._drop_trace(e)
         s.source_ms += (time.perf_counter() - t0) * 1e3

@@ -119,6 +119,24 @@ def test_proposed_eos_is_cut_and_never_committed():
     assert applied and all(eos not in ids for ids in applied)
 
 
+class FullDisk(io.StringIO):
+    def write(self, text: str) -> int:
+        raise OSError(28, "No space left on device")
+
+
+def test_a_trace_that_cannot_be_written_stops_with_one_line_and_the_decode_goes_on(capsys):
+    model = tiny_model("qwen3")
+    ref, _ = decode(model)
+    trace = FullDisk()
+    s = FillSession([ReferenceSource(ref, "assert", every=5, span=6)], prompt_ids=PROMPT, plan=PLAN,
+                    trace=trace)
+    out, _ = decode(model, s)
+    assert out == ref and s.stats.injected > 0 and s.trace is None and trace.closed
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["mlx-fill: trace not written (No space left on device); tracing stops for "
+                   "this request"]
+
+
 def test_logits_processors_see_the_same_history():
     model = tiny_model("qwen3")
     procs = make_logits_processors(repetition_penalty=1.5, repetition_context_size=8)
