@@ -87,6 +87,9 @@ def load_recordings(path: str | Path) -> tuple[list[dict], list[CorruptLine]]:
                 except json.JSONDecodeError as exc:
                     corrupt.append(CorruptLine(number, f"invalid JSON: {exc.msg}"))
                     continue
+                except RecursionError:
+                    corrupt.append(CorruptLine(number, "JSON nested too deeply to read"))
+                    continue
                 obj = as_recording(obj)
                 problem = _session_problem(obj)
                 if problem:
@@ -179,7 +182,7 @@ def arguments_object(raw: Any) -> dict:
     if isinstance(raw, str):
         try:
             raw = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             return {}
     return raw if isinstance(raw, dict) else {}
 
@@ -356,7 +359,7 @@ def _parse_arguments(raw):
         return raw
     try:
         return json.loads(raw)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return raw
 
 
