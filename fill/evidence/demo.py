@@ -213,8 +213,10 @@ def _print_speed(totals: dict, plan, model) -> None:
     """What the run says about speed, and what it cannot say on a fixture."""
     width, vocab = (getattr(model.args, k, "?") for k in ("hidden_size", "vocab_size"))
     curve = " ".join(f"c({m})={c:.2f}" for m, c in sorted(plan.cost.items()) if m > 1) if plan else ""
-    print(f"speed: fill saved {totals['emitted'] - totals['forwards']} of {totals['emitted']} "
-          f"forwards; the wall times above do not show it. On this fixture ({width} wide, a "
+    saved = totals["emitted"] - totals["forwards"]
+    verdict = (f"fill saved {saved} of {totals['emitted']} forwards" if saved >= 0 else
+               f"fill ran {-saved} more forwards than the {totals['emitted']} tokens it emitted")
+    print(f"speed: {verdict}; the wall times above do not show it. On this fixture ({width} wide, a "
           f"{vocab}-id vocabulary) a forward's cost is mostly the output projection, which every "
           f"verified row pays again, so an M-row forward costs most of what M one-row forwards cost "
           f"({curve or 'no cost curve measured'}); the first 'on' time also includes compiling "
