@@ -244,13 +244,16 @@ def run_predict(args: argparse.Namespace) -> int:
     prediction = {"type": "content", "content": EDIT_FILE}
     predicted = prediction_ids(tok, prediction)
     ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+    max_tokens = max(args.max_tokens, 2 * len(predicted))
+    raised = (f", --max-tokens {args.max_tokens} raised to twice the prediction so the edit fits"
+              if max_tokens > args.max_tokens else "")
     print(f"edit: {EDIT_INSTRUCTION} ({len(EDIT_FILE.splitlines())}-line file; prediction: the "
-          f"original file, {len(predicted)} ids)", flush=True)
+          f"original file, {len(predicted)} ids; up to {max_tokens} tokens per run{raised})",
+          flush=True)
     cache = make_prompt_cache(model)
     model(mx.array(ids[:-1])[None], cache=cache)  # the prompt, prefilled once for both runs
     mx.eval([c.state for c in cache])
     base = cache[0].offset
-    max_tokens = max(args.max_tokens, 2 * len(predicted))
     plain, t_off = _decode(model, tok, ids[-1:], None, max_tokens, prompt_cache=cache)
     trim_prompt_cache(cache, cache[0].offset - base)
     t0 = time.perf_counter()  # the session's set-up (the prediction tokenized) counts

@@ -31,9 +31,11 @@ def test_demo_in_a_fresh_cache_fetches_its_assets_and_runs_identical(tmp_path):
 def test_demo_predict_runs_one_edit_identical_with_the_counts():
     """``--predict`` on the embedded fixture (the README's demo uses ``qwen25-coder-0.5b``)."""
     proc = subprocess.run([str(Path(sys.executable).parent / "mlx-fill"), "demo", "--predict",
-                           "--fixture", "qwen3-json"], capture_output=True, text=True, timeout=600)
+                           "--fixture", "qwen3-json", "--max-tokens", "3"],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
+    assert "--max-tokens 3 raised to twice the prediction so the edit fits" in proc.stdout
     assert "token ids identical (fill off vs prediction): True" in proc.stdout
     assert "prediction: accepted " in proc.stdout and "(usage.completion_tokens_details)" in proc.stdout
     assert "decoding wall (prefill shared): " in proc.stdout
