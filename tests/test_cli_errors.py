@@ -83,6 +83,11 @@ def test_serve_store_seed_errors(tmp_path, capsys):
     one_error_line(capsys, [*serve, "--store-seed", str(tmp_path / "bad.jsonl")], "holds no session", "line 1")
     one_error_line(capsys, [*serve, "--store-tokens", "0"], "--store-tokens: 0 is not at least 1")
     one_error_line(capsys, [*serve[:-2], "--store-seed", str(tmp_path / "bad.jsonl")], "pass --fill all")
+    (tmp_path / "one.jsonl").write_text(json.dumps({"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n")
+    glm = ["serve", "--model", str(fixture_path("glm-xml")), "--port", "0", "--fill", "all"]
+    one_error_line(capsys, [*glm, "--store-seed", str(tmp_path / "one.jsonl")],
+                   "generation prompt rewrites the messages before it")
 
 
 def test_study_missing_or_malformed_inputs(tmp_path, capsys):
@@ -192,3 +197,8 @@ def test_a_damaged_fixture_folder_is_not_intact(tmp_path):
     (folder / "model.safetensors").write_bytes(weights)
     (folder / "config.json").write_text("{bad")
     assert not fixtures._intact(folder)
+
+
+@pytest.mark.parametrize("argv", [["audit", "--family", "qwen3", "--json", ""], ["study", "--out", ""]])
+def test_an_empty_output_path_is_one_line(argv, capsys):
+    one_error_line(capsys, argv, f"argument {argv[-2]}: an empty path; pass a")

@@ -124,6 +124,8 @@ def unwritable(folder: Path) -> str | None:
 def output_file(value: str) -> Path:
     """argparse ``type=``: a path to write a file at: not a folder, and in a folder that exists
     or can be created (the writer creates it)."""
+    if not value:
+        raise argparse.ArgumentTypeError("an empty path; pass a file path")
     path = Path(value)
     problem = f"{value} is a folder" if path.is_dir() else unwritable(path.parent)
     if problem:
@@ -134,6 +136,8 @@ def output_file(value: str) -> Path:
 def output_dir(value: str) -> Path:
     """argparse ``type=``: a folder to write files into: an existing folder, or a path where one
     can be created (the writer creates it)."""
+    if not value:
+        raise argparse.ArgumentTypeError("an empty path; pass a folder")
     path = Path(value)
     problem = unwritable(path)
     if problem:

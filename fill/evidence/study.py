@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
@@ -271,7 +272,7 @@ def run_study(path: Path, family: str, row_names: list[str], *, sessions: int | 
     for i in picks:
         per_source_sessions[str(all_sessions[i].get("source", ""))] += 1
     del all_sessions
-    workers = max(1, min(workers, len(picks)))
+    workers = max(1, min(workers, len(picks), os.cpu_count() or 1))
     deals = [picks[w::workers] for w in range(workers)]
     plan_json = plan.to_json() if plan is not None else None
     t0 = time.time()
@@ -401,7 +402,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "decide on and each round is priced by, at the KV length it appends at")
     parser.add_argument("--max-span", type=positive_int, default=32,
                         help="longest proposal span, in tokens, a source may offer")
-    parser.add_argument("--workers", type=positive_int, default=2, help="worker processes")
+    parser.add_argument("--workers", type=positive_int, default=2, help="worker processes (at most one per CPU)")
     parser.add_argument("--out", type=output_dir, default="out/study",
                         help="output folder for study.json, study.md and the plot")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
