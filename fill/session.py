@@ -133,10 +133,15 @@ def env_promote() -> tuple[frozenset[str], int]:
 def server_ledger(model_key: str, tokenizer: Any):
     """The persisted evidence ledger a server keeps for its model and chat template: every
     verified strict row and corroborated echo span is recorded, and only the rows named by
-    ``MLX_FILL_PROMOTE`` can ever be promoted. Raises ValueError for a corrupt ledger file."""
-    from mlx_fill.sources.ledger import load_ledger
+    ``MLX_FILL_PROMOTE`` can ever be promoted. Raises ValueError for a corrupt ledger file or
+    a ledger folder that cannot be written (a file in its place), before any request."""
+    from mlx_fill.sources.ledger import ledger_path, load_ledger
     eligible, after = env_promote()
     template = getattr(tokenizer, "chat_template", None) or ""
+    folder = ledger_path(model_key, template).parent
+    problem = unwritable(folder)
+    if problem:
+        raise ValueError(f"the evidence ledger cannot be kept in {folder}: {problem}")
     return load_ledger(model_key, template, promote_after=after, eligible=eligible)
 
 

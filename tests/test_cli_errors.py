@@ -178,6 +178,11 @@ def test_serve_names_a_corrupt_ledger_in_one_line(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="corrupt evidence ledger .*move the file away"):
         Engine(str(model), mode="strict")
     assert path.read_text() == "[]"
+    path.unlink()
+    path.parent.rmdir()
+    path.parent.write_text("a file where the ledger folder goes")
+    with pytest.raises(UserError, match="the evidence ledger cannot be kept in .*move the file"):
+        Engine(str(model), mode="strict")
 
 
 def test_a_damaged_fixture_folder_is_not_intact(tmp_path):
