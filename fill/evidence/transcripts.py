@@ -44,10 +44,12 @@ class TemplateMarkers:
 
 
 def markers(tokenizer: Any) -> TemplateMarkers:
-    """Probe the template: the generation prompt with and without ``enable_thinking=False``.
-    Raises ValueError, saying why, for a template whose replies cannot be cut into turns this
-    way: one whose generation prompt writes nothing, one whose non-thinking generation prompt
-    rewrites the messages before it, or a tokenizer with no end-of-turn token."""
+    """Probe the template: the generation prompt with and without ``enable_thinking=False``,
+    and a reply in the history. Raises ValueError, saying why, for a template whose replies
+    cannot be cut into turns this way: one whose generation prompt writes nothing, one whose
+    non-thinking generation prompt rewrites the messages before it, a tokenizer with no
+    end-of-turn token, or a template that ends an earlier reply with another token (or refuses
+    a conversation of a user message, a reply and a user message)."""
     msgs = [{"role": "user", "content": "x"}]
     base = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
     gen = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
@@ -62,29 +64,23 @@ def markers(tokenizer: Any) -> TemplateMarkers:
     closer = tokenizer.eos_token
     if not closer:
         raise ValueError("the tokenizer has no eos_token to end a turn")
-    opener = _history_opener(tokenizer, msgs, base, gen[len(base):])
-    if not nothink.startswith(base + opener):
-        opener = gen[len(base):]
+    opener = gen[len(base):]
+    history = _render(tokenizer, [*msgs, {"role": "assistant", "content": REPLY_PROBE}, *msgs], None)
+    at = history.find(REPLY_PROBE, len(base))
+    if history.startswith(base) and at >= 0:
+        if not history.startswith(closer, at + len(REPLY_PROBE)):
+            raise ValueError(f"the chat template ends an earlier reply with something other "
+                             f"than the end-of-turn token {closer!r}, so its replies cannot be "
+                             f"cut into turns")
+        # a thinking-mode generation prompt that opens a think block (Qwen3.5) writes earlier
+        # replies without it: the block is the non-thinking ``think``, not the opener
+        seen = os.path.commonprefix([opener, history[len(base):at]])
+        if seen and nothink.startswith(base + seen):
+            opener = seen
     return TemplateMarkers(opener, nothink[len(base) + len(opener):], closer)
 
 
 REPLY_PROBE = "\u2603"  # a reply no template writes around itself
-
-
-def _history_opener(tokenizer: Any, msgs: list[dict], base: str, opener: str) -> str:
-    """The part of the generation prompt ``opener`` that a reply in the history also starts
-    with: a template whose thinking-mode generation prompt opens a think block (Qwen3.5) writes
-    earlier replies without it, so the block belongs to the non-thinking ``think``."""
-    try:
-        text = tokenizer.apply_chat_template(
-            [*msgs, {"role": "assistant", "content": REPLY_PROBE}, *msgs], tokenize=False,
-            add_generation_prompt=False, enable_thinking=False)
-    except jinja2.TemplateError:
-        return opener
-    at = text.find(REPLY_PROBE, len(base))
-    if not text.startswith(base) or at < 0:
-        return opener
-    return os.path.commonprefix([opener, text[len(base):at]]) or opener
 
 
 def _render(tokenizer: Any, history: list[dict], tools: list[dict] | None) -> str:

@@ -128,7 +128,8 @@ def test_a_think_block_the_generation_prompt_opens_is_the_prompts_not_the_replys
 
 @pytest.mark.parametrize("family, why", [
     ("glm4.x", "generation prompt rewrites the messages before it"),
-    ("mistral-nemo", "generation prompt writes nothing before a reply")])
+    ("mistral-nemo", "generation prompt writes nothing before a reply"),
+    ("gpt-oss", "ends an earlier reply with something other than the end-of-turn token")])
 def test_a_template_whose_replies_cannot_be_cut_is_refused_saying_why(family, why, capsys):
     with pytest.raises(ValueError, match=why):
         markers(load_tokenizer(family))
