@@ -19,19 +19,21 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import mlx.core as mx
 
 from . import kernels
 from .paths import user_cache_dir
+from .shapes import SHAPES
 
 PlanMode = Literal["exact", "fast"]
-FAST_MAX_CHUNK = 64
+FAST_MAX_CHUNK = 64  # a fast plan's chunk size, and the largest max_chunk a plan file may hold
 COST_KV = 512  # KV length ``qualify`` measures the cost curve at
 
 
@@ -184,17 +186,65 @@ class DispatchPlan:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "DispatchPlan":
+        """The plan :meth:`to_json` wrote. A field of the wrong type or out of its range is a
+        ``ValueError`` (or ``KeyError`` / ``TypeError`` / ``AttributeError``) naming it: ``mode``
+        one of :data:`PlanMode`; ``max_chunk`` a whole number from 1 to ``FAST_MAX_CHUNK``;
+        chunk sizes (``cost`` / ``long_cost`` / ``shapes`` keys, ``pending``) at least 1; KV
+        lengths at least 0; c(M) values finite and above 0; ``round_overhead`` finite and at
+        least 0; ``shapes`` values among :data:`~mlx_fill.core.shapes.SHAPES`."""
         key = PlanKey.from_json(d["key"]) if d.get("key") else None
-        return cls(key=key, mode=d.get("mode", "exact"), max_chunk=int(d["max_chunk"]),
-                   kv_boundaries=tuple(int(b) for b in d.get("kv_boundaries", ())),
-                   cost={int(k): float(v) for k, v in d.get("cost", {}).items()},
+        mode = d.get("mode", "exact")
+        if mode not in get_args(PlanMode):
+            raise ValueError(f"mode: {mode!r} is not one of {list(get_args(PlanMode))}")
+        shapes = {_size(k, "shapes"): v for k, v in d.get("shapes", {}).items()}
+        for m, shape in shapes.items():
+            if shape not in SHAPES:
+                raise ValueError(f"shapes[{m}]: {shape!r} is not one of {list(SHAPES)}")
+        overhead = float(d.get("round_overhead", 0.0))
+        if not 0.0 <= overhead < math.inf:
+            raise ValueError(f"round_overhead: {overhead!r} is not a finite number at least 0")
+        return cls(key=key, mode=mode,
+                   max_chunk=_whole(d["max_chunk"], "max_chunk", 1, FAST_MAX_CHUNK),
+                   kv_boundaries=tuple(_whole(b, "kv_boundaries", 0)
+                                       for b in d.get("kv_boundaries", ())),
+                   cost=_costs(d.get("cost", {}), "cost"),
                    qualified=bool(d.get("qualified", False)),
-                   round_overhead=float(d.get("round_overhead", 0.0)), note=str(d.get("note", "")),
-                   pending=tuple(int(m) for m in d.get("pending", ())),
-                   reason=str(d.get("reason", "")),
-                   shapes={int(k): str(v) for k, v in d.get("shapes", {}).items()},
-                   cost_kv=int(d.get("cost_kv", COST_KV)), long_kv=int(d.get("long_kv", 0)),
-                   long_cost={int(k): float(v) for k, v in d.get("long_cost", {}).items()})
+                   round_overhead=overhead, note=str(d.get("note", "")),
+                   pending=tuple(_whole(m, "pending", 1) for m in d.get("pending", ())),
+                   reason=str(d.get("reason", "")), shapes=shapes,
+                   cost_kv=_whole(d.get("cost_kv", COST_KV), "cost_kv", 0),
+                   long_kv=_whole(d.get("long_kv", 0), "long_kv", 0),
+                   long_cost=_costs(d.get("long_cost", {}), "long_cost"))
+
+
+def _whole(value: object, name: str, low: int, high: int | None = None) -> int:
+    """``value`` when it is a JSON whole number from ``low`` to ``high`` (None: no bound);
+    otherwise a ``ValueError`` naming the field ``name``."""
+    if isinstance(value, int) and not isinstance(value, bool) and low <= value and (
+            high is None or value <= high):
+        return value
+    bound = f"at least {low}" if high is None else f"from {low} to {high}"
+    raise ValueError(f"{name}: {value!r} is not a whole number {bound}")
+
+
+def _size(key: str, name: str) -> int:
+    """A chunk size written as a JSON object key, at least 1; else a ``ValueError``."""
+    try:
+        return _whole(int(key), name, 1)
+    except ValueError:
+        raise ValueError(f"{name}: the key {key!r} is not a chunk size of at least 1") from None
+
+
+def _costs(points: dict[str, Any], name: str) -> dict[int, float]:
+    """A c(M) map (chunk size -> cost in one-row forwards) read from JSON: sizes at least 1,
+    costs finite and above 0; else a ``ValueError`` naming the field ``name``."""
+    out = {}
+    for k, v in points.items():
+        cost = float(v)
+        if not 0.0 < cost < math.inf:
+            raise ValueError(f"{name}[{k}]: {v!r} is not a finite number above 0")
+        out[_size(k, name)] = cost
+    return out
 
 
 def _on_curve(points: dict[int, float], m: int) -> float:

@@ -20,9 +20,13 @@ from mlx_fill.core import kernels
 from mlx_fill.core import qualify
 from mlx_fill.core import resolve
 from mlx_fill.core.loop import generate_step
-from mlx_fill.core.plan import DispatchPlan, config_key, find_plan, load_plan, model_shape, save_plan
+from mlx_fill.core.plan import (FAST_MAX_CHUNK, DispatchPlan, config_key, find_plan, load_plan,
+                                model_shape, read_plan_file, save_plan, shipped_dir)
+from mlx_fill.assets.fixtures import fixture_path
 from mlx_fill.assets.random_models import build, config_for, save
 from mlx_fill.session import build_session
+
+from cli_lines import one_error_line
 
 FAKE_OPENBLAS = kernels.Blas("openblas", "0.3.21", "SkylakeX")
 
@@ -159,6 +163,43 @@ def test_plan_file_of_the_old_key_format_is_refused(model, plan_dirs):
     lookup = find_plan(config_key(model))
     assert lookup.chosen is None and "mlx, mlx_lm, blas" in lookup.candidates[0].problem
     assert load_plan(model).max_chunk == 1
+
+
+@pytest.mark.parametrize(("field", "value", "needle"), [
+    ("max_chunk", -3, "max_chunk: -3 is not a whole number from 1 to 64"),
+    ("max_chunk", 1e30, "max_chunk: 1e+30 is not a whole number from 1 to 64"),
+    ("mode", "zzz", "mode: 'zzz' is not one of ['exact', 'fast']"),
+    ("cost", {"2": float("nan")}, "cost[2]: nan is not a finite number above 0"),
+    ("cost", {"2": -1.5}, "cost[2]: -1.5 is not a finite number above 0"),
+    ("cost", {"2": float("inf")}, "cost[2]: inf is not a finite number above 0"),
+    ("cost", {"0": 1.0}, "cost: the key '0' is not a chunk size of at least 1"),
+    ("long_cost", {"1": 0}, "long_cost[1]: 0 is not a finite number above 0"),
+    ("round_overhead", float("nan"), "round_overhead: nan is not a finite number at least 0"),
+    ("round_overhead", -0.5, "round_overhead: -0.5 is not a finite number at least 0"),
+    ("shapes", {"4": "sideways"}, "shapes[4]: 'sideways' is not one of"),
+    ("pending", [0], "pending: 0 is not a whole number at least 1"),
+    ("kv_boundaries", [-1], "kv_boundaries: -1 is not a whole number at least 0")])
+def test_a_plan_file_with_values_out_of_range_is_refused_in_one_line(field, value, needle, tmp_path,
+                                                                     monkeypatch, capsys):
+    """Read as ``mlx-fill plan`` lists it, and named in one line when ``MLX_FILL_PLAN`` points
+    at it (``serve``, ``demo`` and the mlx_lm.server hook check it alike)."""
+    shipped = json.loads(next(shipped_dir().glob("*.json")).read_text())
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({**shipped, field: value}))
+    assert read_plan_file(path).startswith(f"unreadable (ValueError: {needle}")
+    monkeypatch.setenv("MLX_FILL_PLAN", str(path))
+    one_error_line(capsys, ["serve", "--model", str(fixture_path("qwen3-json")), "--port", "0"],
+                   f"MLX_FILL_PLAN={path} is unreadable (ValueError: {needle}")
+
+
+def test_shipped_plans_and_every_size_qualify_measures_fit_a_plan_file():
+    shipped = sorted(shipped_dir().glob("*.json"))
+    assert shipped and all(isinstance(read_plan_file(p), DispatchPlan) for p in shipped)
+    assert max(qualify.FULL_SIZES) <= FAST_MAX_CHUNK
+    plan = DispatchPlan(key=None, max_chunk=max(qualify.FULL_SIZES), qualified=True,
+                        cost={m: 1.0 + m / 10 for m in qualify.FULL_SIZES}, round_overhead=0.0,
+                        pending=(32,), shapes={2: "batched-m1"})
+    assert DispatchPlan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
 
 
 def _openblas() -> str | None:
