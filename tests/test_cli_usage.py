@@ -332,8 +332,30 @@ def test_audit_unusable_tools(tools, needle, tmp_path, capsys):
                    f"{path} is not a usable OpenAI tools array", needle)
 
 
+@pytest.mark.parametrize("tools", [[], None])
+def test_audit_without_tools(tools, tmp_path, capsys):
+    path = tmp_path / "tools.json"
+    path.write_text(json.dumps(tools))
+    one_error_line(capsys, ["audit", "--family", "qwen3", "--tools", str(path)],
+                   f"no tools in {path}", "at least one tool")
+
+
+LS_TOOLS = [{"type": "function", "function": {"name": "ls", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}}}}}]
+
+
 @pytest.mark.parametrize(("case", "needle"), [
     ({"reply": "hi"}, "its 'reply' is not a message object"),
+    ({"reply": {"role": "assistant", "content": 5}},
+     "its 'reply.content' is a JSON int, not a string or null"),
+    ({"reply": {"role": "assistant", "content": "", "tool_calls": "x"}},
+     "its 'reply.tool_calls' is a JSON str, not a list"),
+    ({"reply": {"role": "assistant", "content": "", "tool_calls": [{"type": "function"}]}},
+     "its 'reply.tool_calls[0]' is not an object with a 'function' object"),
+    ({"reply": {"role": "assistant", "tool_calls": [{"function": {"arguments": {}}}]}},
+     "its 'reply.tool_calls[0].function.name' is not a string"),
+    ({"reply": {"role": "assistant", "tool_calls": [{"function": {"name": "ls", "arguments": 5}}]}},
+     "its 'reply.tool_calls[0].function.arguments' is not an object or a string"),
     ({"raw_reply": 5}, "its 'raw_reply' is not a string"),
     ({"messages": [1, 2], "raw_reply": "x"}, "its 'messages' is not a list of message objects"),
     ({"raw_reply": "x", "expect": "bogus"}, "its 'expect' is 'bogus', not 'fill' or 'none'"),
@@ -341,7 +363,7 @@ def test_audit_unusable_tools(tools, needle, tmp_path, capsys):
 ])
 def test_audit_malformed_case_files(case, needle, tmp_path, capsys):
     (tmp_path / "tools").mkdir()
-    (tmp_path / "tools" / "default.json").write_text("[]")
+    (tmp_path / "tools" / "default.json").write_text(json.dumps(LS_TOOLS))
     (tmp_path / "qwen3").mkdir()
     path = tmp_path / "qwen3" / "x.json"
     if case is None:
@@ -354,7 +376,7 @@ def test_audit_malformed_case_files(case, needle, tmp_path, capsys):
 
 def test_audit_empty_corpus_says_why(tmp_path, capsys):
     (tmp_path / "tools").mkdir()
-    (tmp_path / "tools" / "default.json").write_text("[]")
+    (tmp_path / "tools" / "default.json").write_text(json.dumps(LS_TOOLS))
     one_error_line(capsys, ["audit", "--family", "qwen3", "--corpus", str(tmp_path)],
                    "no audit cases for qwen3", "--corpus DIR")
 

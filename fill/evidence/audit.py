@@ -200,6 +200,33 @@ def read_json(path: Path, fix: str):
         raise UserError(f"{path} is not valid JSON ({err}); {fix}") from err
 
 
+def _reply_problem(reply: object) -> str | None:
+    """What keeps ``reply`` from being an assistant message the templates can render, or None:
+    its ``content`` must be a string or null, its ``tool_calls`` (when present) a list of
+    objects each with a ``function`` object holding a string ``name`` and an object or string
+    ``arguments``."""
+    if not isinstance(reply, dict):
+        return "its 'reply' is not a message object"
+    content = reply.get("content")
+    if content is not None and not isinstance(content, str):
+        return f"its 'reply.content' is a JSON {type(content).__name__}, not a string or null"
+    calls = reply.get("tool_calls")
+    if calls is None:
+        return None
+    if not isinstance(calls, list):
+        return f"its 'reply.tool_calls' is a JSON {type(calls).__name__}, not a list"
+    for i, call in enumerate(calls):
+        where = f"reply.tool_calls[{i}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            return f"its '{where}' is not an object with a 'function' object"
+        if not isinstance(function.get("name"), str):
+            return f"its '{where}.function.name' is not a string"
+        if not isinstance(function.get("arguments"), (dict, str)):
+            return f"its '{where}.function.arguments' is not an object or a string"
+    return None
+
+
 def _case_problem(case: object) -> str | None:
     """What keeps ``case`` from being an audit case, or None."""
     if not isinstance(case, dict):
@@ -215,14 +242,15 @@ def _case_problem(case: object) -> str | None:
     if "raw_reply" in case:
         return None if isinstance(case["raw_reply"], str) else "its 'raw_reply' is not a string"
     if "reply" in case:
-        return None if isinstance(case["reply"], dict) else "its 'reply' is not a message object"
+        return _reply_problem(case["reply"])
     return "it has neither 'reply' nor 'raw_reply'"
 
 
 def load_cases(corpus: Path, family: str) -> list[dict]:
     """The cases of ``family`` under ``corpus``; a case file that is not a JSON object with
-    ``id``, ``family``, a list of message objects ``messages`` and a ``reply`` message object or
-    a ``raw_reply`` string is a ``UserError``."""
+    ``id``, ``family``, a list of message objects ``messages`` and a ``reply`` message object
+    (its ``content`` and ``tool_calls`` typed as :func:`_reply_problem` says) or a ``raw_reply``
+    string is a ``UserError``."""
     folder = corpus / family if (corpus / family).is_dir() else corpus
     cases = []
     for path in sorted(folder.glob("*.json")):
@@ -237,12 +265,15 @@ def load_cases(corpus: Path, family: str) -> list[dict]:
 
 
 def checked_tools(tools: object, where: str) -> list:
-    """``tools`` (read from ``where``), when it is an OpenAI tools array whose schemas compile;
-    otherwise a ``UserError`` naming ``where`` and the offending entry."""
+    """``tools`` (read from ``where``), when it is a non-empty OpenAI tools array whose schemas
+    compile; otherwise a ``UserError`` naming ``where`` and the offending entry."""
     try:
-        tool_schemas(tools)
+        schemas = tool_schemas(tools)
     except ValueError as err:
         raise UserError(f"{where} is not a usable OpenAI tools array ({err}); fix it") from err
+    if not schemas:
+        raise UserError(f"no tools in {where}: an audit needs an OpenAI tools array with at "
+                        f"least one tool; fix it")
     return tools
 
 

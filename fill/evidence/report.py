@@ -92,13 +92,35 @@ class Runs:
 
 
 # what every ``kind: turn`` record holds (``replay.turn_record``), by the type of its value
-TURN_FIELDS: dict[str, type] = {"arm": str, "output": dict, "expected": dict, "timing": dict,
-                                "usage": dict}
+TURN_FIELDS: dict[str, type] = {"arm": str, "session_id": str, "output": dict, "expected": dict,
+                                "timing": dict, "usage": dict}
 JSON_NAMES = {str: "string", dict: "object", list: "list"}  # a field type, as a message says it
 
 
 def _seconds(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _usage_problem(usage: dict) -> str | None:
+    """What a turn's ``usage`` holds that is not token counts, or None: ``prompt_tokens`` and
+    ``completion_tokens`` are counts or null, ``fill`` is null or an object whose ``forwards``
+    and ``injected``, where present, are counts."""
+    for key in ("prompt_tokens", "completion_tokens"):
+        if usage.get(key) is not None and not _count(usage[key]):
+            return f"its usage.{key} is not a whole number of tokens"
+    fill = usage.get("fill")
+    if fill is None:
+        return None
+    if not isinstance(fill, dict):
+        return "its usage.fill is not a JSON object"
+    for key in ("forwards", "injected"):
+        if key in fill and not _count(fill[key]):
+            return f"its usage.fill.{key} is not a whole number"
+    return None
 
 
 def _reply_problem(reply: dict, key: str) -> str | None:
@@ -109,25 +131,33 @@ def _reply_problem(reply: dict, key: str) -> str | None:
     if calls is not None and not (isinstance(calls, list) and all(
             isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls)):
         return f"its {key}.tool_calls is not a list of calls with a name"
+    names = reply.get("tool_names")
+    if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        return f"its {key}.tool_names is not a list of strings"
     return None
 
 
 def _turn_problem(record: dict) -> str | None:
     """What a ``kind: turn`` record lacks for the report, or None."""
-    for key in (*TURN_FIELDS, "session_id", "turn"):
+    for key in (*TURN_FIELDS, "turn"):
         if key not in record:
             return f"it has no {key!r}"
     for key, kind in TURN_FIELDS.items():
         if not isinstance(record[key], kind):
             return f"its {key!r} is not a JSON {JSON_NAMES[kind]}"
-    if not _seconds(record["timing"].get("wall_s")):
-        return "its timing has no wall_s number of seconds"
+    wall = record["timing"].get("wall_s")
+    if not (_seconds(wall) and wall > 0):
+        return "its timing has no wall_s number of seconds above 0"
     for key in ("ttft_s", "first_tool_call_s"):
         if record["timing"].get(key) is not None and not _seconds(record["timing"][key]):
             return f"its timing.{key} is not a number of seconds"
-    if not isinstance(record.get("rep", 0), int):
-        return "its rep is not a whole number"
-    return _reply_problem(record["output"], "output") or _reply_problem(record["expected"], "expected")
+    for key in ("turn", "rep"):
+        if not _count(record.get(key, 0)):
+            return f"its {key} is not a whole number"
+    if record.get("source") is not None and not isinstance(record["source"], str):
+        return "its source is not a string"
+    return (_usage_problem(record["usage"]) or _reply_problem(record["output"], "output")
+            or _reply_problem(record["expected"], "expected"))
 
 
 # what a ``kind: run`` header holds where it holds it (``replay.run``), by the type of its value
@@ -290,7 +320,7 @@ def _by_transcript_source(pairs: Sequence[tuple[dict, dict]]) -> dict[str, dict]
 def _paired_summary(pairs: Sequence[tuple[dict, dict]]) -> dict:
     a_ok = [agrees(a) for a, _ in pairs]
     b_ok = [agrees(b) for _, b in pairs]
-    identical = sum(1 for a, b in pairs if a["output"]["content"] == b["output"]["content"]
+    identical = sum(1 for a, b in pairs if a["output"].get("content") == b["output"].get("content")
                     and agreement_key(a["output"]) == agreement_key(b["output"]))
     wall = paired_ratio([a["timing"]["wall_s"] for a, _ in pairs],
                         [b["timing"]["wall_s"] for _, b in pairs]) if pairs else None

@@ -11,6 +11,8 @@ import pytest
 from mlx_fill.evidence import render, report, stats
 from mlx_fill.cli import main
 
+from cli_lines import one_error_line
+
 
 # ----------------------------------------------------------------------------- exact binomial
 
@@ -358,6 +360,37 @@ def test_report_command_with_several_candidates(tmp_path, capsys):
     runs_path.write_text("\n".join(json.dumps(r) for r in runs.headers + passing) + "\n")
     assert main(["report", str(runs_path)]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 3  # one verdict line per candidate, the path
+
+
+@pytest.mark.parametrize(("field", "value", "needle"), [
+    ("usage.fill", "x", "its usage.fill is not a JSON object"),
+    ("usage.fill", {"forwards": "x"}, "its usage.fill.forwards is not a whole number"),
+    ("usage.completion_tokens", "x", "its usage.completion_tokens is not a whole number"),
+    ("session_id", [1], "its 'session_id' is not a JSON string"),
+    ("turn", [1], "its turn is not a whole number"),
+    ("source", [1], "its source is not a string"),
+    ("expected.tool_names", [1], "its expected.tool_names is not a list of strings"),
+    ("timing.wall_s", 0, "its timing has no wall_s number of seconds above 0")])
+def test_report_names_the_line_and_field_of_an_edited_turn(field, value, needle, tmp_path, capsys):
+    records = _ab(8, b_agree=lambda i: True, b_wall=lambda i: 1.0).turns
+    *parents, key = field.split(".")
+    target = records[4]
+    for name in parents:
+        target = target[name]
+    target[key] = value
+    runs_path = tmp_path / "runs.jsonl"
+    runs_path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    one_error_line(capsys, ["report", str(runs_path)], f"{runs_path} line 5 is not a turn record",
+                   needle, "mlx-fill replay")
+
+
+def test_report_reads_a_reply_without_content(tmp_path, capsys):
+    records = _ab(8, b_agree=lambda i: True, b_wall=lambda i: 1.0).turns
+    records[1]["output"] = {}
+    runs_path = tmp_path / "runs.jsonl"
+    runs_path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    assert main(["report", str(runs_path)]) == 0
+    assert "identical outputs 7/8" in capsys.readouterr().out
 
 
 def test_report_command_rejects_missing_or_empty_files(tmp_path, capsys):
