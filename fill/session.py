@@ -42,7 +42,7 @@ from typing import Any
 from mlx_fill.core.errors import UserError, unwritable
 from mlx_fill.core.model_folder import vocab_size
 from mlx_fill.core.paths import user_cache_dir
-from mlx_fill.core.plan import read_plan_file, unqualified
+from mlx_fill.core.plan import env_plan_problem, unqualified
 from mlx_fill.modes import check_mode
 from mlx_fill.core.resolve import plan_for
 from mlx_fill.sources.prediction import ORIGIN as PREDICTION
@@ -176,10 +176,8 @@ def check_env() -> None:
     if budget and not 0 <= _number_or_nan(budget) < math.inf:
         raise BadEnvironment(f"MLX_FILL_QUALIFY_BUDGET_S={budget!r} is not a number of seconds "
                              f"(0 or more); set it to e.g. 120 or unset it")
-    plan_file = os.environ.get("MLX_FILL_PLAN")
-    if plan_file and isinstance(problem := read_plan_file(Path(plan_file)), str):
-        raise BadEnvironment(f"MLX_FILL_PLAN={plan_file} is {problem}; name a plan file "
-                             f"`mlx-fill qualify` wrote, or unset it")
+    if plan_problem := env_plan_problem():
+        raise BadEnvironment(plan_problem)
     user_cache_dir()  # MLX_FILL_CACHE / XDG_CACHE_HOME: a folder that can hold files
 
 

@@ -115,6 +115,12 @@ def test_serve_environment_it_cannot_use(name, value, needle, tmp_path, monkeypa
                    needle.format(tmp=tmp_path))
 
 
+def test_plan_refuses_a_plan_file_it_cannot_read_as_serve_does(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MLX_FILL_PLAN", str(tmp_path / "missing.json"))
+    one_error_line(capsys, ["plan", "--model", str(fixture_path("qwen3-json")), "--no-qualify"],
+                   f"MLX_FILL_PLAN={tmp_path}/missing.json is unreadable (FileNotFoundError")
+
+
 def test_a_trace_file_that_cannot_be_opened_at_a_request_is_named(tmp_path, monkeypatch):
     """A library caller that never ran ``check_env`` (or a folder removed since) gets the knob
     named, not the bare ``OSError``."""

@@ -371,6 +371,15 @@ def read_plan_file(path: Path) -> DispatchPlan | str:
         return f"unreadable ({type(e).__name__}: {e})"
 
 
+def env_plan_problem() -> str | None:
+    """Why ``$MLX_FILL_PLAN`` names no readable plan file, as one line naming the variable;
+    None when it is unset or names one."""
+    value = os.environ.get("MLX_FILL_PLAN")
+    if not value or not isinstance(problem := read_plan_file(Path(value)), str):
+        return None
+    return f"MLX_FILL_PLAN={value} is {problem}; name a plan file `mlx-fill qualify` wrote, or unset it"
+
+
 def _candidate(origin: str, path: Path, key: PlanKey) -> Candidate:
     plan = read_plan_file(path)
     if isinstance(plan, str):

@@ -36,12 +36,13 @@ from typing import Any
 
 import mlx.core as mx
 
-from .errors import model_dir
+from .errors import UserError, model_dir
 from .plan import (
     DispatchPlan,
     Lookup,
     cached_dir,
     config_key,
+    env_plan_problem,
     find_plan,
     format_cost,
     format_key,
@@ -324,6 +325,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from mlx_fill.core.model_folder import load_model_folder
 
+    if plan_problem := env_plan_problem():
+        raise UserError(plan_problem)
     model, _ = load_model_folder(args.model, tokenizer=False)
     print(format_resolution(resolve(model, qualify=not args.no_qualify, wait=True)))
     return 0
