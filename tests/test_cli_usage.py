@@ -344,6 +344,15 @@ LS_TOOLS = [{"type": "function", "function": {"name": "ls", "parameters": {
     "type": "object", "properties": {"path": {"type": "string"}}}}}]
 
 
+def test_audit_names_the_tools_when_a_template_refuses_a_field_they_lack(tmp_path, capsys):
+    """gpt-oss's template reads every tool's ``description``, which OpenAI makes optional."""
+    path = tmp_path / "tools.json"
+    path.write_text(json.dumps(LS_TOOLS))
+    one_error_line(capsys, ["audit", "--family", "gpt-oss", "--tools", str(path)],
+                   "the chat template refuses the conversation with its tools", "'description'",
+                   "or the tools")
+
+
 @pytest.mark.parametrize(("case", "needle"), [
     ({"reply": "hi"}, "its 'reply' is not a message object"),
     ({"reply": {"role": "assistant", "content": 5}},

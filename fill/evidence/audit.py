@@ -119,8 +119,9 @@ def _render(tok, messages, tools, kwargs, generation: bool, case_id: str = "") -
         return tok.apply_chat_template(messages, tools=tools, tokenize=False,
                                        add_generation_prompt=generation, **kwargs)
     except jinja2.TemplateError as err:
-        raise UserError(f"case {case_id}: the chat template refuses the conversation ({err}); "
-                        f"fix its messages or reply") from err
+        raise UserError(f"case {case_id}: the chat template refuses the conversation with its "
+                        f"tools ({err}); fix the case's messages or reply, or the tools (a "
+                        f"field the template reads)") from err
 
 
 def case_stream(tok, case: dict, tools) -> tuple[list[int], list[int], str]:
