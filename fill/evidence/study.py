@@ -390,7 +390,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transcripts", type=existing_file, default=None,
                         help="JSONL(.gz) transcripts (default: the repository's "
                              "fixtures/transcripts/dev.jsonl.gz)")
-    parser.add_argument("--family", default="qwen3", choices=FAMILIES, help="tokenizer/template family")
+    parser.add_argument("--family", default="qwen3", choices=FAMILIES, help="tokenizer/template family (one whose rendered replies can be cut "
+                             "into turns; the others are refused saying why)")
     parser.add_argument("--sources", default="ngram,echo,suffix,all,best",
                         help="comma list from ngram,echo,suffix,strict,all,best (baseline "
                              "always runs; all = echo+suffix+ngram, best = strict + all)")
