@@ -43,6 +43,9 @@ class TemplateMarkers:
     closer: str
 
 
+REPLY_PROBE = "\u2603"  # a reply no template writes around itself
+
+
 def markers(tokenizer: Any) -> TemplateMarkers:
     """Probe the template: the generation prompt with and without ``enable_thinking=False``,
     and a reply in the history. Raises ValueError, saying why, for a template whose replies
@@ -74,13 +77,8 @@ def markers(tokenizer: Any) -> TemplateMarkers:
                              f"cut into turns")
         # a thinking-mode generation prompt that opens a think block (Qwen3.5) writes earlier
         # replies without it: the block is the non-thinking ``think``, not the opener
-        seen = os.path.commonprefix([opener, history[len(base):at]])
-        if seen and nothink.startswith(base + seen):
-            opener = seen
+        opener = os.path.commonprefix([opener, history[len(base):at]]) or opener
     return TemplateMarkers(opener, nothink[len(base) + len(opener):], closer)
-
-
-REPLY_PROBE = "\u2603"  # a reply no template writes around itself
 
 
 def _render(tokenizer: Any, history: list[dict], tools: list[dict] | None) -> str:
