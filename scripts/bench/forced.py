@@ -76,7 +76,7 @@ from mlx_fill.core.primitive import checkpoint, restore
 from mlx_fill.core.proposal import FillSession, Pace
 from mlx_fill.core.resolve import plan_for
 from mlx_fill.evidence.replay import arguments_object, read_sessions, skipped_lines
-from mlx_fill.evidence.transcripts import markers, render_recording, seed_store
+from mlx_fill.evidence.transcripts import TemplateMarkers, markers, render_recording, seed_store
 from mlx_fill.session import check_env
 from mlx_fill.spec.base import DraftProposalSource
 from mlx_fill.spec.ngram import NgramDraft
@@ -218,13 +218,14 @@ def _head_length(tok, history: list[dict], tools, tokens: Sequence[int],
 
 
 def forced_turns(tok, sessions: list[dict], *, per_source: int | None, max_tokens: int | None,
-                 max_context: int | None, rewrites: bool = False) -> tuple[list[ForcedTurn], Counter]:
+                 max_context: int | None, rewrites: bool = False,
+                 mk: TemplateMarkers | None = None) -> tuple[list[ForcedTurn], Counter]:
     """The turns to replay: per source, ``per_source`` turns evenly spaced over all of its
     sessions' turns (the middles of ``per_source`` equal stretches; every turn when None), in
     session order; ``rewrites``: only turns that rewrite a file read earlier in the session
-    (:func:`rewritten_file`). Returns the turns and the count
-    of sessions that could not be rendered, per reason."""
-    mk = markers(tok)
+    (:func:`rewritten_file`); ``mk``: ``tok``'s template markers (probed when None). Returns
+    the turns and the count of sessions that could not be rendered, per reason."""
+    mk = mk or markers(tok)
     opener = tok.encode(mk.opener, add_special_tokens=False)
     boundary = opener[0] if opener else None
     skipped: Counter = Counter()
@@ -720,12 +721,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.surrogate:
         model = surrogate(model, plan)
     try:
-        markers(tok)
+        mk = markers(tok)
     except ValueError as e:
         return fail(f"{model_dir}: {e}")
     turns, skipped = forced_turns(tok, sessions, per_source=args.per_source,
                                   max_tokens=args.max_tokens, max_context=args.max_context,
-                                  rewrites=args.rewrites)
+                                  rewrites=args.rewrites, mk=mk)
     not_rendered = [f"{k} sessions not rendered ({reason})" for reason, k in skipped.items()]
     if not turns:
         return fail(("no turn rewrites a file a read tool returned earlier (--rewrites); drop "
