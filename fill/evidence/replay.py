@@ -135,7 +135,9 @@ def as_recording(obj: Any) -> Any:
     (``arguments`` is ``{}`` where the string is not a JSON object), and so does a recorded call
     whose ``arguments`` is that string; a session whose
     ``tool_call_style`` is not one of :data:`TOOL_CALL_STYLES` is ``structured`` when it has
-    tools, tool calls or tool results, else ``inline_text``."""
+    tools, tool calls or tool results, else ``inline_text``. The API's older form of a call,
+    an assistant's ``function_call`` ``{"name", "arguments": str}`` answered by a ``function``
+    message, reads as a one-call ``tool_calls`` answered by a ``tool`` message."""
     if not isinstance(obj, dict) or not isinstance(obj.get("messages"), list):
         return obj
     messages = [_message_from_openai(m) if isinstance(m, dict) else m for m in obj["messages"]]
@@ -150,6 +152,12 @@ def as_recording(obj: Any) -> Any:
 
 def _message_from_openai(message: dict) -> dict:
     out = dict(message)
+    legacy = message.get("function_call")
+    if isinstance(legacy, dict) and not message.get("tool_calls"):
+        del out["function_call"]
+        message = out = {**out, "tool_calls": [{"type": "function", "function": legacy}]}
+    if message.get("role") == "function":
+        out["role"] = "tool"
     content = message.get("content")
     if isinstance(content, list) and all(isinstance(p, dict) for p in content):
         out["content"] = "".join(p.get("text", "") for p in content

@@ -474,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
             print_table(f"mechanism qwen3-0.5b-shaped {name}", table)
     if "predict" in parts:
         from scripts.bench import predict
-        report["predict"] = predict.run("qwen25-coder-0.5b", list(predict.DEFAULT_TASKS), repeats,
+        report["predict"] = predict.run("qwen25-coder-0.5b", predict.default_tasks(), repeats,
                                         args.dtype, 1024)
         predict.print_table(report["predict"]["tasks"])
     if args.json:

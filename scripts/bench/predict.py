@@ -28,8 +28,15 @@ at the start of this run (qualify's measure on a 512-id cache, the plan's sizes)
 multi-row forward costs against a step differs between machines and with their load;
 ``bound_plan`` prices it on the plan's stored curve, the one the cost gates decide on.
 
-    python -m scripts.bench.predict [--fixture qwen25-coder-0.5b] [--tasks a,b] [--repeats 1]
-        [--dtype bfloat16] [--json out.json]
+    python -m scripts.bench.predict [--fixture qwen25-coder-0.5b | --model DIR] [--tasks a,b]
+        [--edits FILE] [--repeats 1] [--dtype bfloat16] [--json out.json]
+
+``--edits FILE`` runs your own edits instead of the built-in tasks: a JSONL file, one task per
+line, ``{"name", "file", "instruction"}`` and optionally ``"replacements": [[old, new], ...]``
+(each ``old`` in the file; the expected file follows) or ``"expected"`` (the edited file's
+path), ``"prediction"`` (the path of the text sent as the prediction; default ``file``) and
+``"max_tokens"``; paths are relative to the edits file's folder. Without ``replacements`` or
+``expected`` the edit itself is not checked (``edit ok`` reads None).
 
 Exits 1 when any arm's ids differ from ``off`` or the usage counts differ from the trace.
 """
@@ -51,8 +58,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlx_fill.assets.fixtures import FIXTURES, REAL_FIXTURES
-from mlx_fill.core.errors import output_file, positive_int
-from scripts.bench.__main__ import name_list
+from mlx_fill.core.errors import UserError, existing_file, model_ref, output_file, positive_int
 
 ROOT = Path(__file__).resolve().parents[2]
 ARMS = ("off", "prediction", "prediction+all")
@@ -63,9 +69,10 @@ _FENCE = re.compile(r"```[\w+-]*\n(.*?)```", re.DOTALL)
 
 @dataclass(frozen=True)
 class EditTask:
-    """One edit: ``path`` (relative to the repository root), the instruction, and the edit as
-    ``(old, new)`` replacements of the original text (each ``old`` must occur in it), from which
-    the expected file follows. ``prediction_path``: predict another file instead (useless).
+    """One edit: ``path`` (relative to the repository root, or absolute), the instruction, and
+    the edit as ``(old, new)`` replacements of the original text (each ``old`` must occur in it),
+    from which the expected file follows, or ``expected_path``, the edited file itself (neither:
+    the edit is not checked). ``prediction_path``: predict another file instead (useless).
     ``typo``: ``(word, misspelling)``; the original is the file with its one ``word`` misspelled
     (the prediction too, as an editor sends the file it holds), the expected file is the real one."""
 
@@ -76,6 +83,7 @@ class EditTask:
     prediction_path: str | None = None
     max_tokens: int | None = None  # a cap below the run's (the useless task needs no whole file)
     typo: tuple[str, str] | None = None
+    expected_path: str | None = None
 
     def original(self) -> str:
         text = (ROOT / self.path).read_text(encoding="utf-8")
@@ -86,7 +94,12 @@ class EditTask:
             text = text.replace(word, misspelled)
         return text
 
-    def expected(self) -> str:
+    def expected(self) -> str | None:
+        """The edited file, or None where the task gives no way to know it."""
+        if self.expected_path is not None:
+            return (ROOT / self.expected_path).read_text(encoding="utf-8")
+        if not self.replacements:
+            return None
         text = self.original()
         for old, new in self.replacements:
             if old not in text:
@@ -144,6 +157,70 @@ TASKS: tuple[EditTask, ...] = (
              (("def check_mode(", "def normalize_mode("),), prediction_path="setup.py", max_tokens=96),
 )
 DEFAULT_TASKS = ("rename-symbol", "change-constant", "useless-prediction")
+
+
+def default_tasks() -> list[EditTask]:
+    by_name = {t.name: t for t in TASKS}
+    return [by_name[n] for n in DEFAULT_TASKS]
+
+_EDIT_FIELDS = {"name", "file", "instruction", "replacements", "expected", "prediction", "max_tokens"}
+
+
+def load_edits(path: Path) -> tuple[EditTask, ...]:
+    """The tasks of an edits file (the module docstring's format), each checked: its files read
+    as UTF-8 text and every replacement's ``old`` occurs in the file. Raises UserError naming
+    the line and what is wrong."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--edits {path}: cannot read it ({e})") from None
+    folder = path.resolve().parent
+    tasks: list[EditTask] = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"--edits {path} line {n}"
+        try:
+            task = _edit_task(json.loads(line), folder)
+            task.original(), task.expected(), task.prediction()
+        except (ValueError, OSError, RecursionError) as e:
+            raise UserError(f"{where}: {e}") from None
+        if task.name in {t.name for t in tasks}:
+            raise UserError(f"{where}: the name {task.name!r} is taken by an earlier task")
+        tasks.append(task)
+    if not tasks:
+        raise UserError(f"--edits {path}: no tasks in it")
+    return tuple(tasks)
+
+
+def _edit_task(obj, folder: Path) -> EditTask:
+    if not isinstance(obj, dict):
+        raise ValueError("a task is a JSON object")
+    unknown = sorted(set(obj) - _EDIT_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown fields {unknown}; a task has {sorted(_EDIT_FIELDS)}")
+    for key in ("name", "file", "instruction"):
+        if not isinstance(obj.get(key), str) or not obj[key]:
+            raise ValueError(f"{key!r} must be a non-empty string")
+    for key in ("expected", "prediction"):
+        if key in obj and (not isinstance(obj[key], str) or not obj[key]):
+            raise ValueError(f"{key!r} must be a path")
+    pairs = obj.get("replacements", [])
+    if not isinstance(pairs, list) or not all(
+            isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) and p[0]
+            for p in pairs):
+        raise ValueError("'replacements' must be a list of [old, new] strings, old not empty")
+    if pairs and "expected" in obj:
+        raise ValueError("give 'replacements' or 'expected', not both")
+    cap = obj.get("max_tokens")
+    if cap is not None and (type(cap) is not int or cap < 1):
+        raise ValueError("'max_tokens' must be a positive integer")
+
+    def at(key: str) -> str | None:
+        return str(folder / obj[key]) if key in obj else None
+
+    return EditTask(obj["name"], at("file"), obj["instruction"], tuple(tuple(p) for p in pairs),
+                    prediction_path=at("prediction"), max_tokens=cap, expected_path=at("expected"))
 
 
 def messages_for(task: EditTask) -> list[dict]:
@@ -271,10 +348,11 @@ def run_task(task: EditTask, *, model, tok, repeats: int, max_tokens: int, rate:
                 rows[arm] = row
     off = rows["off"]["ids"]
     text = tok.decode(off)
+    expected = task.expected()
     result = {"task": task.name, "file": task.path, "prompt_tokens": len(ids),
               "predicted_tokens": len(predicted), "output_tokens": len(off),
-              "edit_correct": (edited_file(text).rstrip() == task.expected().rstrip()
-                               if len(off) < max_tokens else None),
+              "edit_correct": (edited_file(text).rstrip() == expected.rstrip()
+                               if expected is not None and len(off) < max_tokens else None),
               "coverage": round(coverage(off, predicted), 3),
               "prefill_s": round(prefill_s, 2), "arms": {}}
     result["bound"] = round(bound_for(result["coverage"], rate), 2)
@@ -309,15 +387,18 @@ def print_table(results: list[dict]) -> None:
                   f"{res['bound']:>7.2f}{e.get('of_bound', float('nan')):>9.2f}{str(e['identical']):>7}")
 
 
-def run(fixture: str, task_names: list[str], repeats: int, dtype: str | None,
+def run(model_ref: str, tasks: list[EditTask], repeats: int, dtype: str | None,
         max_tokens: int) -> dict:
+    """Every task on the model at ``model_ref`` (a fixture name, a model directory or a Hugging
+    Face repo id); the report."""
     from mlx_lm import load
 
     from mlx_fill.assets.fixtures import fixture_path
     from mlx_fill.core.resolve import plan_for
     from mlx_fill.session import env_max_span
 
-    model, tok = load(str(fixture_path(fixture)))
+    known = model_ref in (*FIXTURES, *REAL_FIXTURES)
+    model, tok = load(str(fixture_path(model_ref)) if known else model_ref)
     if dtype is not None:
         model.set_dtype(getattr(mx, dtype))
     plan = plan_for(model)
@@ -329,16 +410,12 @@ def run(fixture: str, task_names: list[str], repeats: int, dtype: str | None,
         except ImplausibleCost as e:
             print(f"the bound keeps the plan's cost curve: {e}", file=sys.stderr, flush=True)
     rate, plan_rate = (best_round_rate(p, env_max_span()) for p in (curve, plan))
-    by_name = {t.name: t for t in TASKS}
-    unknown = [n for n in task_names if n not in by_name]
-    if unknown:
-        raise SystemExit(f"unknown tasks {unknown}; known: {', '.join(by_name)}")
     results = []
-    for name in task_names:
-        results.append(run_task(by_name[name], model=model, tok=tok, repeats=repeats,
+    for task in tasks:
+        results.append(run_task(task, model=model, tok=tok, repeats=repeats,
                                 max_tokens=max_tokens, rate=rate, plan_rate=plan_rate))
-        print(f"done {name}: {json.dumps(results[-1])}", file=sys.stderr, flush=True)
-    return {"fixture": fixture, "dtype": dtype, "repeats": repeats,
+        print(f"done {task.name}: {json.dumps(results[-1])}", file=sys.stderr, flush=True)
+    return {"model": model_ref, "dtype": dtype, "repeats": repeats,
             "machine": f"{platform.machine()} {platform.system()}, mlx {mx.__version__}",
             "plan": {"max_chunk": plan.max_chunk, "cost": plan.cost,
                      "round_overhead": plan.round_overhead,
@@ -348,17 +425,37 @@ def run(fixture: str, task_names: list[str], repeats: int, dtype: str | None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--fixture", default="qwen25-coder-0.5b", choices=(*FIXTURES, *REAL_FIXTURES))
-    ap.add_argument("--tasks", type=name_list([t.name for t in TASKS], "tasks"),
-                    default=",".join(DEFAULT_TASKS),
-                    help=f"comma-separated, of {', '.join(t.name for t in TASKS)}")
+    ap = argparse.ArgumentParser(prog="python -m scripts.bench.predict",
+                                 description=__doc__.splitlines()[0])
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--fixture", default="qwen25-coder-0.5b", choices=(*FIXTURES, *REAL_FIXTURES))
+    which.add_argument("--model", type=model_ref, default=None,
+                       help="an mlx-lm model directory or Hugging Face repo id instead of a fixture")
+    ap.add_argument("--edits", type=existing_file, default=None,
+                    help="a JSONL file of your own edit tasks (the module docstring's format) "
+                         "instead of the built-in ones")
+    ap.add_argument("--tasks", type=lambda v: [n.strip() for n in v.split(",") if n.strip()],
+                    default=None,
+                    help=f"comma-separated task names (default: every task of --edits, else "
+                         f"{','.join(DEFAULT_TASKS)}; built in: {', '.join(t.name for t in TASKS)})")
     ap.add_argument("--repeats", type=positive_int, default=1)
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--max-tokens", type=positive_int, default=1024)
     ap.add_argument("--json", type=output_file, default=None)
     args = ap.parse_args(argv)
-    report = run(args.fixture, args.tasks, args.repeats, args.dtype, args.max_tokens)
+    try:
+        known = load_edits(args.edits) if args.edits is not None else TASKS
+    except UserError as e:
+        ap.error(str(e))
+    by_name = {t.name: t for t in known}
+    names = args.tasks if args.tasks is not None else (
+        list(by_name) if args.edits is not None else DEFAULT_TASKS)
+    unknown = [n for n in names if n not in by_name]
+    if unknown or not names:
+        ap.error(f"argument --tasks: unknown tasks {unknown or args.tasks}; choose from "
+                 f"{','.join(by_name)}")
+    report = run(args.model or args.fixture, [by_name[n] for n in names], args.repeats,
+                 args.dtype, args.max_tokens)
     print(f"plan: {report['plan']}")
     print(f"cost curve measured in this run (the bound's): {report['measured_cost']}")
     print_table(report["tasks"])

@@ -467,3 +467,20 @@ def test_ab_fill_off_vs_all_on_the_fixture_model(tmp_path, capsys):
     assert paired["identical_outputs"] == paired["pairs"]
     assert result["arms"]["B"]["fill_reported"] == result["arms"]["B"]["requests"]
     assert code == (0 if result["verdict"]["pass"] else 1)
+
+
+def test_the_older_function_call_form_reads_as_a_tool_call_and_its_result():
+    chat = {"messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None,
+         "function_call": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"role": "function", "name": "get_weather", "content": "sunny"},
+        {"role": "assistant", "content": "It is sunny."}]}
+    read = replay.as_recording(chat)
+    assert read["tool_call_style"] == "structured"
+    assert read["messages"][1]["tool_calls"] == [
+        {"name": "get_weather", "arguments": {"city": "Paris"}, "arguments_raw": '{"city": "Paris"}'}]
+    assert "function_call" not in read["messages"][1]
+    history = replay._render_history(read)
+    assert history[2] == {"role": "tool", "tool_call_id": history[1]["tool_calls"][0]["id"],
+                          "content": "sunny"}

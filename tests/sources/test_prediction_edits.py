@@ -4,6 +4,8 @@ what the fill trace shows (accepted = the ids of ``prediction`` proposals the ta
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
@@ -16,6 +18,10 @@ from mlx_fill.sources.prediction import ORIGIN, prediction_usage
 from scripts.bench import predict
 
 MAX_TOKENS = 24
+
+
+def _task(name: str) -> predict.EditTask:
+    return {t.name: t for t in predict.TASKS}[name]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +39,7 @@ def test_two_task_edit_run_is_identical_and_counts_match_the_trace(loaded):
     model, tok = loaded
     rate = predict.best_round_rate(plan_for(model), env_max_span())
     for name in ("rename-symbol", "useless-prediction"):
-        task = {t.name: t for t in predict.TASKS}[name]
+        task = _task(name)
         result = predict.run_task(task, model=model, tok=tok, repeats=1, max_tokens=MAX_TOKENS, rate=rate)
         assert result["output_tokens"] > 0
         for arm, entry in result["arms"].items():
@@ -78,8 +84,73 @@ def test_the_bound_is_priced_on_a_curve_measured_in_the_run(loaded, monkeypatch)
     monkeypatch.setattr("mlx_fill.core.qualify.measure_cost", lambda *a, **k: steep)
     curve = predict.measured_curve(model, plan)
     assert curve.cost == steep and curve.max_chunk == plan.max_chunk
-    report = predict.run("qwen3-json", ["useless-prediction"], 1, None, 8)
+    report = predict.run("qwen3-json", [_task("useless-prediction")], 1, None, 8)
     assert report["measured_cost"]["cost"] == steep
     assert report["measured_cost"]["best_round_rate"] < report["plan"]["best_round_rate"]
     task = report["tasks"][0]
     assert task["coverage"] > 0 and task["bound"] < task["bound_plan"]
+
+
+def _edits_file(tmp_path, *tasks: dict):
+    (tmp_path / "src").mkdir(exist_ok=True)
+    (tmp_path / "src" / "a.py").write_text("def old_name():\n    return 1\n")
+    (tmp_path / "src" / "a_new.py").write_text("def new_name():\n    return 1\n")
+    path = tmp_path / "edits.jsonl"
+    path.write_text("\n".join(json.dumps(t) for t in tasks) + "\n\n")
+    return path
+
+
+def test_an_edits_file_gives_tasks_read_from_its_folder(tmp_path):
+    path = _edits_file(
+        tmp_path,
+        {"name": "by-replacement", "file": "src/a.py", "instruction": "Rename old_name.",
+         "replacements": [["old_name", "new_name"]]},
+        {"name": "by-file", "file": "src/a.py", "instruction": "Rename old_name.",
+         "expected": "src/a_new.py", "prediction": "src/a_new.py", "max_tokens": 7},
+        {"name": "unchecked", "file": "src/a.py", "instruction": "Tidy it."})
+    by_name = {t.name: t for t in predict.load_edits(path)}
+    assert list(by_name) == ["by-replacement", "by-file", "unchecked"]
+    assert by_name["by-replacement"].expected() == by_name["by-file"].expected() == \
+        "def new_name():\n    return 1\n"
+    assert by_name["by-file"].prediction() == "def new_name():\n    return 1\n"
+    assert by_name["by-file"].max_tokens == 7
+    assert by_name["unchecked"].expected() is None
+    assert by_name["unchecked"].prediction() == by_name["unchecked"].original()
+    assert "def old_name" in predict.messages_for(by_name["unchecked"])[1]["content"]
+
+
+@pytest.mark.parametrize(("task", "needle"), [
+    ({"name": "t", "file": "src/nosuch.py", "instruction": "x"}, "No such file"),
+    ({"name": "t", "file": "src/a.py"}, "'instruction' must be a non-empty string"),
+    ({"name": "t", "file": "src/a.py", "instruction": "x", "replacements": [["absent", "y"]]},
+     "'absent' is not in"),
+    ({"name": "t", "file": "src/a.py", "instruction": "x", "replacements": "old,new"},
+     "'replacements' must be a list of [old, new] strings"),
+    ({"name": "t", "file": "src/a.py", "instruction": "x", "max_tokens": 0},
+     "'max_tokens' must be a positive integer"),
+    ({"name": "t", "file": "src/a.py", "instruction": "x", "extra": 1}, "unknown fields ['extra']"),
+    ({"name": "t", "file": "src/a.py", "instruction": "x", "expected": "src/a_new.py",
+      "replacements": [["old_name", "x"]]}, "give 'replacements' or 'expected', not both"),
+    ([1, 2], "a task is a JSON object"),
+])
+def test_a_bad_edit_task_is_one_line_naming_its_line(tmp_path, task, needle, capsys):
+    path = _edits_file(tmp_path, task)
+    with pytest.raises(SystemExit) as stop:
+        predict.main(["--edits", str(path)])
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert stop.value.code == 2 and "Traceback" not in err, err
+    assert f"--edits {path} line 1: " in last and needle in last, last
+
+
+def test_the_tasks_of_an_edits_file_are_the_names_tasks_chooses_from(tmp_path, capsys):
+    path = _edits_file(tmp_path, {"name": "mine", "file": "src/a.py", "instruction": "x"},
+                       {"name": "mine", "file": "src/a.py", "instruction": "y"})
+    with pytest.raises(SystemExit):
+        predict.main(["--edits", str(path)])
+    assert "the name 'mine' is taken by an earlier task" in capsys.readouterr().err
+    path = _edits_file(tmp_path, {"name": "mine", "file": "src/a.py", "instruction": "x"})
+    with pytest.raises(SystemExit):
+        predict.main(["--edits", str(path), "--tasks", "rename-symbol"])
+    assert "argument --tasks: unknown tasks ['rename-symbol']; choose from mine" in \
+        capsys.readouterr().err
