@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.generate import generate_step as stock_generate_step
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
-from mlx_fill.assets.random_models import build, config_for
+from mlx_fill.assets.random_models import SLIDING, build, config_for
 from mlx_fill.core.exactness import arrays_equal, caches_equal
 from mlx_fill.core.loop import generate_step
 from mlx_fill.core.plan import DispatchPlan
@@ -21,7 +21,6 @@ from mlx_fill.core.proposal import FillSession
 from reference_source import ReferenceSource
 
 WINDOW = 16
-SLIDING = ["llama_swa", "gpt_oss", "gemma3_text"]
 PLAN = DispatchPlan(key=None, max_chunk=16, qualified=True)
 
 
