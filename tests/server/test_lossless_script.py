@@ -1,0 +1,54 @@
+"""``scripts.lossless``: fill on against fill off through real servers. The comparison names
+every field that differs, and a short run on the embedded fixture finds none."""
+
+from __future__ import annotations
+
+import pytest
+
+from scripts import lossless
+
+REPLY = {"content": "hi", "tool_calls": [("f", "{}")], "finish": "stop",
+         "usage": {"prompt_tokens": 9, "completion_tokens": 3}}
+
+
+def test_identical_replies_differ_in_nothing_and_fill_counts_must_match_the_completion():
+    on = {**REPLY, "usage": {**REPLY["usage"], "fill": {"emitted": 3, "injected": 2}}}
+    assert lossless.differences(REPLY, on) == []
+    miscounted = {**REPLY, "usage": {**REPLY["usage"], "fill": {"emitted": 4}}}
+    assert lossless.differences(REPLY, miscounted) == [
+        "usage.fill.emitted 4 != completion_tokens 3"]
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ({"content": "ho"}, ["content"]),
+    ({"tool_calls": [("f", '{"a": 1}')]}, ["tool_calls"]),
+    ({"finish": "length"}, ["finish"]),
+    ({"usage": {"prompt_tokens": 9, "completion_tokens": 4}}, ["usage.completion_tokens"]),
+    ({"error": "APIStatusError", "status": 500, "body": "boom"}, ["error", "status", "body"]),
+])
+def test_every_compared_field_that_differs_is_named(change, named):
+    assert lossless.differences(REPLY, {**REPLY, **change}) == named
+
+
+def test_every_group_names_requests_the_script_sends():
+    names = {name for name, _ in lossless.requests()}
+    assert all(name in names for group in lossless.groups() for name, _ in group)
+
+
+def test_a_short_run_through_both_servers_finds_no_difference(capsys):
+    assert lossless.main(["--servers", "serve,hook", "--modes", "strict", "--limit", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "serve   strict          4         0" in out and "hook    strict          4         0" in out
+    assert "DIFFERS" not in out
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--servers", "stock"], "argument --servers: 'stock': name serve, hook or both"),
+    (["--modes", "off"], "argument --modes: 'off': name modes of strict,echo,all"),
+    (["--limit", "0"], "argument --limit: 0 is not at least 1"),
+])
+def test_bad_arguments_are_one_line_before_any_server_starts(argv, needle, capsys):
+    with pytest.raises(SystemExit) as stop:
+        lossless.main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "Traceback" not in err and needle in err.splitlines()[-1], err
