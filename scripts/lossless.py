@@ -9,11 +9,11 @@ For each server path it starts the fill-off server, then each fill-on one, one a
 - ``hook``: stock ``mlx_lm.server`` against ``MLX_FILL=MODE mlx_lm.server`` (the model's stored
   dtype), the requests one at a time and then in groups sent at once (the batched lane).
 
-The requests: prose, tools with every ``tool_choice``, a conversation with earlier calls and
-their results, Predicted Outputs (exact, a prefix, cut mid-token, unrelated, long, holding
-special-token text), ``stop`` strings at several places, small ``max_tokens``, CJK and emoji,
-copies of the prompt, the same request twice (the cross-request store), each streamed and
-whole. Compared per request: content, tool calls (name and arguments), finish reason, prompt
+The requests: prose, an agent's coding session (the demo's) at its first and second turn,
+tools with every ``tool_choice``, a conversation with earlier calls and their results,
+Predicted Outputs (exact, a prefix, cut mid-token, unrelated, long, holding special-token
+text), ``stop`` strings at several places, small ``max_tokens``, CJK and emoji, copies of the
+prompt, the same request twice (the cross-request store), each streamed and whole. Compared per request: content, tool calls (name and arguments), finish reason, prompt
 and completion token counts, an error's status and body; and on the fill-on server that
 ``usage.fill.emitted`` equals ``completion_tokens``. Prints one row per path and mode (requests,
 differing, ids fill injected) and every difference; exits 1 on any.
@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from mlx_fill.core.errors import output_file, positive_int
+from mlx_fill.evidence.demo import DEFAULT_MESSAGES, DEFAULT_TOOLS, TOOL_RESULT
 from mlx_fill.modes import MODES
 from scripts.fuzz import BIN, Server
 
@@ -64,6 +65,11 @@ HISTORY = [*_user("What's the weather in Paris?"),
            {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 18, "sky": "cloudy"}'},
            {"role": "assistant", "content": "It is 18 degrees and cloudy in Paris."},
            *_user("And in Tokyo? Also search for umbrellas.")]
+AGENT_TURN_2 = [*DEFAULT_MESSAGES,
+                {"role": "assistant", "content": "THOUGHT: Find the check first.", "tool_calls": [{
+                    "id": "call_1", "type": "function",
+                    "function": {"name": "bash", "arguments": '{"command": "grep -rn required_columns ."}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": TOOL_RESULT}]
 EDIT = _user("Rename foo to bar. Reply with only the code.\n\n" + CODE)
 WEATHER_Q = _user("What's the weather in Paris?")
 
@@ -72,6 +78,8 @@ def requests() -> list[tuple[str, dict]]:
     """``(name, request keyword arguments)``, each sent whole and streamed."""
     out: list[tuple[str, dict]] = [
         ("prose", dict(messages=_user("What is the capital of France?"), max_tokens=24)),
+        ("agent", dict(messages=DEFAULT_MESSAGES, tools=DEFAULT_TOOLS, max_tokens=64)),
+        ("agent, its second turn", dict(messages=AGENT_TURN_2, tools=DEFAULT_TOOLS, max_tokens=64)),
         ("tools", dict(messages=WEATHER_Q, tools=TOOLS, max_tokens=40)),
         ("history", dict(messages=HISTORY, tools=TOOLS, max_tokens=48)),
         ("history, no tools", dict(messages=HISTORY, max_tokens=32)),
@@ -104,7 +112,7 @@ def requests() -> list[tuple[str, dict]]:
 def groups() -> list[list[tuple[str, dict]]]:
     """Requests sent at once (a batch for ``mlx_lm.server``'s batched lane)."""
     by_name = dict(requests())
-    return [[(n, by_name[n]) for n in ("tools", "prediction exact", "prose")],
+    return [[(n, by_name[n]) for n in ("agent", "prediction exact", "prose")],
             [(n, by_name[n]) for n in ("history", "cjk", "tool_choice named")]]
 
 
