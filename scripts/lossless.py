@@ -35,7 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from mlx_fill.core.errors import output_file, positive_int
+from mlx_fill.assets.fixtures import FIXTURES, REAL_FIXTURES
+from mlx_fill.core.errors import float_in, model_ref, output_file, positive_int
 from mlx_fill.evidence.demo import DEFAULT_MESSAGES, DEFAULT_TOOLS, TOOL_RESULT
 from mlx_fill.modes import MODES
 from scripts.fuzz import BIN, Server
@@ -190,13 +191,16 @@ def run_server(server: Server, cases: list[tuple[str, dict]], sets: list[list[tu
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m scripts.lossless",
                                  description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen3-json", help="fixture name or model directory")
+    ap.add_argument("--model", default="qwen3-json",
+                    help="a fixture name, an mlx-lm model directory or a Hugging Face repo id")
     ap.add_argument("--servers", default="serve,hook", help="of serve,hook")
     ap.add_argument("--modes", default="strict,echo,all", help="fill modes to compare with off")
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                     help="cast the weights (mlx-fill serve only)")
-    ap.add_argument("--limit", type=positive_int, default=None, help="the first N requests only, none sent at once")
-    ap.add_argument("--timeout", type=float, default=300, help="seconds a request may take")
+    ap.add_argument("--limit", type=positive_int, default=None,
+                    help="the first N requests only, none sent at once")
+    ap.add_argument("--timeout", type=float_in(0.0, low_open=True), default=300,
+                    help="seconds a request may take")
     ap.add_argument("--json", type=output_file, default=None, help="write every reply here")
     args = ap.parse_args(argv)
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
@@ -205,9 +209,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"argument --servers: {args.servers!r}: name serve, hook or both")
     if not modes or any(m not in MODES or m == "off" for m in modes):
         ap.error(f"argument --modes: {args.modes!r}: name modes of {','.join(m for m in MODES if m != 'off')}")
-    found = subprocess.run([str(BIN / "mlx-fill"), "fixture", args.model], capture_output=True,
-                           text=True)
-    model = args.model if Path(args.model).is_dir() or found.returncode else found.stdout.strip()
+    if args.model in (*FIXTURES, *REAL_FIXTURES):
+        model = subprocess.run([str(BIN / "mlx-fill"), "fixture", args.model], check=True,
+                               capture_output=True, text=True).stdout.strip()
+    else:
+        try:
+            model = model_ref(args.model)
+        except argparse.ArgumentTypeError as e:
+            ap.error(f"argument --model: {e}")
     cases = requests()[:args.limit]
     sets = [] if args.limit else groups()
     log_dir = Path(tempfile.mkdtemp(prefix="mlx-fill-lossless-"))

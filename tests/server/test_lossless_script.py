@@ -46,6 +46,8 @@ def test_a_short_run_through_both_servers_finds_no_difference(capsys):
     (["--servers", "stock"], "argument --servers: 'stock': name serve, hook or both"),
     (["--modes", "off"], "argument --modes: 'off': name modes of strict,echo,all"),
     (["--limit", "0"], "argument --limit: 0 is not at least 1"),
+    (["--model", "./nosuch"], "argument --model: ./nosuch does not exist"),
+    (["--timeout", "0"], "argument --timeout: 0"),
 ])
 def test_bad_arguments_are_one_line_before_any_server_starts(argv, needle, capsys):
     with pytest.raises(SystemExit) as stop:
