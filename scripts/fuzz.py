@@ -222,6 +222,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The folders fill reads and writes: a server started here uses the caller's. Every other
+# MLX_FILL_* knob is left at its default there (``env`` sets what a server is to run with).
+CACHE_VARIABLES = ("MLX_FILL_CACHE", "MLX_FILL_ASSETS")
+
+
 class Server:
     """One server process on 127.0.0.1, restartable."""
 
@@ -233,7 +238,8 @@ class Server:
 
     def start(self, timeout: float = 300) -> None:
         port = free_port()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_FILL")}
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("MLX_FILL") or k in CACHE_VARIABLES}
         env.update(self.env, HF_HUB_OFFLINE="1")  # a request's "model" never reaches the network
         log = open(self.log_dir / f"{self.name}-{self.restarts}.log", "wb")
         self.proc = subprocess.Popen([*self.argv, "--host", HOST, "--port", str(port)],

@@ -13,8 +13,9 @@ The requests: prose, an agent's coding session (the demo's) at its first and sec
 tools with every ``tool_choice``, a conversation with earlier calls and their results,
 Predicted Outputs (exact, a prefix, cut mid-token, unrelated, long, holding special-token
 text), ``stop`` strings at several places, small ``max_tokens``, CJK and emoji, copies of the
-prompt, the same request twice (the cross-request store), each streamed and whole. Compared per request: content, tool calls (name and arguments), finish reason, prompt
-and completion token counts, an error's status and body; and on the fill-on server that
+prompt, the same request twice (the cross-request store), each streamed and whole. Compared
+per request: content, tool calls (name and arguments), finish reason, prompt and completion
+token counts, an error's status and body; and on the fill-on server that
 ``usage.fill.emitted`` equals ``completion_tokens``. Prints one row per path and mode (requests,
 differing, ids fill injected) and every difference; exits 1 on any.
 
@@ -26,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from mlx_fill.assets.fixtures import FIXTURES, REAL_FIXTURES
+from mlx_fill.assets.fixtures import FIXTURES, REAL_FIXTURES, fixture_path
 from mlx_fill.core.errors import float_in, model_ref, output_file, positive_int
 from mlx_fill.evidence.demo import DEFAULT_MESSAGES, DEFAULT_TOOLS, TOOL_RESULT
 from mlx_fill.modes import MODES
@@ -147,9 +146,6 @@ def reply(client: Any, request: dict, stream: bool) -> dict:
                 "body": body if isinstance(body, (dict, str, type(None))) else str(body)}
 
 
-# The folders fill reads and writes, passed on to the servers (every other MLX_FILL_* knob is
-# left at its default there).
-CACHE_VARIABLES = ("MLX_FILL_CACHE", "MLX_FILL_ASSETS")
 COMPARED = ("content", "tool_calls", "finish", "error", "status", "body")
 
 
@@ -208,10 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     if not servers or any(s not in ("serve", "hook") for s in servers):
         ap.error(f"argument --servers: {args.servers!r}: name serve, hook or both")
     if not modes or any(m not in MODES or m == "off" for m in modes):
-        ap.error(f"argument --modes: {args.modes!r}: name modes of {','.join(m for m in MODES if m != 'off')}")
+        on_modes = ",".join(m for m in MODES if m != "off")
+        ap.error(f"argument --modes: {args.modes!r}: name modes of {on_modes}")
     if args.model in (*FIXTURES, *REAL_FIXTURES):
-        model = subprocess.run([str(BIN / "mlx-fill"), "fixture", args.model], check=True,
-                               capture_output=True, text=True).stdout.strip()
+        model = str(fixture_path(args.model))
     else:
         try:
             model = model_ref(args.model)
@@ -222,13 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="mlx-fill-lossless-"))
     dtype = ["--dtype", args.dtype] if args.dtype else []
 
-    kept = {k: os.environ[k] for k in CACHE_VARIABLES if k in os.environ}
-
     def spec(path: str, mode: str) -> Server:
         if path == "serve":
             argv = [str(BIN / "mlx-fill"), "serve", "--model", model, "--fill", mode, *dtype]
-            return Server(f"serve-{mode}", argv, kept, log_dir)
-        env = kept if mode == "off" else {**kept, "MLX_FILL": mode}
+            return Server(f"serve-{mode}", argv, {}, log_dir)
+        env = {} if mode == "off" else {"MLX_FILL": mode}
         return Server(f"hook-{mode}", [str(BIN / "mlx_lm.server"), "--model", model], env, log_dir)
 
     report: dict = {"model": model, "dtype": args.dtype, "paths": {}}
