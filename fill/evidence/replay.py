@@ -155,14 +155,14 @@ def _message_from_openai(message: dict) -> dict:
     legacy = message.get("function_call")
     if isinstance(legacy, dict) and not message.get("tool_calls"):
         del out["function_call"]
-        message = out = {**out, "tool_calls": [{"type": "function", "function": legacy}]}
+        out["tool_calls"] = [{"type": "function", "function": legacy}]
     if message.get("role") == "function":
         out["role"] = "tool"
     content = message.get("content")
     if isinstance(content, list) and all(isinstance(p, dict) for p in content):
         out["content"] = "".join(p.get("text", "") for p in content
                                  if p.get("type") in TEXT_PARTS and isinstance(p.get("text"), str))
-    calls = message.get("tool_calls")
+    calls = out.get("tool_calls")
     if isinstance(calls, list):
         out["tool_calls"] = [_call_from_openai(c) if isinstance(c, dict) else c for c in calls]
     return out

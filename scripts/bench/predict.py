@@ -163,6 +163,7 @@ def default_tasks() -> list[EditTask]:
     by_name = {t.name: t for t in TASKS}
     return [by_name[n] for n in DEFAULT_TASKS]
 
+
 _EDIT_FIELDS = {"name", "file", "instruction", "replacements", "expected", "prediction", "max_tokens"}
 
 
