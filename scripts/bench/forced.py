@@ -55,6 +55,7 @@ import functools
 import gzip
 import json
 import pickle
+import re
 import platform
 import statistics
 import sys
@@ -90,7 +91,11 @@ from .oracle import RoundRecord, accepted_prefix, curve_plan, oracle_cost, price
 MAX_REPEATS = 1000  # timed decodes per arm and turn
 ARMS = ("plain", "off", "strict", "echo", "suffix", "ngram", "all", "peer-lookup", "peer-suffix")
 PREDICTION = "prediction"  # not a default arm: `all` with the file as last read (--rewrites)
-READ_TOOLS = frozenset({"read", "read_file", "open", "view"})
+READ_TOOLS = frozenset({"read", "read_file", "open", "view"})  # names compared lowercased
+# an editor tool's ``command`` that reads (OpenHands' ``str_replace_editor``, Anthropic's text
+# editor tool: ``view`` returns the file as ``cat -n`` writes it)
+READ_COMMANDS = frozenset({"view"})
+NUMBERED_LINE = re.compile(r" *(\d+)\t")
 PATH_KEYS = ("path", "file_path", "filename")
 OVERALL = "overall"
 ORACLE = "oracle"
@@ -151,11 +156,34 @@ def _path(args: dict) -> str | None:
     return next((args[k] for k in PATH_KEYS if isinstance(args.get(k), str)), None)
 
 
+def is_read(name: str, args: dict) -> bool:
+    """Whether a call reads a file: a read tool (:data:`READ_TOOLS`, any case) or an editor
+    tool's read command (:data:`READ_COMMANDS`)."""
+    return name.lower() in READ_TOOLS or args.get("command") in READ_COMMANDS
+
+
+def file_text(result: str) -> str:
+    """A read's result as the file's text: a ``cat -n`` listing (every line numbered, the
+    numbers consecutive, after at most one header line ending in ``:``) without its numbers;
+    any other result as it is."""
+    lines = result.split("\n")
+    if lines and lines[0].endswith(":") and not NUMBERED_LINE.match(lines[0]):
+        lines = lines[1:]
+    body = lines[:-1] if lines and lines[-1] == "" else lines
+    numbers = [NUMBERED_LINE.match(line) for line in body]
+    if not numbers or not all(numbers):
+        return result
+    first = int(numbers[0].group(1))
+    if [int(n.group(1)) for n in numbers] != list(range(first, first + len(body))):
+        return result
+    return "\n".join(NUMBERED_LINE.sub("", line, count=1) for line in lines)
+
+
 def rewritten_file(messages: Sequence[dict], index: int) -> str | None:
     """The prediction for reply ``messages[index]``: when one of its calls names a path (and is
-    not a read) whose text a read tool (:data:`READ_TOOLS`) returned earlier in the session,
-    that text as last read, JSON-escaped as the call's arguments carry it; else None."""
-    targets = {_path(a) for name, a, _ in _calls(messages[index]) if name not in READ_TOOLS}
+    not a read, :func:`is_read`) whose text a read returned earlier in the session, that text
+    as last read (:func:`file_text`), JSON-escaped as the call's arguments carry it; else None."""
+    targets = {_path(a) for name, a, _ in _calls(messages[index]) if not is_read(name, a)}
     targets.discard(None)
     if not targets:
         return None
@@ -165,11 +193,11 @@ def rewritten_file(messages: Sequence[dict], index: int) -> str | None:
         if m.get("role") == "assistant":
             for name, args, call_id in _calls(m):
                 path = _path(args)
-                if name in READ_TOOLS and path is not None:
+                if is_read(name, args) and path is not None:
                     read_paths[call_id] = path
         elif m.get("role") == "tool" and isinstance(m.get("content"), str) \
                 and m.get("tool_call_id") in read_paths:
-            last[read_paths[m["tool_call_id"]]] = m["content"]
+            last[read_paths[m["tool_call_id"]]] = file_text(m["content"])
     found = [last[p] for p in sorted(targets) if p in last]
     return json.dumps(found[0], ensure_ascii=False)[1:-1] if found else None
 

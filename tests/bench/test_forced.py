@@ -248,6 +248,36 @@ def test_rewritten_file_is_the_file_as_last_read_escaped_as_the_call_carries_it(
     assert forced.rewritten_file(read, 3) is None  # a read rewrites nothing
 
 
+def test_an_editor_view_and_capitalized_tool_names_are_reads():
+    """OpenHands' ``str_replace_editor`` reads with ``command: view`` (a ``cat -n`` listing,
+    read back without its numbers) and edits with another command; a ``Read`` tool reads."""
+    listing = "Here's the result of running `cat -n` on /r/a.py:\n" + "".join(
+        f"{i:6}\t{line}\n" for i, line in enumerate(FILE.splitlines(), 1))
+    view = [{"role": "assistant", "content": "", "tool_calls": [
+                _call("1", "str_replace_editor", {"command": "view", "path": "/r/a.py"})]},
+            {"role": "tool", "tool_call_id": "1", "content": listing}]
+    edit = {"role": "assistant", "content": "", "tool_calls": [_call(
+        "2", "str_replace_editor", {"command": "str_replace", "path": "/r/a.py",
+                                    "old_str": "3.14", "new_str": "pi"})]}
+    assert forced.rewritten_file([*view, edit], len(view)) == json.dumps(FILE)[1:-1]
+    assert forced.rewritten_file(view, 0) is None  # a view rewrites nothing
+    read = [{"role": "assistant", "content": "", "tool_calls": [
+                _call("1", "Read", {"file_path": "a.py"})]},
+            {"role": "tool", "tool_call_id": "1", "content": FILE}]
+    write = {"role": "assistant", "content": "", "tool_calls": [
+        _call("2", "Write", {"file_path": "a.py", "content": FILE})]}
+    assert forced.rewritten_file([*read, write], len(read)) == json.dumps(FILE)[1:-1]
+
+
+@pytest.mark.parametrize("result", [
+    "1\tid\n3\tname\n",  # numbers not consecutive: a table, not a listing
+    "plain text\n",
+    "",
+])
+def test_a_read_result_that_is_no_listing_is_the_file_as_it_is(result):
+    assert forced.file_text(result) == result
+
+
 def test_the_prediction_arm_replays_a_rewrite_identically(tmp_path):
     """``--rewrites`` keeps the turn that rewrites a file read earlier; the ``prediction`` arm
     (``all`` with that file as the prediction) emits the recorded ids."""
