@@ -86,7 +86,8 @@ from mlx_fill.strict.schema import tool_schemas
 from mlx_fill.sources.echo import EchoDraft
 
 from .__main__ import forcing_processor, timed_decode
-from .oracle import RoundRecord, accepted_prefix, curve_plan, oracle_cost, priced_cost
+from .oracle import (RoundRecord, accepted_prefix, curve_plan, oracle_cost, priced_cost,
+                     round_saving)
 
 MAX_REPEATS = 1000  # timed decodes per arm and turn
 ARMS = ("plain", "off", "strict", "echo", "suffix", "ngram", "all", "peer-lookup", "peer-suffix")
@@ -294,7 +295,7 @@ def forced_turns(tok, sessions: list[dict], *, per_source: int | None, max_token
 class RoundLog:
     """Records every round of a session (wraps its ``propose``/``feedback``): whether the
     proposal was asked for with the view's last token pending (a chained round), its policy,
-    length and outcome."""
+    length, outcome and source."""
 
     def __init__(self, session: FillSession):
         self.rounds: list[RoundRecord] = []
@@ -308,7 +309,8 @@ class RoundLog:
 
         def logged_feedback(proposal, accepted, position):
             self.rounds.append(RoundRecord(self._pending, proposal.policy, len(proposal.ids),
-                                           accepted, session.pace.kv_length))
+                                           accepted, session.pace.kv_length,
+                                           proposal.origin.split(":")[0]))
             self.proposed.append((position, tuple(proposal.ids)))
             return feedback(proposal, accepted, position)
 
@@ -428,6 +430,8 @@ class Tally:
     source_ms: float = 0.0
     rejected: int = 0
     accepted_hist: Counter = field(default_factory=Counter)
+    # per proposing source: rounds, proposed and accepted ids, one-row forwards saved (priced)
+    by_source: dict = field(default_factory=lambda: defaultdict(Counter))
     mismatched: int = 0
     capped: Counter = field(default_factory=Counter)  # the oracle's priced cost per span cap
     # the oracle restricted to what `all` had (see :func:`own_spans`): its accepted spans at its
@@ -525,6 +529,10 @@ def run(turns: list[ForcedTurn], *, model, tok, plan: DispatchPlan, repeats: int
                 tally.rejected += sum(r.proposed - r.accepted for r in rounds
                                       if r.policy == "verify" and r.rows)
                 tally.accepted_hist.update(r.accepted for r in rounds if r.rows)
+                for r in rounds:
+                    tally.by_source[r.source].update(
+                        {"rounds": 1, "proposed": r.proposed, "accepted": r.accepted})
+                    tally.by_source[r.source]["saved"] += round_saving(r, plan)
                 same = ids == last["plain"][0] and ids == turn.output
                 tally.mismatched += not same
                 identical &= same
@@ -574,6 +582,11 @@ def summarize(result: dict, projection: bool, wall: bool = True) -> dict:
                          "bookkeeping_share": (round(t.source_ms / tokens / max(step_ms, 1e-9), 4)
                                                if wall else None),
                          "accepted_per_round": {str(k): v for k, v in sorted(t.accepted_hist.items())},
+                         "by_source": {
+                             src: {"rounds": c["rounds"], "proposed": c["proposed"],
+                                   "accepted": c["accepted"],
+                                   "saved_per_tok": round(c["saved"] / tokens, 4)}
+                             for src, c in sorted(t.by_source.items())},
                          "mismatched_turns": t.mismatched}
             if not wall:
                 entry["x_plain"] = priced
@@ -617,6 +630,10 @@ def print_tables(report: dict, arms: Sequence[str]) -> None:
               f"all: {a['bookkeeping_ms_per_tok']:.3f} ms per token{share};  rejected rows per "
               f"token: {a['rejected_per_tok']:.3f}")
         print(f"accepted ids per round (all): {a['accepted_per_round']}")
+        print("one-row forwards saved per token by source (all; rounds, accepted of proposed "
+              "ids): " + ", ".join(
+                  f"{src} {c['saved_per_tok']:.3f} ({c['rounds']}, {c['accepted']}/{c['proposed']})"
+                  for src, c in a["by_source"].items()))
         own = overall[ORACLE]["priced_x_plain_own"]
         print(f"the oracle priced x plain on all's accepted spans {own['accepted']:.3f} (no "
               f"rejected row or wasted round), on any source's span at all's positions "

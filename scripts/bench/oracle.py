@@ -25,13 +25,15 @@ from mlx_fill.core.plan import DispatchPlan
 class RoundRecord:
     """One fill round as the session saw it: ``pending`` (chained: the round's sample leads
     the feed), ``policy``, ``proposed`` ids and how many were ``accepted``; ``kv``: the KV
-    length its rows were appended at (the view's prompt and emitted ids), None: unknown."""
+    length its rows were appended at (the view's prompt and emitted ids), None: unknown;
+    ``source``: the source that proposed it (its origin's first ``:`` field)."""
 
     pending: bool
     policy: str
     proposed: int
     accepted: int
     kv: int | None = None
+    source: str = ""
 
     @property
     def rows(self) -> int:
@@ -64,6 +66,15 @@ def priced_cost(forwards: int, rounds: Sequence[RoundRecord], run_plan: Dispatch
     for r in rounds:
         cost += (price.rows_cost(r.rows, r.kv) if r.rows else 0.0) + price.round_overhead
     return cost
+
+
+def round_saving(r: RoundRecord, price: DispatchPlan) -> float:
+    """One-row forwards round ``r`` saved under ``price``: the plain steps that would have fed
+    the ids it emitted, less its rows and overhead (negative: the round cost more than it
+    emitted). Over a whole reply, the rounds' savings are plain decoding's cost less the arm's
+    (:func:`priced_cost`); a reply cut at a token limit inside a round also saves the step
+    past its last id."""
+    return r.emitted - (price.rows_cost(r.rows, r.kv) if r.rows else 0.0) - price.round_overhead
 
 
 def accepted_prefix(ids: Sequence[int], recorded: Sequence[int], start: int) -> int:

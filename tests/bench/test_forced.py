@@ -12,7 +12,7 @@ from mlx_fill.assets.checkout import TRANSCRIPTS
 from scripts.bench import forced
 from scripts.bench.__main__ import forcing_processor
 from mlx_fill.core.plan import DispatchPlan
-from scripts.bench.oracle import RoundRecord, curve_plan, oracle_cost, priced_cost
+from scripts.bench.oracle import RoundRecord, curve_plan, oracle_cost, priced_cost, round_saving
 
 FLAT = curve_plan([1.0] * 15)  # any chunk up to 16 rows costs one forward, no round overhead
 LINEAR = curve_plan([float(m) for m in range(2, 17)], overhead=0.1)
@@ -42,6 +42,12 @@ def test_priced_cost_counts_steps_rounds_and_overhead():
     # 10 forward calls: the round's one and 9 plain steps
     assert priced_cost(10, rounds, plan, plan) == pytest.approx(9 + 2.5 + 0.25 + 0.25)
     assert rounds[0].emitted == 3 and rounds[1].rows == 0
+    # the 9 plain steps fed 8 ids (the first fed the prompt's last): 11 ids, 12 plain forwards;
+    # what the rounds saved is what plain decoding spends beyond the arm
+    assert round_saving(rounds[0], plan) == pytest.approx(3 - 2.5 - 0.25)
+    assert round_saving(rounds[1], plan) == pytest.approx(-0.25)
+    assert sum(round_saving(r, plan) for r in rounds) == pytest.approx(
+        12 - priced_cost(10, rounds, plan, plan))
 
 
 def test_rounds_and_the_oracle_are_priced_at_their_kv_length():
@@ -120,7 +126,8 @@ def test_short_forced_replay_is_identical_and_reports_every_arm(two_sessions, tm
     report = replay_report(tiny_replay_args(two_sessions, 16, "--curve", "1.1,1.4,1.7"), tmp_path)
     assert report["identical"] is True
     assert set(report["rows"]) == {"overall", "tau_bench_gpt4o_airline", "aider_examples"}
-    for row in report["rows"].values():
+    turns = {"overall": 2, "tau_bench_gpt4o_airline": 1, "aider_examples": 1}
+    for key, row in report["rows"].items():
         assert set(forced.ARMS) | {"oracle"} <= set(row)
         for arm in (*forced.ARMS, "oracle"):
             assert isinstance(row[arm]["x_plain"], float) and row[arm]["x_plain"] > 0
@@ -138,6 +145,14 @@ def test_short_forced_replay_is_identical_and_reports_every_arm(two_sessions, tm
         own = row["oracle"]["priced_x_plain_own"]
         assert (row["all"]["priced_x_plain"] <= own["accepted"] <= own["positions"]
                 <= row["oracle"]["priced_x_plain"])
+        # each source's rounds are what it saved; together, what plain spent beyond the arm
+        # (up to one step per turn: a turn cut at --max-tokens inside a round ends without it)
+        plain_cost = row["turns_tokens"] + turns[key]
+        for arm in ("all", "peer-suffix"):
+            saved = sum(c["saved_per_tok"] for c in row[arm]["by_source"].values())
+            spent = plain_cost - plain_cost / row[arm]["priced_x_plain"]
+            assert saved * row["turns_tokens"] == pytest.approx(spent, abs=turns[key] + 0.1)
+        assert set(row["all"]["by_source"]) <= {"strict", "echo", "suffix", "ngram"}
     overall = report["rows"]["overall"]
     # the ungated peers propose on these turns, and verify accepts recorded ids
     assert sum(overall["peer-lookup"]["accepted_per_round"].values()) > 0
