@@ -59,12 +59,19 @@ class CorruptLine:
     reason: str
 
 
+# what a byte that is not UTF-8 reads as under ``errors="surrogateescape"`` (no UTF-8 text does)
+NOT_UTF8 = re.compile("[\udc80-\udcff]")
+
+
 def _open_text(path: Path):
+    """The file as text lines, gzip or plain; a byte that is not UTF-8 reads as its
+    :data:`NOT_UTF8` escape, so that it spoils its own line only."""
     with open(path, "rb") as fh:
         magic = fh.read(2)
     if magic == b"\x1f\x8b":
-        return gzip.open(path, "rt", encoding="utf-8-sig")
-    return open(path, encoding="utf-8-sig")  # a byte-order mark, as some editors write, is not text
+        return gzip.open(path, "rt", encoding="utf-8-sig", errors="surrogateescape")
+    # a byte-order mark, as some editors write, is not text
+    return open(path, encoding="utf-8-sig", errors="surrogateescape")
 
 
 def load_recordings(path: str | Path) -> tuple[list[dict], list[CorruptLine]]:
@@ -72,8 +79,8 @@ def load_recordings(path: str | Path) -> tuple[list[dict], list[CorruptLine]]:
 
     A session logged as OpenAI chat messages is read in the recording format
     (:func:`as_recording`). A line that is not a JSON object with a ``messages`` list of
-    role-bearing dicts is skipped and returned as a :class:`CorruptLine`; a truncated gzip
-    stream ends the read with one.
+    role-bearing dicts, or that holds bytes that are not UTF-8, is skipped and returned as a
+    :class:`CorruptLine`; a truncated gzip stream ends the read with one.
     """
     sessions, corrupt = [], []
     number = 0
@@ -81,6 +88,10 @@ def load_recordings(path: str | Path) -> tuple[list[dict], list[CorruptLine]]:
         try:
             for number, line in enumerate(fh, 1):
                 if not line.strip():
+                    continue
+                if bad := NOT_UTF8.search(line):
+                    corrupt.append(CorruptLine(number, f"not UTF-8 text (byte "
+                                               f"0x{ord(bad.group()) - 0xdc00:02x} at character {bad.start() + 1})"))
                     continue
                 try:
                     obj = json.loads(line)
@@ -96,7 +107,7 @@ def load_recordings(path: str | Path) -> tuple[list[dict], list[CorruptLine]]:
                     corrupt.append(CorruptLine(number, problem))
                 else:
                     sessions.append(obj)
-        except (EOFError, gzip.BadGzipFile, UnicodeDecodeError) as exc:
+        except (EOFError, gzip.BadGzipFile) as exc:
             corrupt.append(CorruptLine(number + 1, f"unreadable: {exc}"))
     return sessions, corrupt
 

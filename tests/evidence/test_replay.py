@@ -95,6 +95,19 @@ def test_a_byte_order_mark_is_not_a_corrupt_first_line(tmp_path):
     assert corrupt == [] and [s["session_id"] for s in sessions] == ["s-structured"]
 
 
+@pytest.mark.parametrize("gz", [False, True])
+def test_a_line_that_is_not_utf8_is_one_corrupt_line_and_the_rest_is_read(tmp_path, gz):
+    lines = [json.dumps({**_structured(), "session_id": f"s{i}"}).encode() for i in range(60)]
+    lines[30] = json.dumps({"messages": [{"role": "user", "content": "caf\u00e9"}]},
+                           ensure_ascii=False).encode("latin-1")
+    path = tmp_path / "t.jsonl"
+    data = b"\n".join(lines) + b"\n"
+    path.write_bytes(gzip.compress(data) if gz else data)
+    sessions, corrupt = replay.load_recordings(path)
+    assert len(sessions) == 59 and sessions[-1]["session_id"] == "s59"
+    assert [(c.line, c.reason.split(" (")[0]) for c in corrupt] == [(31, "not UTF-8 text")]
+
+
 def test_a_recorded_call_whose_arguments_are_a_json_string_reads_as_the_object():
     """The recording format holds ``arguments`` as an object; a file that holds the JSON string
     instead is read as the OpenAI form is (parsed, the string kept raw), never written twice
