@@ -183,22 +183,25 @@ def file_text(result: str) -> str:
 def rewritten_file(messages: Sequence[dict], index: int) -> str | None:
     """The prediction for reply ``messages[index]``: when one of its calls names a path (and is
     not a read, :func:`is_read`) whose text a read returned earlier in the session, that text
-    as last read (:func:`file_text`), JSON-escaped as the call's arguments carry it; else None."""
+    as last read (:func:`file_text`), JSON-escaped as the call's arguments carry it; else None.
+    A result answers the first unanswered call of the latest reply with calls that has its
+    id, so an id that a harness reuses (in one reply or in every reply) binds as it was meant."""
     targets = {_path(a) for name, a, _ in _calls(messages[index]) if not is_read(name, a)}
     targets.discard(None)
     if not targets:
         return None
-    read_paths: dict[Any, str] = {}  # read call id -> path
+    pending: list[tuple[Any, str | None]] = []  # (id, path it reads or None) of unanswered calls
     last: dict[str, str] = {}
     for m in messages[:index]:
-        if m.get("role") == "assistant":
-            for name, args, call_id in _calls(m):
-                path = _path(args)
-                if is_read(name, args) and path is not None:
-                    read_paths[call_id] = path
-        elif m.get("role") == "tool" and isinstance(m.get("content"), str) \
-                and m.get("tool_call_id") in read_paths:
-            last[read_paths[m["tool_call_id"]]] = file_text(m["content"])
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            pending = [(call_id, _path(args) if is_read(name, args) else None)
+                       for name, args, call_id in _calls(m)]
+        elif m.get("role") == "tool":
+            k = next((k for k, (call_id, _) in enumerate(pending)
+                      if call_id == m.get("tool_call_id")), None)
+            path = None if k is None else pending.pop(k)[1]
+            if path is not None and isinstance(m.get("content"), str):
+                last[path] = file_text(m["content"])
     found = [last[p] for p in sorted(targets) if p in last]
     return json.dumps(found[0], ensure_ascii=False)[1:-1] if found else None
 

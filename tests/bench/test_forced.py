@@ -263,6 +263,23 @@ def test_rewritten_file_is_the_file_as_last_read_escaped_as_the_call_carries_it(
     assert forced.rewritten_file(read, 3) is None  # a read rewrites nothing
 
 
+def test_a_result_answers_the_call_of_its_own_reply_when_ids_repeat():
+    """A harness that numbers calls per reply (``call_0`` in every one) or repeats an id
+    within one reply: each result reads as the answer to its own call."""
+    write = {"role": "assistant", "content": "",
+             "tool_calls": [_call("call_0", "write", {"path": "a.py", "content": FILE})]}
+    reused = [{"role": "assistant", "content": "", "tool_calls": [_call("call_0", "read", {"path": "a.py"})]},
+              {"role": "tool", "tool_call_id": "call_0", "content": FILE},
+              {"role": "assistant", "content": "", "tool_calls": [_call("call_0", "bash", {"cmd": "pytest"})]},
+              {"role": "tool", "tool_call_id": "call_0", "content": "1 failed"}]
+    assert forced.rewritten_file([*reused, write], len(reused)) == json.dumps(FILE)[1:-1]
+    twice = [{"role": "assistant", "content": "", "tool_calls": [
+                 _call("x", "read", {"path": "a.py"}), _call("x", "read", {"path": "b.py"})]},
+             {"role": "tool", "tool_call_id": "x", "content": FILE},
+             {"role": "tool", "tool_call_id": "x", "content": "B = 2\n"}]
+    assert forced.rewritten_file([*twice, write], len(twice)) == json.dumps(FILE)[1:-1]
+
+
 def test_an_editor_view_and_capitalized_tool_names_are_reads():
     """OpenHands' ``str_replace_editor`` reads with ``command: view`` (a ``cat -n`` listing,
     read back without its numbers) and edits with another command; a ``Read`` tool reads."""
