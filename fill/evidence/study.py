@@ -435,6 +435,11 @@ def run(args: argparse.Namespace) -> int:
                        per_source=args.per_source, plan=plan,
                        max_span=args.max_span, workers=args.workers,
                        progress=not args.no_progress)
+    if not result["rows"][BASELINE]["total"]["turns"]:
+        skipped = result["skipped_sessions"]
+        why = f"; {len(skipped)} sessions not rendered (the first: {skipped[0]})" if skipped else ""
+        raise UserError(f"no assistant turn to study in {path}{why}; pass sessions with "
+                        f"assistant replies" + (", or another --family" if skipped else ""))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "study.json").write_text(json.dumps(result, indent=2) + "\n")
     report = markdown_report(result)

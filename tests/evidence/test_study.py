@@ -144,6 +144,22 @@ def test_a_session_the_template_refuses_is_skipped_saying_why():
         render_recording(session, llama, markers(llama))
 
 
+def test_sessions_without_a_turn_to_study_are_one_error_line(tmp_path, capsys):
+    """No assistant reply, or none the template renders: one line saying so, no empty report."""
+    path = tmp_path / "no_turn.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    out = tmp_path / "study"
+    argv = ["study", "--transcripts", str(path), "--sources", "ngram", "--workers", "1",
+            "--out", str(out), "--no-progress"]
+    one_error_line(capsys, argv, f"no assistant turn to study in {path}; pass sessions with")
+    session = _sessions()[0]
+    session["messages"][2]["tool_calls"] *= 2  # Llama 3's template takes one call per reply
+    path.write_text(json.dumps(session) + "\n")
+    one_error_line(capsys, [*argv, "--family", "llama3.x"], "1 sessions not rendered (the first: s1: "
+                   "the chat template refuses the session", "or another --family")
+    assert not out.exists()
+
+
 def test_a_reply_quoting_the_end_of_turn_marker_is_not_cut_into_a_turn(tok):
     session = _sessions()[0]
     quoting = session["messages"][4]
