@@ -133,6 +133,7 @@ def read_sessions(path: Path) -> tuple[list[dict], list[CorruptLine]]:
 
 
 TEXT_PARTS = ("text", "input_text", "output_text")
+CALL_PARTS = ("tool_use", "tool_result")  # a call or its result inside content (Anthropic's Messages API)
 TOOL_CALL_STYLES = ("structured", "inline_text")
 UNNAMED_SOURCE = "(unnamed)"
 
@@ -141,14 +142,16 @@ def as_recording(obj: Any) -> Any:
     """A session in the recording format (anything without a ``messages`` list is returned as
     it is). A session without a ``source`` gets :data:`UNNAMED_SOURCE`. One logged as OpenAI
     chat messages is converted: ``content`` given as parts becomes their text joined (parts of
-    other types are dropped); a tool call ``{"id", "type": "function", "function": {"name",
-    "arguments": str}}`` becomes ``{"id", "name", "arguments": dict, "arguments_raw": str}``
-    (``arguments`` is ``{}`` where the string is not a JSON object), and so does a recorded call
-    whose ``arguments`` is that string; a session whose
-    ``tool_call_style`` is not one of :data:`TOOL_CALL_STYLES` is ``structured`` when it has
-    tools, tool calls or tool results, else ``inline_text``. The API's older form of a call,
-    an assistant's ``function_call`` ``{"name", "arguments": str}`` answered by a ``function``
-    message, reads as a one-call ``tool_calls`` answered by a ``tool`` message."""
+    other types are dropped; content with a part that holds a call or its result,
+    :data:`CALL_PARTS`, is kept as it is, which :func:`load_recordings` reports); a tool call
+    ``{"id", "type": "function", "function": {"name", "arguments": str}}`` becomes ``{"id",
+    "name", "arguments": dict, "arguments_raw": str}`` (``arguments`` is ``{}`` where the
+    string is not a JSON object), and so does a recorded call whose ``arguments`` is that
+    string; a session whose ``tool_call_style`` is not one of :data:`TOOL_CALL_STYLES` is
+    ``structured`` when it has tools, tool calls or tool results, else ``inline_text``. The
+    API's older form of a call, an assistant's ``function_call`` ``{"name", "arguments": str}``
+    answered by a ``function`` message, reads as a one-call ``tool_calls`` answered by a
+    ``tool`` message."""
     if not isinstance(obj, dict) or not isinstance(obj.get("messages"), list):
         return obj
     messages = [_message_from_openai(m) if isinstance(m, dict) else m for m in obj["messages"]]
@@ -170,7 +173,8 @@ def _message_from_openai(message: dict) -> dict:
     if message.get("role") == "function":
         out["role"] = "tool"
     content = message.get("content")
-    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") not in CALL_PARTS
+                                         for p in content):
         out["content"] = "".join(p.get("text", "") for p in content
                                  if p.get("type") in TEXT_PARTS and isinstance(p.get("text"), str))
     calls = out.get("tool_calls")
@@ -215,7 +219,12 @@ def _session_problem(obj) -> str | None:
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             return "a message without a role"
-        if not isinstance(m.get("content"), (str, type(None))):
+        content = m.get("content")
+        if isinstance(content, list) and (parts := [p["type"] for p in content if isinstance(p, dict)
+                                                    and p.get("type") in CALL_PARTS]):
+            return (f"a {parts[0]} content part (Anthropic's Messages format, not read); write "
+                    f"calls as tool_calls and results as role tool messages, as OpenAI chat logs do")
+        if not isinstance(content, (str, type(None))):
             return "a message whose content is not a string"
         calls = m.get("tool_calls") or []
         if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str)

@@ -108,6 +108,21 @@ def test_a_line_that_is_not_utf8_is_one_corrupt_line_and_the_rest_is_read(tmp_pa
     assert [(c.line, c.reason.split(" (")[0]) for c in corrupt] == [(31, "not UTF-8 text")]
 
 
+def test_calls_and_results_logged_as_content_parts_are_a_corrupt_line_not_dropped(tmp_path):
+    """Anthropic's Messages format holds a call (``tool_use``) and its result (``tool_result``)
+    as content parts: read as text, the session would lose them without a word."""
+    call = {"role": "assistant", "content": [{"type": "text", "text": "Reading."}, {
+        "type": "tool_use", "id": "t1", "name": "Read", "input": {"file_path": "a.py"}}]}
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "x"}]}
+    lines = [json.dumps({"messages": [{"role": "user", "content": "hi"}, call]}),
+             json.dumps({"messages": [{"role": "user", "content": "hi"}, result]}),
+             json.dumps(_openai_twin(_structured()))]
+    sessions, corrupt = replay.load_recordings(_write_lines(tmp_path / "t.jsonl", lines))
+    assert len(sessions) == 1
+    assert [(c.line, c.reason.split(" (")[0]) for c in corrupt] == [
+        (1, "a tool_use content part"), (2, "a tool_result content part")]
+
+
 def test_a_recorded_call_whose_arguments_are_a_json_string_reads_as_the_object():
     """The recording format holds ``arguments`` as an object; a file that holds the JSON string
     instead is read as the OpenAI form is (parsed, the string kept raw), never written twice
