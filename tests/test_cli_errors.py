@@ -4,6 +4,7 @@ COMMAND: what is wrong and what to do``, and exit status 2; never a traceback.""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -88,6 +89,17 @@ def test_serve_store_seed_errors(tmp_path, capsys):
     glm = ["serve", "--model", str(fixture_path("glm-xml")), "--port", "0", "--fill", "all"]
     one_error_line(capsys, [*glm, "--store-seed", str(tmp_path / "one.jsonl")],
                    "generation prompt rewrites the messages before it")
+
+
+def test_transcripts_that_are_no_regular_file_are_named_so(capsys):
+    """A device or a pipe (the shell's ``<(zcat FILE)``) exists: it is not called missing, and
+    it is not read as a file of no session (the reader opens a file twice)."""
+    from mlx_fill.assets.fixtures import fixture_path
+    needle = f"{os.devnull} is not a regular file (a pipe or a device); save what it holds"
+    one_error_line(capsys, ["study", "--transcripts", os.devnull], needle)
+    one_error_line(capsys, ["replay", "--sessions", os.devnull, "--url", "http://127.0.0.1:9"], needle)
+    one_error_line(capsys, ["serve", "--model", str(fixture_path("qwen3-json")), "--port", "0",
+                            "--fill", "all", "--store-seed", os.devnull], needle)
 
 
 def test_study_missing_or_malformed_inputs(tmp_path, capsys):

@@ -21,13 +21,19 @@ class UserError(Exception):
     """A mistake the user can fix; the message says what is wrong and what to do."""
 
 
+# what a command says of an input path that exists but is no regular file (a transcripts file
+# is opened more than once, which a pipe such as the shell's ``<(...)`` does not allow)
+NOT_REGULAR = "is not a regular file (a pipe or a device); save what it holds to a file and pass that"
+
+
 def existing_file(value: str) -> Path:
-    """argparse ``type=``: a path that must be an existing file."""
+    """argparse ``type=``: a path that must be an existing (regular) file."""
     path = Path(value)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{value} is a folder; pass a file")
     if not path.is_file():
-        raise argparse.ArgumentTypeError(f"no such file: {value}")
+        raise argparse.ArgumentTypeError(f"{value} {NOT_REGULAR}" if path.exists()
+                                         else f"no such file: {value}")
     return path
 
 

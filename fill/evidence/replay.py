@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from . import report
-from mlx_fill.core.errors import UserError, float_in, int_up_to, output_dir, positive_int
+from mlx_fill.core.errors import NOT_REGULAR, UserError, float_in, int_up_to, output_dir, positive_int
 
 JSON_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
               (list, "array"), (dict, "object"), (type(None), "null"))
@@ -119,8 +119,11 @@ def skipped_lines(corrupt: list[CorruptLine]) -> str:
 
 
 def read_sessions(path: Path) -> tuple[list[dict], list[CorruptLine]]:
-    """:func:`load_recordings` for a command: a file that cannot be read, or holds no session,
-    is a :class:`UserError` that says so (with the first corrupt line's reason)."""
+    """:func:`load_recordings` for a command: a file that cannot be read (a pipe or a device
+    among them: it is opened twice), or holds no session, is a :class:`UserError` that says so
+    (with the first corrupt line's reason)."""
+    if path.exists() and not path.is_file() and not path.is_dir():
+        raise UserError(f"{path} {NOT_REGULAR}")
     try:
         sessions, corrupt = load_recordings(path)
     except OSError as err:
@@ -620,7 +623,7 @@ def run(args) -> int:
     if runs_path.exists():
         raise UserError(f"{runs_path} already exists (an earlier run's); pass another --out "
                         f"or remove that file")
-    if not args.sessions.is_file():
+    if args.sessions.is_dir() or not args.sessions.exists():
         what = "a folder, not a transcripts file" if args.sessions.is_dir() else "no such transcripts file"
         raise UserError(f"{what}: {args.sessions}")
     sessions, corrupt = read_sessions(args.sessions)

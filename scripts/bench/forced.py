@@ -743,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail("--store-seed fills the cross-request store; drop --no-cross-request")
 
     def sessions_of(path: Path) -> list[dict]:
-        if not path.is_file():
+        if path.is_dir() or not path.exists():
             raise UserError(f"{path} is a folder; pass a transcripts file" if path.is_dir()
                             else f"no transcripts file {path}")
         sessions, corrupt = read_sessions(path)

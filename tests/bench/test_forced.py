@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 
 import mlx.core as mx
 import pytest
@@ -358,6 +359,13 @@ def test_a_model_whose_replies_cannot_be_cut_is_one_error_line(two_sessions, cap
     assert forced.main(args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "generation prompt rewrites the messages before it" in err, err
+
+
+def test_transcripts_that_are_no_regular_file_are_one_error_line(capsys):
+    assert forced.main(["--transcripts", os.devnull, "--surrogate"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"forced: {os.devnull} is not a regular file (a pipe or a device); save what " \
+                  f"it holds to a file and pass that\n", err
 
 
 def test_a_file_of_corrupt_lines_is_one_error_line(tmp_path, capsys):
