@@ -632,7 +632,12 @@ def run(args) -> int:
     turns, notes = select_turns(sessions, sources=args.source, max_sessions=args.max_sessions,
                                 turns_per_session=args.turns)
     if not turns:
-        raise UserError(f"no replayable turns selected from {args.sessions}")
+        present = sorted({str(s.get("source")) for s in sessions})
+        if args.source and not set(args.source) & set(present):
+            raise UserError(f"no session of --source {', '.join(args.source)} in {args.sessions}; "
+                            f"pass one of its sources: {', '.join(present)}")
+        raise UserError(f"no assistant turn to replay in {args.sessions}; pass sessions with "
+                        f"assistant replies")
     out_dir.mkdir(parents=True, exist_ok=True)
     clients = {arm: OpenAI(base_url=_base_url(url), api_key="not-needed", timeout=args.timeout, max_retries=0)
                for arm, url in arms.items()}

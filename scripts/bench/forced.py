@@ -777,10 +777,12 @@ def main(argv: list[str] | None = None) -> int:
                                   rewrites=args.rewrites, mk=mk)
     not_rendered = [f"{k} sessions not rendered ({reason})" for reason, k in skipped.items()]
     if not turns:
-        return fail(("no turn rewrites a file a read tool returned earlier (--rewrites); drop "
-                     "--rewrites or pass sessions with such turns" if args.rewrites
-                     else "no assistant turn to replay")
-                    + (f"; {not_rendered[0]}" if not_rendered else ""))
+        what, todo = (("no turn rewrites a file a read tool returned earlier (--rewrites)",
+                       "drop --rewrites or pass sessions with such turns") if args.rewrites
+                      else (f"no assistant turn to replay in "
+                            f"{args.transcripts or 'the held-back sessions'}",
+                            "pass sessions with assistant replies"))
+        return fail("; ".join([what, *not_rendered[:1], todo]))
     for line in not_rendered:
         print(f"forced: {line}", file=sys.stderr)
     longest = max(len(t.prompt) for t in turns)

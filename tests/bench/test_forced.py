@@ -368,6 +368,14 @@ def test_transcripts_that_are_no_regular_file_are_one_error_line(capsys):
                   f"it holds to a file and pass that\n", err
 
 
+def test_sessions_without_an_assistant_turn_are_one_error_line(tmp_path, capsys):
+    path = tmp_path / "no_reply.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hello"}]}) + "\n")
+    assert forced.main(["--transcripts", str(path), "--surrogate"]) == 2
+    assert capsys.readouterr().err == (f"forced: no assistant turn to replay in {path}; pass "
+                                       f"sessions with assistant replies\n")
+
+
 def test_a_file_of_corrupt_lines_is_one_error_line(tmp_path, capsys):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"messages": [{"role": "user", "content": 3}]}\n[1]\n')

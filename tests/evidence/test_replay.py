@@ -330,6 +330,20 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys):
     assert "'x' is given twice" in capsys.readouterr().err
 
 
+def test_no_turn_to_replay_says_why_and_what_to_do(tmp_path, capsys):
+    good = _write_lines(tmp_path / "good.jsonl", [json.dumps(_inline())])
+    argv = ["replay", "--sessions", str(good), "--url", "http://127.0.0.1:9", "--out", str(tmp_path / "o")]
+    assert main([*argv, "--source", "other"]) == 2
+    assert capsys.readouterr().err == (f"mlx-fill replay: no session of --source other in {good}; "
+                                       f"pass one of its sources: unit\n")
+    no_reply = _write_lines(tmp_path / "no_reply.jsonl", [json.dumps(
+        {"messages": [{"role": "system", "content": "hi"}, {"role": "user", "content": "hello"}]})])
+    assert main(["replay", *argv[1:], "--sessions", str(no_reply)]) == 2
+    assert capsys.readouterr().err == (f"mlx-fill replay: no assistant turn to replay in {no_reply}; "
+                                       f"pass sessions with assistant replies\n")
+    assert not (tmp_path / "o").exists()
+
+
 def test_unreachable_endpoint_is_recorded_not_raised(tmp_path, capsys):
     from openai import OpenAI
 
