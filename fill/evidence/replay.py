@@ -90,8 +90,9 @@ def load_recordings(path: str | Path) -> tuple[list[dict], list[CorruptLine]]:
                 if not line.strip():
                     continue
                 if bad := NOT_UTF8.search(line):
-                    corrupt.append(CorruptLine(number, f"not UTF-8 text (byte "
-                                               f"0x{ord(bad.group()) - 0xdc00:02x} at character {bad.start() + 1})"))
+                    byte = ord(bad.group()) - 0xdc00
+                    corrupt.append(CorruptLine(number, f"not UTF-8 text (byte 0x{byte:02x} at "
+                                                       f"character {bad.start() + 1})"))
                     continue
                 try:
                     obj = json.loads(line)
