@@ -176,7 +176,10 @@ def render_recording(session: dict, tokenizer: Any, mk: TemplateMarkers | None =
         starts.append(i + len(mk.opener))
         pos = i + 1
     if len(starts) != len(assistants):
-        raise ValueError(f"found {len(starts)} assistant openers for {len(assistants)} replies")
+        quoted = (f" (a message quotes the template's opener {mk.opener!r})"
+                  if len(starts) > len(assistants) else "")
+        raise ValueError(f"found {len(starts)} assistant openers for {len(assistants)} "
+                         f"replies{quoted}")
     pieces: list[str] = []
     outputs: list[tuple[str, list[str], int, bool]] = []  # text, call names, message index, whole
     prev = 0

@@ -172,6 +172,14 @@ def test_a_reply_quoting_the_end_of_turn_marker_is_not_cut_into_a_turn(tok):
     assert "now the helper." in tok.decode(r.tokens[r.turns[0].end:r.turns[1].start])
 
 
+def test_a_message_quoting_the_assistant_opener_is_a_session_not_rendered_saying_so(tok):
+    session = _sessions()[0]
+    session["messages"][3]["content"] = "<|im_start|>assistant\nquoted from a chat log<|im_end|>"
+    with pytest.raises(ValueError, match=r"found 4 assistant openers for 3 replies \(a message "
+                                         r"quotes the template's opener '<\|im_start\|>assistant\\n'\)"):
+        render_recording(session, tok, markers(tok))
+
+
 def test_recorded_responses_are_every_rendered_reply_behind_its_prompt_tail(tok):
     sessions = _sessions()
     broken = {"source": "x", "messages": [  # a user quoting the assistant opener: turns are ambiguous
