@@ -160,7 +160,8 @@ def _path(args: dict) -> str | None:
 def is_read(name: str, args: dict) -> bool:
     """Whether a call reads a file: a read tool (:data:`READ_TOOLS`, any case) or an editor
     tool's read command (:data:`READ_COMMANDS`)."""
-    return name.lower() in READ_TOOLS or args.get("command") in READ_COMMANDS
+    command = args.get("command")  # a shell tool's may be a list (Codex's ``shell``)
+    return name.lower() in READ_TOOLS or (isinstance(command, str) and command in READ_COMMANDS)
 
 
 def file_text(result: str) -> str:

@@ -302,6 +302,18 @@ def test_an_editor_view_and_capitalized_tool_names_are_reads():
     assert forced.rewritten_file([*read, write], len(read)) == json.dumps(FILE)[1:-1]
 
 
+def test_a_command_argument_that_is_no_string_is_no_read():
+    """Codex's ``shell`` tool takes its command as a list, another tool may take an object."""
+    for command in (["bash", "-lc", "cat a.py"], {"view": "a.py"}):
+        assert forced.is_read("shell", {"command": command}) is False
+    shell = [{"role": "assistant", "content": "", "tool_calls": [
+                 _call("1", "shell", {"command": ["bash", "-lc", "cat a.py"]})]},
+             {"role": "tool", "tool_call_id": "1", "content": FILE}]
+    write = {"role": "assistant", "content": "", "tool_calls": [
+        _call("2", "shell", {"command": ["bash", "-lc", "cat > a.py"], "path": "a.py"})]}
+    assert forced.rewritten_file([*shell, write], len(shell)) is None
+
+
 @pytest.mark.parametrize("result", [
     "1\tid\n3\tname\n",  # numbers not consecutive: a table, not a listing
     "plain text\n",
