@@ -243,17 +243,20 @@ def _session_problem(obj) -> str | None:
 
 def _encodable(obj: Any) -> bool:
     """Whether every string in ``obj`` encodes to UTF-8 (JSON's ``\\ud800`` escapes decode to
-    lone surrogates, which no tokenizer or file takes)."""
-    if isinstance(obj, str):
-        try:
-            obj.encode("utf-8")
-        except UnicodeEncodeError:
-            return False
-        return True
-    if isinstance(obj, dict):
-        return all(_encodable(k) and _encodable(v) for k, v in obj.items())
-    if isinstance(obj, list):
-        return all(_encodable(v) for v in obj)
+    lone surrogates, which no tokenizer or file takes). Walked without recursion: a value
+    nested as deeply as JSON reads is checked too."""
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return False
+        elif isinstance(item, dict):
+            stack += [*item.keys(), *item.values()]
+        elif isinstance(item, list):
+            stack += item
     return True
 
 

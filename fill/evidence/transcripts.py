@@ -154,7 +154,8 @@ def _decoded(call: dict) -> dict:
 def render_recording(session: dict, tokenizer: Any, mk: TemplateMarkers | None = None
                    ) -> RenderedSession:
     """Render and tokenize one recorded session (see the module contract). Raises ValueError
-    when the rendering cannot be cut into turns unambiguously."""
+    when the session cannot be rendered (a template that refuses it, a value nested too deeply)
+    or the rendering cannot be cut into turns unambiguously."""
     mk = mk or markers(tokenizer)
     structured = session.get("tool_call_style") == "structured"
     if not structured:
@@ -165,8 +166,12 @@ def render_recording(session: dict, tokenizer: Any, mk: TemplateMarkers | None =
             raise ValueError(f"tools: expected a list of tool objects, got {type(tools).__name__}")
     else:
         tools, origin = synthesize_tools(session["messages"]) or None, "synthesized"
-    history = template_history(_render_history(session))
-    text = _render(tokenizer, history, tools)
+    try:
+        history = template_history(_render_history(session))
+        text = _render(tokenizer, history, tools)
+    except RecursionError as e:  # JSON reads deeper than Python's encoders and templates recurse
+        raise ValueError("the session holds a value nested too deeply to render (tool "
+                         "arguments or a tool schema)") from e
     assistants = [(i, m) for i, m in enumerate(history) if m["role"] == "assistant"]
     starts, pos = [], 0
     while True:

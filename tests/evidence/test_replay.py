@@ -123,6 +123,16 @@ def test_calls_and_results_logged_as_content_parts_are_a_corrupt_line_not_droppe
         (1, "a tool_use content part"), (2, "a tool_result content part")]
 
 
+def test_arguments_nested_as_deeply_as_json_reads_are_checked_without_recursion(tmp_path):
+    deep = '{"a": ' * 600 + '"x"' + "}" * 600
+    line = json.dumps({"messages": [{"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": deep}}]}]})
+    lone = line.replace('\\"x\\"', '\\"\\\\ud800\\"')
+    sessions, corrupt = replay.load_recordings(_write_lines(tmp_path / "t.jsonl", [line, lone]))
+    assert len(sessions) == 1 and sessions[0]["messages"][0]["tool_calls"][0]["arguments_raw"] == deep
+    assert [(c.line, c.reason.split(" (")[0]) for c in corrupt] == [(2, "text that is not Unicode")]
+
+
 def test_a_recorded_call_whose_arguments_are_a_json_string_reads_as_the_object():
     """The recording format holds ``arguments`` as an object; a file that holds the JSON string
     instead is read as the OpenAI form is (parsed, the string kept raw), never written twice

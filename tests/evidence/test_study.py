@@ -180,6 +180,16 @@ def test_a_message_quoting_the_assistant_opener_is_a_session_not_rendered_saying
         render_recording(session, tok, markers(tok))
 
 
+def test_a_value_nested_too_deeply_to_render_is_a_session_not_rendered(tok):
+    session = _sessions()[0]
+    deep: object = "x"
+    for _ in range(5000):
+        deep = {"a": deep}
+    session["messages"][2]["tool_calls"][0]["arguments"] = {"path": deep}
+    with pytest.raises(ValueError, match="a value nested too deeply to render"):
+        render_recording(session, tok, markers(tok))
+
+
 def test_recorded_responses_are_every_rendered_reply_behind_its_prompt_tail(tok):
     sessions = _sessions()
     broken = {"source": "x", "messages": [  # a user quoting the assistant opener: turns are ambiguous
