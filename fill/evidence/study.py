@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import time
 from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
@@ -287,12 +288,15 @@ def run_study(path: Path, family: str, row_names: list[str], *, sessions: int | 
                 futs = [ex.submit(_worker, (str(path), family, d, row_names, plan_json, max_span,
                                             w, q)) for w, d in enumerate(deals)]
                 with tqdm(total=len(picks), desc="sessions", disable=not progress) as bar:
-                    done = 0
-                    while done < len(picks):
-                        q.get()
+                    done = 0  # a worker that failed counts no more sessions: stop waiting for them
+                    while done < len(picks) and not any(f.done() and f.exception() for f in futs):
+                        try:
+                            q.get(timeout=1.0)
+                        except queue.Empty:
+                            continue
                         done += 1
                         bar.update(1)
-                parts = [f.result() for f in futs]
+                parts = [f.result() for f in futs]  # a worker's exception is raised here
     elapsed = time.time() - t0
     with_cost = plan is not None
     rows_out: dict[str, Any] = {}

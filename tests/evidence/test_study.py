@@ -262,6 +262,13 @@ def test_rounds_are_gated_and_priced_at_the_kv_length_they_append_at(tmp_path):
     assert got["cost"] > free["cost"] + 2.0 * rounds, (got, free)
 
 
+def test_a_worker_that_fails_raises_its_error_not_a_wait_for_its_sessions(transcripts):
+    """The workers load the family's tokenizer themselves: one that cannot raises in each."""
+    from mlx_fill.assets.store import UnknownFamily
+    with pytest.raises(UnknownFamily):
+        run_study(transcripts, "no-such-family", ["ngram"], workers=2, progress=False)
+
+
 def test_cli_writes_json_report_and_plot(transcripts, tmp_path, capsys):
     out = tmp_path / "study"
     code = cli.main(["study", "--transcripts", str(transcripts), "--sources", "ngram",
