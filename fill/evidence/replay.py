@@ -69,9 +69,8 @@ def _open_text(path: Path):
     with open(path, "rb") as fh:
         magic = fh.read(2)
     if magic == b"\x1f\x8b":
-        return gzip.open(path, "rt", encoding="utf-8-sig", errors="surrogateescape")
-    # a byte-order mark, as some editors write, is not text
-    return open(path, encoding="utf-8-sig", errors="surrogateescape")
+        return gzip.open(path, "rt", encoding="utf-8", errors="surrogateescape")
+    return open(path, encoding="utf-8", errors="surrogateescape")
 
 
 def load_recordings(path: str | Path) -> tuple[list[dict], list[CorruptLine]]:
@@ -87,6 +86,9 @@ def load_recordings(path: str | Path) -> tuple[list[dict], list[CorruptLine]]:
     with _open_text(Path(path)) as fh:
         try:
             for number, line in enumerate(fh, 1):
+                # a byte-order mark, as some editors write (at the start of every file that
+                # was joined into this one), is not text
+                line = line.removeprefix("\ufeff")
                 if not line.strip():
                     continue
                 if bad := NOT_UTF8.search(line):

@@ -95,6 +95,15 @@ def test_a_byte_order_mark_is_not_a_corrupt_first_line(tmp_path):
     assert corrupt == [] and [s["session_id"] for s in sessions] == ["s-structured"]
 
 
+def test_a_byte_order_mark_of_a_joined_file_is_not_a_corrupt_line(tmp_path):
+    """``cat a.jsonl b.jsonl`` where each was saved with a byte-order mark."""
+    one = b"\xef\xbb\xbf" + (json.dumps(_structured()) + "\n").encode()
+    path = tmp_path / "joined.jsonl"
+    path.write_bytes(one + one + b"\xef\xbb\xbf\n")
+    sessions, corrupt = replay.load_recordings(path)
+    assert corrupt == [] and len(sessions) == 2
+
+
 @pytest.mark.parametrize("gz", [False, True])
 def test_a_line_that_is_not_utf8_is_one_corrupt_line_and_the_rest_is_read(tmp_path, gz):
     lines = [json.dumps({**_structured(), "session_id": f"s{i}"}).encode() for i in range(60)]
