@@ -168,11 +168,12 @@ _EDIT_FIELDS = {"name", "file", "instruction", "replacements", "expected", "pred
 
 
 def load_edits(path: Path) -> tuple[EditTask, ...]:
-    """The tasks of an edits file (the module docstring's format), each checked: its files read
-    as UTF-8 text and every replacement's ``old`` occurs in the file. Raises UserError naming
-    the line and what is wrong."""
+    """The tasks of an edits file (the module docstring's format; UTF-8, a leading BOM allowed,
+    one task per ``\n``-ended line), each checked: its files read as UTF-8 text and every
+    replacement's ``old`` occurs in the file. Raises UserError naming the line and what is
+    wrong."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8-sig").split("\n")
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"--edits {path}: cannot read it ({e})") from None
     folder = path.resolve().parent
@@ -182,9 +183,15 @@ def load_edits(path: Path) -> tuple[EditTask, ...]:
             continue
         where = f"--edits {path} line {n}"
         try:
-            task = _edit_task(json.loads(line), folder)
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{where}: not a JSON object ({e.msg} at column {e.colno})") from None
+        except RecursionError:
+            raise UserError(f"{where}: not a JSON object (nested too deep)") from None
+        try:
+            task = _edit_task(obj, folder)
             task.original(), task.expected(), task.prediction()
-        except (ValueError, OSError, RecursionError) as e:
+        except (ValueError, OSError) as e:
             raise UserError(f"{where}: {e}") from None
         if task.name in {t.name for t in tasks}:
             raise UserError(f"{where}: the name {task.name!r} is taken by an earlier task")

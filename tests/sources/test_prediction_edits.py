@@ -154,3 +154,23 @@ def test_the_tasks_of_an_edits_file_are_the_names_tasks_chooses_from(tmp_path, c
         predict.main(["--edits", str(path), "--tasks", "rename-symbol"])
     assert "argument --tasks: unknown tasks ['rename-symbol']; choose from mine" in \
         capsys.readouterr().err
+
+
+def test_an_edits_file_is_read_as_its_writers_write_it(tmp_path):
+    """A leading BOM, CRLF line ends and a raw U+2028 inside a string (JSON allows it; ``JSON.stringify``
+    and ``ensure_ascii=False`` write it) keep one task per line."""
+    path = _edits_file(tmp_path)
+    task = {"name": "mine", "file": "src/a.py", "instruction": "Rename\u2028old_name \u540d\u524d."}
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(task, ensure_ascii=False).encode() + b"\r\n")
+    (only,) = predict.load_edits(path)
+    assert only.instruction == task["instruction"]
+
+
+def test_a_line_that_is_not_json_says_so_at_its_column(tmp_path, capsys):
+    path = _edits_file(tmp_path, {"name": "mine", "file": "src/a.py", "instruction": "x"})
+    path.write_text(path.read_text() + "# a comment\n")
+    with pytest.raises(SystemExit) as stop:
+        predict.main(["--edits", str(path)])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == 2
+    assert last.endswith(f"--edits {path} line 3: not a JSON object (Expecting value at column 1)"), last
