@@ -35,8 +35,9 @@ multi-row forward costs against a step differs between machines and with their l
 line, ``{"name", "file", "instruction"}`` and optionally ``"replacements": [[old, new], ...]``
 (each ``old`` in the file; the expected file follows) or ``"expected"`` (the edited file's
 path), ``"prediction"`` (the path of the text sent as the prediction; default ``file``) and
-``"max_tokens"``; paths are relative to the edits file's folder. Without ``replacements`` or
-``expected`` the edit itself is not checked (``edit ok`` reads None).
+``"max_tokens"``; paths are relative to the edits file's folder, and the files are read as
+they are (UTF-8, ``\\r\\n`` kept; the reply is checked line for line). Without ``replacements``
+or ``expected`` the edit itself is not checked (``edit ok`` reads None).
 
 Exits 1 when any arm's ids differ from ``off`` or the usage counts differ from the trace.
 """
@@ -86,7 +87,7 @@ class EditTask:
     expected_path: str | None = None
 
     def original(self) -> str:
-        text = (ROOT / self.path).read_text(encoding="utf-8")
+        text = read_text(ROOT / self.path)
         if self.typo is not None:
             word, misspelled = self.typo
             if text.count(word) != 1:
@@ -97,20 +98,34 @@ class EditTask:
     def expected(self) -> str | None:
         """The edited file, or None where the task gives no way to know it."""
         if self.expected_path is not None:
-            return (ROOT / self.expected_path).read_text(encoding="utf-8")
+            return read_text(ROOT / self.expected_path)
         if not self.replacements:
             return None
-        text = self.original()
+        text = original = self.original()
         for old, new in self.replacements:
             if old not in text:
-                raise ValueError(f"task {self.name}: {old!r} is not in {self.path}")
+                why = (" after the replacements before it" if old in original else
+                       " (its lines end in \\r\\n)" if "\n" in old and "\r\n" in original else "")
+                raise ValueError(f"task {self.name}: {old!r} is not in {self.path}{why}")
             text = text.replace(old, new)
         return text
 
     def prediction(self) -> str:
         if self.prediction_path is None:
             return self.original()
-        return (ROOT / self.prediction_path).read_text(encoding="utf-8")
+        return read_text(ROOT / self.prediction_path)
+
+
+def read_text(path: Path) -> str:
+    """The file at ``path`` as it is, line ends kept (an editor predicts the file it holds);
+    ValueError naming the file when it is not UTF-8 text or the path cannot be opened."""
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except ValueError as e:
+        raise ValueError(f"cannot open {str(path)!r} ({e})") from None
 
 
 _MODEL_REF = '''
@@ -243,6 +258,12 @@ def edited_file(text: str) -> str:
     return match.group(1) if match else text
 
 
+def edit_made(reply: str, expected: str) -> bool:
+    """Whether the file in ``reply`` is ``expected`` line for line (its line ends and trailing
+    blank space aside: a model writes ``\\n`` where the file has ``\\r\\n``)."""
+    return edited_file(reply).rstrip().splitlines() == expected.rstrip().splitlines()
+
+
 def coverage(out: list[int], predicted: list[int]) -> float:
     """Share of ``out`` inside blocks it shares with ``predicted`` (``difflib`` on ids)."""
     if not out:
@@ -359,7 +380,7 @@ def run_task(task: EditTask, *, model, tok, repeats: int, max_tokens: int, rate:
     expected = task.expected()
     result = {"task": task.name, "file": task.path, "prompt_tokens": len(ids),
               "predicted_tokens": len(predicted), "output_tokens": len(off),
-              "edit_correct": (edited_file(text).rstrip() == expected.rstrip()
+              "edit_correct": (edit_made(text, expected)
                                if expected is not None and len(off) < max_tokens else None),
               "coverage": round(coverage(off, predicted), 3),
               "prefill_s": round(prefill_s, 2), "arms": {}}

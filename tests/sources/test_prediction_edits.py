@@ -174,3 +174,43 @@ def test_a_line_that_is_not_json_says_so_at_its_column(tmp_path, capsys):
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert stop.value.code == 2
     assert last.endswith(f"--edits {path} line 3: not a JSON object (Expecting value at column 1)"), last
+
+
+def test_an_edit_task_reads_its_files_as_they_are(tmp_path):
+    """CRLF line ends reach the prompt, the prediction and the expected file unchanged, and a
+    replacement matches them."""
+    path = _edits_file(tmp_path, {"name": "crlf", "file": "src/w.py", "instruction": "Rename f.",
+                                  "replacements": [["def f():\r\n", "def g():\r\n"]]})
+    (tmp_path / "src" / "w.py").write_bytes(b"def f():\r\n    return 1\r\n")
+    (task,) = predict.load_edits(path)
+    assert task.original() == task.prediction() == "def f():\r\n    return 1\r\n"
+    assert task.expected() == "def g():\r\n    return 1\r\n"
+    assert "def f():\r\n    return 1\r\n" in predict.messages_for(task)[1]["content"]
+
+
+@pytest.mark.parametrize(("task", "needle"), [
+    ({"name": "t", "file": "src/w.py", "instruction": "x", "replacements": [["def f():\n", "y"]]},
+     "'def f():\\n' is not in {folder}/src/w.py (its lines end in \\r\\n)"),
+    ({"name": "t", "file": "src/a.py", "instruction": "x",
+      "replacements": [["old_name", "new_name"], ["old_name()", "x()"]]},
+     "'old_name()' is not in {folder}/src/a.py after the replacements before it"),
+    ({"name": "t", "file": "src/latin1.py", "instruction": "x"},
+     "{folder}/src/latin1.py is not UTF-8 text (invalid continuation byte at byte 3)"),
+    ({"name": "t", "file": "src/a.py", "instruction": "x", "prediction": "src/latin1.py"},
+     "{folder}/src/latin1.py is not UTF-8 text"),
+])
+def test_a_file_or_replacement_that_does_not_fit_is_named(tmp_path, task, needle, capsys):
+    path = _edits_file(tmp_path, task)
+    (tmp_path / "src" / "w.py").write_bytes(b"def f():\r\n    return 1\r\n")
+    (tmp_path / "src" / "latin1.py").write_bytes("caf\u00e9 = 1\n".encode("latin-1"))
+    with pytest.raises(SystemExit) as stop:
+        predict.main(["--edits", str(path)])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == 2
+    assert f"--edits {path} line 1: " in last and needle.format(folder=tmp_path) in last, last
+
+
+def test_an_edit_is_made_whatever_line_ends_the_reply_writes():
+    expected = "def g():\r\n    return 1\r\n"
+    assert predict.edit_made("```python\ndef g():\n    return 1\n```", expected)
+    assert not predict.edit_made("```python\ndef f():\n    return 1\n```", expected)
