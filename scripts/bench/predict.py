@@ -225,6 +225,14 @@ def _edit_task(obj, folder: Path) -> EditTask:
     for key in ("name", "file", "instruction"):
         if not isinstance(obj.get(key), str) or not obj[key]:
             raise ValueError(f"{key!r} must be a non-empty string")
+    if "," in obj["name"] or obj["name"] != obj["name"].strip():
+        raise ValueError("'name' must hold no comma and no blank space at its ends (--tasks "
+                         "picks tasks by name)")
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"a string holds {e.object[e.start]!r}, half of a UTF-16 surrogate pair, "
+                         "which is not text") from None
     for key in ("expected", "prediction"):
         if key in obj and (not isinstance(obj[key], str) or not obj[key]):
             raise ValueError(f"{key!r} must be a path")

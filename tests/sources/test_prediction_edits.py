@@ -132,6 +132,10 @@ def test_an_edits_file_gives_tasks_read_from_its_folder(tmp_path):
     ({"name": "t", "file": "src/a.py", "instruction": "x", "expected": "src/a_new.py",
       "replacements": [["old_name", "x"]]}, "give 'replacements' or 'expected', not both"),
     ([1, 2], "a task is a JSON object"),
+    ({"name": "a,b", "file": "src/a.py", "instruction": "x"}, "'name' must hold no comma"),
+    ({"name": "t ", "file": "src/a.py", "instruction": "x"}, "'name' must hold no comma"),
+    ({"name": "t", "file": "src/a.py", "instruction": "x \ud83c"},
+     "a string holds '\\ud83c', half of a UTF-16 surrogate pair"),
 ])
 def test_a_bad_edit_task_is_one_line_naming_its_line(tmp_path, task, needle, capsys):
     path = _edits_file(tmp_path, task)
