@@ -65,7 +65,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ARMS = ("off", "prediction", "prediction+all")
 SYSTEM = ("You are a coding assistant that edits files. Apply exactly the requested change and "
           "reply with the complete edited file in one code block, nothing else.")
-_FENCE = re.compile(r"```[\w+-]*\n(.*?)```", re.DOTALL)
+_FENCE = re.compile(r"(`{3,})[^`\n]*\n(.*?)\1`*[ \t]*$", re.DOTALL | re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -255,15 +255,21 @@ def _edit_task(obj, folder: Path) -> EditTask:
 
 
 def messages_for(task: EditTask) -> list[dict]:
+    """The request: the instruction and the file in a code block whose fence is longer than
+    any run of backticks in the file and closes on a line of its own."""
     lang = {".py": "python", ".sh": "bash", ".toml": "toml"}.get(Path(task.path).suffix, "")
+    text = task.original()
+    fence = "`" * max(3, 1 + max(map(len, re.findall("`+", text)), default=0))
+    body = text if text.endswith("\n") or not text else text + "\n"
     return [{"role": "system", "content": SYSTEM},
-            {"role": "user", "content": f"{task.instruction}\n\n```{lang}\n{task.original()}```"}]
+            {"role": "user", "content": f"{task.instruction}\n\n{fence}{lang}\n{body}{fence}"}]
 
 
 def edited_file(text: str) -> str:
-    """The file in the model's reply: the first fenced block's body, else the whole reply."""
+    """The file in the model's reply: the first fenced block's body (to the first line that
+    ends in its fence), else the whole reply."""
     match = _FENCE.search(text)
-    return match.group(1) if match else text
+    return match.group(2) if match else text
 
 
 def edit_made(reply: str, expected: str) -> bool:

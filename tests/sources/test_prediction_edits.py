@@ -218,3 +218,22 @@ def test_an_edit_is_made_whatever_line_ends_the_reply_writes():
     expected = "def g():\r\n    return 1\r\n"
     assert predict.edit_made("```python\ndef g():\n    return 1\n```", expected)
     assert not predict.edit_made("```python\ndef f():\n    return 1\n```", expected)
+
+
+def test_a_file_holding_fences_or_no_last_newline_is_one_code_block_each_way(tmp_path):
+    """The prompt's fence outlasts the file's own backticks and closes on its own line; the reply's
+    block is read to its own closing fence, so a correct edit of such a file is one."""
+    path = _edits_file(
+        tmp_path,
+        {"name": "md", "file": "src/r.md", "instruction": "Rename.", "replacements": [["old", "new"]]},
+        {"name": "bare", "file": "src/b.py", "instruction": "Rename.", "replacements": [["f", "g"]]})
+    (tmp_path / "src" / "r.md").write_text("# R\n\n```sh\nold\n```\n")
+    (tmp_path / "src" / "b.py").write_text("f = 1")
+    md, bare = predict.load_edits(path)
+    assert predict.messages_for(md)[1]["content"] == "Rename.\n\n````\n# R\n\n```sh\nold\n```\n````"
+    assert predict.messages_for(bare)[1]["content"] == "Rename.\n\n```python\nf = 1\n```"
+    assert predict.edit_made("````markdown\n# R\n\n```sh\nnew\n```\n````\n", md.expected())
+    assert predict.edit_made("Here:\n```python\ng = 1\n```\nDone.", bare.expected())
+    assert predict.edit_made("```python\ng = 1```", bare.expected())
+    for task in predict.TASKS:  # the built-in prompts are as they were
+        assert predict.messages_for(task)[1]["content"].endswith(f"\n{task.original()}```")
