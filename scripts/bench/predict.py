@@ -201,8 +201,8 @@ def load_edits(path: Path) -> tuple[EditTask, ...]:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise UserError(f"{where}: not a JSON object ({e.msg} at column {e.colno})") from None
-        except RecursionError:
-            raise UserError(f"{where}: not a JSON object (nested too deep)") from None
+        except (ValueError, RecursionError) as e:
+            raise UserError(f"{where}: not a JSON object ({e})") from None
         try:
             task = _edit_task(obj, folder)
             task.original(), task.expected(), task.prediction()

@@ -170,14 +170,20 @@ def test_an_edits_file_is_read_as_its_writers_write_it(tmp_path):
     assert only.instruction == task["instruction"]
 
 
-def test_a_line_that_is_not_json_says_so_at_its_column(tmp_path, capsys):
+@pytest.mark.parametrize(("line", "needle"), [
+    ("# a comment", "not a JSON object (Expecting value at column 1)"),
+    ('{"max_tokens": ' + "9" * 5000 + "}", "not a JSON object (Exceeds the limit"),
+    ("[" * 100_000, "not a JSON object (maximum recursion depth exceeded"),
+])
+def test_a_line_that_is_not_json_says_so(tmp_path, line, needle, capsys):
     path = _edits_file(tmp_path, {"name": "mine", "file": "src/a.py", "instruction": "x"})
-    path.write_text(path.read_text() + "# a comment\n")
+    path.write_text(path.read_text() + line + "\n")
     with pytest.raises(SystemExit) as stop:
         predict.main(["--edits", str(path)])
-    last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert stop.value.code == 2
-    assert last.endswith(f"--edits {path} line 3: not a JSON object (Expecting value at column 1)"), last
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert stop.value.code == 2 and "Traceback" not in err
+    assert f"--edits {path} line 3: {needle}" in last, last
 
 
 def test_an_edit_task_reads_its_files_as_they_are(tmp_path):
