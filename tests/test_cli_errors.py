@@ -172,6 +172,18 @@ def test_qualify_refuses_an_unwritable_cache_before_measuring(tmp_path, monkeypa
     one_error_line(capsys, ["qualify", "--quick", "--model", str(model)], "is a file")
 
 
+def test_qualify_out_refuses_a_pipe_it_would_replace(tmp_path, monkeypatch, capsys):
+    """The plan is renamed onto ``--out``: a pipe or a device there (``/dev/null``) would be
+    removed, so it is refused before anything is measured."""
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    monkeypatch.setattr("mlx_fill.core.model_folder.load_model_folder",
+                        lambda *a, **k: pytest.fail("measured before checking --out"))
+    one_error_line(capsys, ["qualify", "--quick", "--model", str(fixtures.fixture_path("qwen3-json")),
+                            "--out", str(pipe)], "not a regular file", "pass a file path")
+    assert pipe.is_fifo()
+
+
 def test_serve_names_a_corrupt_ledger_in_one_line(tmp_path, monkeypatch):
     """The ledger holds the only record of past disagreements: never reset, and never a
     traceback."""

@@ -139,6 +139,17 @@ def output_file(value: str) -> Path:
     return path
 
 
+def replaced_file(value: str) -> Path:
+    """argparse ``type=``: :func:`output_file`, for a writer that replaces the file whole (a new
+    file renamed onto the path): not an existing pipe or device, which the rename would remove."""
+    path = output_file(value)
+    if path.exists() and not path.is_file():
+        raise argparse.ArgumentTypeError(f"cannot write {value}: it is not a regular file (a pipe "
+                                         f"or a device), and writing would replace it; pass a "
+                                         f"file path")
+    return path
+
+
 def output_dir(value: str) -> Path:
     """argparse ``type=``: a folder to write files into: an existing folder, or a path where one
     can be created (the writer creates it)."""

@@ -25,7 +25,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
-from .errors import UserError, int_up_to, model_dir, output_file, unwritable
+from .errors import UserError, int_up_to, model_dir, replaced_file, unwritable
 from .exactness import arrays_equal, cache_content
 from .model_folder import vocab_size
 from .plan import (COST_KV, DispatchPlan, PlanKey, cached_dir, config_key, format_cost, format_key,
@@ -530,7 +530,7 @@ def format_table(plan: DispatchPlan, checks: list[Check]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, type=model_dir, help="mlx-lm model directory")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and KV lengths")
-    parser.add_argument("--out", type=output_file, default=None,
+    parser.add_argument("--out", type=replaced_file, default=None,
                         help="plan file (default: the user cache's plans/ dir)")
     parser.add_argument("--repeats", type=int_up_to(MAX_REPEATS), default=None,
                         help=f"timing repeats per size, at most {MAX_REPEATS} (default: 3 with "
