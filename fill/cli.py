@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import stat
 import sys
 
 from mlx_fill.core.errors import UserError
@@ -62,6 +64,21 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``mlx-fill ARGV`` (default: the process's arguments); the exit code. A reader of
+    stdout that leaves early (``mlx-fill plan ... | head``) ends the command quietly, as it
+    ends any other command of a pipeline: exit 141 (128 + SIGPIPE), the rest not printed."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        if not stat.S_ISFIFO(os.fstat(sys.stdout.fileno()).st_mode):
+            raise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush
+        return 141
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:  # no command: the usage, as for any other missing argument
         print(_usage(), file=sys.stderr)

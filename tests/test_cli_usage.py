@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -63,6 +64,21 @@ def test_plan_missing_empty_or_weightless_model_dir_in_a_real_process(tmp_path):
     assert proc.stderr.count("\n") == 1 and "/no/such/dir does not exist" in proc.stderr, proc.stderr
     proc = subprocess.run([mlx_fill], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith("usage: mlx-fill")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"]])
+def test_a_reader_that_leaves_early_ends_the_command_quietly(argv):
+    """``mlx-fill ... | head``: what the gone reader did not take is dropped, without a
+    traceback, and the exit is a pipeline's for a command whose reader left (128 + SIGPIPE)."""
+    mlx_fill = str(Path(sys.executable).parent / "mlx-fill")
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([mlx_fill, *argv], stdout=write, stderr=subprocess.PIPE, text=True,
+                              timeout=120)
+    finally:
+        os.close(write)
+    assert proc.returncode == 141 and proc.stderr == "", proc.stderr
 
 
 @pytest.mark.parametrize("command", ["plan", "qualify", "serve"])
