@@ -32,7 +32,6 @@ and ``MLX_FILL_PROMOTE_AFTER`` (agreements needed, default 50), read by :func:`s
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
 from collections.abc import Sequence
@@ -44,7 +43,7 @@ from mlx_fill.core.model_folder import vocab_size
 from mlx_fill.core.paths import user_cache_dir
 from mlx_fill.core.plan import env_plan_problem, unqualified
 from mlx_fill.modes import check_mode
-from mlx_fill.core.resolve import plan_for
+from mlx_fill.core.resolve import budget_problem, plan_for
 from mlx_fill.sources.prediction import ORIGIN as PREDICTION
 from mlx_fill.sources.prediction import (PredictionSource, checked_ids, prediction_text,
                                          prediction_usage)
@@ -145,13 +144,6 @@ def server_ledger(model_key: str, tokenizer: Any):
     return load_ledger(model_key, template, promote_after=after, eligible=eligible)
 
 
-def _number_or_nan(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        return math.nan
-
-
 def check_env() -> None:
     """Validate the environment knobs once (at patch / server start): :class:`BadEnvironment`
     (or the cache folder's :class:`UserError`) naming the variable, instead of every request
@@ -172,10 +164,8 @@ def check_env() -> None:
         if problem:
             raise BadEnvironment(f"MLX_FILL_TRACE={trace} cannot be appended to: {problem}; "
                                  f"name a file to append the trace to")
-    budget = os.environ.get("MLX_FILL_QUALIFY_BUDGET_S")
-    if budget and not 0 <= _number_or_nan(budget) < math.inf:
-        raise BadEnvironment(f"MLX_FILL_QUALIFY_BUDGET_S={budget!r} is not a number of seconds "
-                             f"(0 or more); set it to e.g. 120 or unset it")
+    if budget := budget_problem():
+        raise BadEnvironment(budget)
     if plan_problem := env_plan_problem():
         raise BadEnvironment(plan_problem)
     user_cache_dir()  # MLX_FILL_CACHE / XDG_CACHE_HOME: a folder that can hold files

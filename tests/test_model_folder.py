@@ -121,6 +121,17 @@ def test_plan_refuses_a_plan_file_it_cannot_read_as_serve_does(tmp_path, monkeyp
                    f"MLX_FILL_PLAN={tmp_path}/missing.json is unreadable (FileNotFoundError")
 
 
+@pytest.mark.parametrize("value", ["abc", "-1", "nan", "inf"])
+def test_plan_refuses_a_qualify_budget_it_cannot_use_as_serve_does(value, tmp_path, monkeypatch,
+                                                                   capsys):
+    """``plan`` is what qualifies on first use: a budget it cannot read is not silently 120 s."""
+    monkeypatch.setenv("MLX_FILL_QUALIFY_BUDGET_S", value)
+    monkeypatch.setattr("mlx_fill.core.model_folder.load_model_folder",
+                        lambda *a, **k: pytest.fail("loaded before checking the budget"))
+    one_error_line(capsys, ["plan", "--model", str(fixture_path("qwen3-json"))],
+                   f"MLX_FILL_QUALIFY_BUDGET_S={value!r} is not a number of seconds")
+
+
 def test_a_trace_file_that_cannot_be_opened_at_a_request_is_named(tmp_path, monkeypatch):
     """A library caller that never ran ``check_env`` (or a folder removed since) gets the knob
     named, not the bare ``OSError``."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import logging
+import math
 import os
 import sys
 import threading
@@ -84,6 +85,19 @@ def budget_s() -> float:
         return max(0.0, float(os.environ.get("MLX_FILL_QUALIFY_BUDGET_S", DEFAULT_BUDGET_S)))
     except ValueError:
         return DEFAULT_BUDGET_S
+
+
+def budget_problem() -> str | None:
+    """Why ``$MLX_FILL_QUALIFY_BUDGET_S`` is no number of seconds (0 or more, finite), in one
+    line naming the fix; None when it is one, or unset or empty."""
+    budget = os.environ.get("MLX_FILL_QUALIFY_BUDGET_S")
+    try:
+        if not budget or 0 <= float(budget) < math.inf:
+            return None
+    except ValueError:
+        pass
+    return (f"MLX_FILL_QUALIFY_BUDGET_S={budget!r} is not a number of seconds (0 or more); set "
+            f"it to e.g. 120 or unset it")
 
 
 def _measure(model: Any, lookup: Lookup, prior: DispatchPlan | None, memo: tuple) -> None:
@@ -325,8 +339,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from mlx_fill.core.model_folder import load_model_folder
 
-    if plan_problem := env_plan_problem():
-        raise UserError(plan_problem)
+    if problem := env_plan_problem() or budget_problem():
+        raise UserError(problem)
     model, _ = load_model_folder(args.model, tokenizer=False)
     print(format_resolution(resolve(model, qualify=not args.no_qualify, wait=True)))
     return 0
