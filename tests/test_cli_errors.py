@@ -50,6 +50,23 @@ def test_assets_unknown_family(capsys):
     one_error_line(capsys, ["assets", "path", "qwen4"], "invalid choice")
 
 
+def test_assets_fetch_never_replaces_what_it_did_not_write(tmp_path, monkeypatch, capsys):
+    """A ``--dest`` whose FAMILY/ is a file, or a folder holding the user's own files, is named
+    before any download; an earlier fetch's folder is the one thing a fetch replaces."""
+    monkeypatch.setattr("mlx_fill.assets.fetch.build_families",
+                        lambda *a, **k: pytest.fail("downloaded before checking --dest"))
+    (tmp_path / "qwen3").write_text("mine")
+    one_error_line(capsys, ["assets", "fetch", "qwen3", "--dest", str(tmp_path)],
+                   f"cannot fetch qwen3 into {tmp_path / 'qwen3'}: it is a file", "--dest")
+    (tmp_path / "qwen3").unlink()
+    (tmp_path / "qwen3").mkdir()
+    (tmp_path / "qwen3" / "notes.txt").write_text("mine")
+    (tmp_path / "qwen3" / "tokenizer.json").write_text("{}")
+    one_error_line(capsys, ["assets", "fetch", "qwen3", "--dest", str(tmp_path)],
+                   "it holds notes.txt, not asset files", "move it away")
+    assert (tmp_path / "qwen3" / "notes.txt").read_text() == "mine"
+
+
 def test_audit_corpus_without_tools_and_malformed_cases(tmp_path, capsys):
     one_error_line(capsys, ["audit", "--family", "qwen3", "--corpus", str(tmp_path / "none")], "no corpus folder")
     one_error_line(capsys, ["audit", "--family", "qwen3", "--corpus", str(tmp_path)],

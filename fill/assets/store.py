@@ -192,13 +192,15 @@ def fetch(families: list[str], dest: Path | None = None) -> list[Path]:
     ``.tiktoken`` rank files into ``vocab.json``/``merges.txt``/``tokenizer.json`` with
     ``assets_bpe``, and assembles each folder in a scratch folder under ``dest``; a folder is
     moved to ``dest/<family>`` only once it is complete, so an interrupted fetch leaves nothing
-    that counts. Raises ``FetchFailed`` when a download fails and ``HashMismatch`` on any
-    difference (the mismatching folder is left in place for inspection, never used silently)."""
+    that counts; it replaces an earlier fetch's folder, and nothing else (a
+    :class:`UserError` before any download). Raises ``FetchFailed`` when a download fails and
+    ``HashMismatch`` on any difference (the mismatching folder is left in place for inspection,
+    never used silently)."""
     from .fetch import build_families
 
-    for family in families:
-        _check_family(family)
     dest = Path(dest) if dest is not None else cache_root()
+    for family in families:
+        _check_replaceable(dest / family, family)
     dest.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".fetch-", dir=dest))
     try:
@@ -212,6 +214,21 @@ def fetch(families: list[str], dest: Path | None = None) -> list[Path]:
     for family, folder in zip(families, folders):
         verify(folder, family)
     return folders
+
+
+def _check_replaceable(folder: Path, family: str) -> None:
+    """:class:`UnknownFamily` for an unknown ``family``; :class:`UserError` when a fetch may not
+    replace ``folder``: it is a file, or holds a file no fetch of ``family`` writes (the user's,
+    which replacing the folder would delete)."""
+    names = manifest(family)
+    if not folder.exists():
+        return
+    foreign = (sorted(p.name for p in folder.iterdir() if p.name not in names)
+               if folder.is_dir() else None)
+    if foreign is None or foreign:
+        what = "is a file" if foreign is None else f"holds {', '.join(foreign)}, not asset files"
+        raise UserError(f"cannot fetch {family} into {folder}: it {what}; move it away or "
+                        f"fetch into another folder (--dest)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
