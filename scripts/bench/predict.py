@@ -1,8 +1,9 @@
 """Predicted Outputs on file edits: fill with the original file as ``prediction`` vs plain decoding.
 
-Each task is a real file of this repository (28-121 lines) and a real edit instruction (rename a
-symbol or a method at every call, change a constant, delete a block, insert a line, add a
-parameter, fix a misspelling planted in the file); the model is asked to reply with the
+Each task is a real file of this repository (28-129 lines, a copy frozen under
+``fixtures/edits/`` as its results were measured) and a real edit instruction (rename a symbol
+or a method at every call, change a constant, delete a block, insert a line, add a parameter,
+fix a misspelling planted in the file); the model is asked to reply with the
 whole edited file, and the request's OpenAI ``prediction`` is the original file, as an editor's
 "apply edit" sends it. One task gives the prediction of another file (useless: what the flag
 costs where nothing matches). Arms, in one run, interleaved on the same prefilled prompt (every
@@ -140,36 +141,39 @@ def model_ref(value: str) -> str:
     return value
 '''
 
+# Every task's files are frozen copies under fixtures/edits/ (as its results were measured), so a
+# task stays the task whose numbers are reported while the package's own files change.
 TASKS: tuple[EditTask, ...] = (
-    EditTask("rename-symbol", "fill/modes.py",
+    EditTask("rename-symbol", "fixtures/edits/fill/modes.py",
              "Rename the function `check_mode` to `normalize_mode`.",
              (("def check_mode(", "def normalize_mode("),)),
-    EditTask("change-constant", "setup.py",
+    EditTask("change-constant", "fixtures/edits/setup.py",
              'In the HOOKS constant, change the folder name "hooks" to "startup".',
              (('/ "adapters" / "hooks" /', '/ "adapters" / "startup" /'),)),
-    EditTask("delete-block", "fill/core/errors.py",
+    EditTask("delete-block", "fixtures/edits/fill/core/errors.py",
              "Delete the function `model_ref` (its definition and body).",
              ((_MODEL_REF, ""),)),
-    EditTask("insert-line", "fill/__init__.py",
+    EditTask("insert-line", "fixtures/edits/fill/__init__.py",
              'In _EXPORTS, add the entry `"predicted_count": "mlx_fill.session",` right after the '
              '`"usage_extra"` entry.',
              (('    "usage_extra": "mlx_fill.session",\n',
                '    "usage_extra": "mlx_fill.session",\n    "predicted_count": "mlx_fill.session",\n'),)),
-    EditTask("add-parameter", "adapters/mlx_lm.py",
+    EditTask("add-parameter", "fixtures/edits/adapters/mlx_lm.py",
              "Add a keyword parameter `label: str = \"fill\"` to `_with_telemetry` (after `fill`) "
              "and do not use it anywhere.",
              (("def _with_telemetry(responses: Iterator[Any], fill: FillSession)",
                "def _with_telemetry(responses: Iterator[Any], fill: FillSession, label: str = \"fill\")"),)),
-    EditTask("fix-typo", "spec/ngram.py",
+    EditTask("fix-typo", "fixtures/edits/spec/ngram.py",
              "Fix the misspelled word in the module docstring.",
              (("behavoiur", "behaviour"),), typo=("behaviour", "behavoiur")),
     EditTask("rename-method", "fixtures/edits/combine.py",
              "Rename the method `_score_shadows` to `_score_shadow_drafts` (its definition and "
              "every call).",
              (("_score_shadows(", "_score_shadow_drafts("),)),
-    EditTask("useless-prediction", "fill/modes.py",
+    EditTask("useless-prediction", "fixtures/edits/fill/modes.py",
              "Rename the function `check_mode` to `normalize_mode`.",
-             (("def check_mode(", "def normalize_mode("),), prediction_path="setup.py", max_tokens=96),
+             (("def check_mode(", "def normalize_mode("),), prediction_path="fixtures/edits/setup.py",
+             max_tokens=96),
 )
 DEFAULT_TASKS = ("rename-symbol", "change-constant", "useless-prediction")
 

@@ -35,6 +35,18 @@ def test_every_task_expects_a_real_edit_of_a_real_file():
         assert 25 <= len(task.original().splitlines()) <= 300, task.name
 
 
+def test_every_task_edits_a_frozen_copy_so_its_reported_numbers_stay_its_own():
+    """The package's files change; a task's file and prediction are copies under
+    fixtures/edits/, each of the line count its reported row names."""
+    lines = {"rename-symbol": 28, "delete-block": 129, "add-parameter": 52, "fix-typo": 75,
+             "rename-method": 121}
+    for task in predict.TASKS:
+        for path in (task.path, task.prediction_path or task.path):
+            assert path.startswith("fixtures/edits/"), (task.name, path)
+        if task.name in lines:
+            assert len(task.original().splitlines()) == lines[task.name], task.name
+
+
 def test_two_task_edit_run_is_identical_and_counts_match_the_trace(loaded):
     model, tok = loaded
     rate = predict.best_round_rate(plan_for(model), env_max_span())
