@@ -55,8 +55,8 @@ import functools
 import gzip
 import json
 import pickle
-import re
 import platform
+import re
 import statistics
 import sys
 import time
@@ -534,9 +534,9 @@ def run(turns: list[ForcedTurn], *, model, tok, plan: DispatchPlan, repeats: int
                                       if r.policy == "verify" and r.rows)
                 tally.accepted_hist.update(r.accepted for r in rounds if r.rows)
                 for r in rounds:
-                    tally.by_source[r.source].update(
-                        {"rounds": 1, "proposed": r.proposed, "accepted": r.accepted})
-                    tally.by_source[r.source]["saved"] += round_saving(r, plan)
+                    tally.by_source[r.source].update({
+                        "rounds": 1, "proposed": r.proposed, "accepted": r.accepted,
+                        "saved": round_saving(r, plan)})
                 same = ids == last["plain"][0] and ids == turn.output
                 tally.mismatched += not same
                 identical &= same

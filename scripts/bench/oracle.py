@@ -55,26 +55,29 @@ def round_forwards(rounds: Sequence[RoundRecord], plan: DispatchPlan) -> int:
     return sum(len(plan.chunks(0, r.rows)) for r in rounds if r.rows)
 
 
+def round_cost(r: RoundRecord, price: DispatchPlan) -> float:
+    """Round ``r`` in one-row forwards under ``price``: its rows plus the round overhead; a
+    draft rejected against the in-flight sample (no rows) the overhead alone."""
+    return (price.rows_cost(r.rows, r.kv) if r.rows else 0.0) + price.round_overhead
+
+
 def priced_cost(forwards: int, rounds: Sequence[RoundRecord], run_plan: DispatchPlan,
                 price: DispatchPlan) -> float:
     """An arm's decode in one-row forwards under ``price``'s curve and round overhead:
     ``forwards`` (every forward call the decode ran, as ``FillStats.forwards`` counts them,
-    chunked by ``run_plan``) less the rounds' own are plain steps at 1 each; every round costs
-    its rows plus the overhead, a draft rejected against the in-flight sample the overhead."""
+    chunked by ``run_plan``) less the rounds' own are plain steps at 1 each, and every round
+    costs :func:`round_cost`."""
     steps = forwards - round_forwards(rounds, run_plan)
-    cost = float(steps)
-    for r in rounds:
-        cost += (price.rows_cost(r.rows, r.kv) if r.rows else 0.0) + price.round_overhead
-    return cost
+    return float(steps) + sum(round_cost(r, price) for r in rounds)
 
 
 def round_saving(r: RoundRecord, price: DispatchPlan) -> float:
     """One-row forwards round ``r`` saved under ``price``: the plain steps that would have fed
-    the ids it emitted, less its rows and overhead (negative: the round cost more than it
+    the ids it emitted, less :func:`round_cost` (negative: the round cost more than it
     emitted). Over a whole reply, the rounds' savings are plain decoding's cost less the arm's
     (:func:`priced_cost`); a reply cut at a token limit inside a round also saves the step
     past its last id."""
-    return r.emitted - (price.rows_cost(r.rows, r.kv) if r.rows else 0.0) - price.round_overhead
+    return r.emitted - round_cost(r, price)
 
 
 def accepted_prefix(ids: Sequence[int], recorded: Sequence[int], start: int) -> int:
