@@ -22,7 +22,7 @@ Rendering contract for the recorded history:
 
 A turn is an assistant message that follows a non-assistant message. Corrupt transcript lines
 (unparsable JSON, no ``messages`` list) are skipped and reported. Sessions logged as OpenAI chat
-messages are read too (:func:`as_recording`).
+or Anthropic Messages are read too (:mod:`mlx_fill.evidence.log_formats`).
 
 Timing is client-side, from sending the request: ``wall_s`` to the end of the reply, ``ttft_s``
 to the first content or tool-call delta, ``first_tool_call_s`` to the first tool-call delta
@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from . import report
+from .log_formats import CALL_PARTS, as_recording
 from mlx_fill.core.errors import NOT_REGULAR, UserError, float_in, int_up_to, output_dir, positive_int
 
 JSON_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
@@ -76,8 +77,8 @@ def _open_text(path: Path):
 def load_recordings(path: str | Path) -> tuple[list[dict], list[CorruptLine]]:
     """Sessions from a transcripts JSONL file (gzip detected by magic bytes).
 
-    A session logged as OpenAI chat messages is read in the recording format
-    (:func:`as_recording`). A line that is not a JSON object with a ``messages`` list of
+    A session logged as OpenAI chat or Anthropic Messages is read in the recording format
+    (:func:`~mlx_fill.evidence.log_formats.as_recording`). A line that is not a JSON object with a ``messages`` list of
     role-bearing dicts, or that holds bytes that are not UTF-8, is skipped and returned as a
     :class:`CorruptLine`; a truncated gzip stream ends the read with one.
     """
@@ -138,84 +139,6 @@ def read_sessions(path: Path) -> tuple[list[dict], list[CorruptLine]]:
     return sessions, corrupt
 
 
-TEXT_PARTS = ("text", "input_text", "output_text")
-CALL_PARTS = ("tool_use", "tool_result")  # a call or its result inside content (Anthropic's Messages API)
-TOOL_CALL_STYLES = ("structured", "inline_text")
-UNNAMED_SOURCE = "(unnamed)"
-
-
-def as_recording(obj: Any) -> Any:
-    """A session in the recording format (anything without a ``messages`` list is returned as
-    it is). A session without a ``source`` gets :data:`UNNAMED_SOURCE`. One logged as OpenAI
-    chat messages is converted: ``content`` given as parts becomes their text joined (parts of
-    other types are dropped; content with a part that holds a call or its result,
-    :data:`CALL_PARTS`, is kept as it is, which :func:`load_recordings` reports); a tool call
-    ``{"id", "type": "function", "function": {"name", "arguments": str}}`` becomes ``{"id",
-    "name", "arguments": dict, "arguments_raw": str}`` (``arguments`` is ``{}`` where the
-    string is not a JSON object), and so does a recorded call whose ``arguments`` is that
-    string; a session whose ``tool_call_style`` is not one of :data:`TOOL_CALL_STYLES` is
-    ``structured`` when it has tools, tool calls or tool results, else ``inline_text``. The
-    API's older form of a call, an assistant's ``function_call`` ``{"name", "arguments": str}``
-    answered by a ``function`` message, reads as a one-call ``tool_calls`` answered by a
-    ``tool`` message."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("messages"), list):
-        return obj
-    messages = [_message_from_openai(m) if isinstance(m, dict) else m for m in obj["messages"]]
-    if not isinstance(obj.get("source"), str) or not obj["source"]:
-        obj = {**obj, "source": UNNAMED_SOURCE}
-    if obj.get("tool_call_style") not in TOOL_CALL_STYLES:
-        tooled = obj.get("tools") or any(isinstance(m, dict) and (
-            m.get("tool_calls") or m.get("role") == "tool") for m in messages)
-        obj = {**obj, "tool_call_style": "structured" if tooled else "inline_text"}
-    return {**obj, "messages": messages}
-
-
-def _message_from_openai(message: dict) -> dict:
-    out = dict(message)
-    legacy = message.get("function_call")
-    if isinstance(legacy, dict) and not message.get("tool_calls"):
-        del out["function_call"]
-        out["tool_calls"] = [{"type": "function", "function": legacy}]
-    if message.get("role") == "function":
-        out["role"] = "tool"
-    content = message.get("content")
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") not in CALL_PARTS
-                                         for p in content):
-        out["content"] = "".join(p.get("text", "") for p in content
-                                 if p.get("type") in TEXT_PARTS and isinstance(p.get("text"), str))
-    calls = out.get("tool_calls")
-    if isinstance(calls, list):
-        out["tool_calls"] = [_call_from_openai(c) if isinstance(c, dict) else c for c in calls]
-    return out
-
-
-def _call_from_openai(call: dict) -> dict:
-    function = call.get("function")
-    if "name" in call or not isinstance(function, dict):
-        raw = call.get("arguments")
-        if not isinstance(raw, str):
-            return call
-        return {**call, "arguments": arguments_object(raw), "arguments_raw": call.get("arguments_raw", raw)}
-    raw = function.get("arguments")
-    out = {k: v for k, v in call.items() if k not in ("function", "type")}
-    out["name"] = function.get("name")
-    out["arguments"] = arguments_object(raw)
-    if isinstance(raw, str):
-        out["arguments_raw"] = raw
-    return out
-
-
-def arguments_object(raw: Any) -> dict:
-    """The object a tool call's ``arguments`` hold (a JSON string parsed); ``{}`` when they
-    hold no JSON object."""
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except (ValueError, RecursionError):
-            return {}
-    return raw if isinstance(raw, dict) else {}
-
-
 def _session_problem(obj) -> str | None:
     if not isinstance(obj, dict):
         return "not a JSON object"
@@ -228,8 +151,9 @@ def _session_problem(obj) -> str | None:
         content = m.get("content")
         if isinstance(content, list) and (parts := [p["type"] for p in content if isinstance(p, dict)
                                                     and p.get("type") in CALL_PARTS]):
-            return (f"a {parts[0]} content part (Anthropic's Messages format, not read); write "
-                    f"calls as tool_calls and results as role tool messages, as OpenAI chat logs do")
+            return (f"a {parts[0]} content part in a message of role {m['role']} (Anthropic's Messages "
+                    f"format: calls in an assistant message, their results, text or text parts, "
+                    f"in the user message after it)")
         if not isinstance(content, (str, type(None))):
             return "a message whose content is not a string"
         calls = m.get("tool_calls") or []

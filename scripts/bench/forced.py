@@ -76,7 +76,8 @@ from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.primitive import checkpoint, restore
 from mlx_fill.core.proposal import FillSession, Pace
 from mlx_fill.core.resolve import plan_for
-from mlx_fill.evidence.replay import arguments_object, read_sessions, skipped_lines
+from mlx_fill.evidence.log_formats import arguments_object
+from mlx_fill.evidence.replay import read_sessions, skipped_lines
 from mlx_fill.evidence.transcripts import TemplateMarkers, markers, render_recording, seed_store
 from mlx_fill.session import check_env
 from mlx_fill.spec.base import DraftProposalSource

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from adapter_models import free_port, running_server
 
-from mlx_fill.evidence import replay
+from mlx_fill.evidence import log_formats, replay
 from mlx_fill.cli import main
 from mlx_fill.core.errors import UserError
 from mlx_fill.assets.checkout import TRANSCRIPTS
@@ -117,19 +117,69 @@ def test_a_line_that_is_not_utf8_is_one_corrupt_line_and_the_rest_is_read(tmp_pa
     assert [(c.line, c.reason.split(" (")[0]) for c in corrupt] == [(31, "not UTF-8 text")]
 
 
-def test_calls_and_results_logged_as_content_parts_are_a_corrupt_line_not_dropped(tmp_path):
-    """Anthropic's Messages format holds a call (``tool_use``) and its result (``tool_result``)
-    as content parts: read as text, the session would lose them without a word."""
-    call = {"role": "assistant", "content": [{"type": "text", "text": "Reading."}, {
-        "type": "tool_use", "id": "t1", "name": "Read", "input": {"file_path": "a.py"}}]}
-    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "x"}]}
-    lines = [json.dumps({"messages": [{"role": "user", "content": "hi"}, call]}),
-             json.dumps({"messages": [{"role": "user", "content": "hi"}, result]}),
-             json.dumps(_openai_twin(_structured()))]
+def _anthropic_log() -> dict:
+    """A session as Anthropic's Messages API logs it: ``system`` and ``tools`` at the top level,
+    calls as ``tool_use`` parts, their results as ``tool_result`` parts of the next user
+    message (one of them given as parts, beside an image), thinking and text around them."""
+    return {"system": [{"type": "text", "text": "be brief"}],
+            "tools": [{"name": "find", "description": "look up", "input_schema": {
+                "type": "object", "properties": {"who": {"type": "string"}}, "required": ["who"]}},
+                      {"type": "bash_20250124", "name": "bash"}],
+            "messages": [
+                {"role": "user", "content": "look up alice"},
+                {"role": "assistant", "content": [
+                    {"type": "thinking", "thinking": "two lookups", "signature": "x"},
+                    {"type": "text", "text": "Looking."},
+                    {"type": "tool_use", "id": "t1", "name": "find", "input": {"who": "alice"}},
+                    {"type": "tool_use", "id": "t2", "name": "bash", "input": {"command": "ls"}}]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": "t1", "content": "alice: 1"},
+                    {"type": "tool_result", "tool_use_id": "t2", "content": [
+                        {"type": "text", "text": "a.py"}, {"type": "image", "source": {}}]},
+                    {"type": "text", "text": "and bob?"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "Done."}]}]}
+
+
+def test_an_anthropic_messages_log_reads_as_its_recording(tmp_path):
+    path = _write_lines(tmp_path / "t.jsonl", [json.dumps(_anthropic_log())])
+    sessions, corrupt = replay.load_recordings(path)
+    assert corrupt == [] and len(sessions) == 1
+    read = sessions[0]
+    assert read["tool_call_style"] == "structured" and read["source"] == log_formats.UNNAMED_SOURCE
+    assert read["tools"] == [
+        {"type": "function", "function": {"name": "find", "description": "look up", "parameters": {
+            "type": "object", "properties": {"who": {"type": "string"}}, "required": ["who"]}}},
+        {"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
+    assert list(read["tools"][0]["function"]) == ["name", "description", "parameters"]  # as written
+    assert replay._render_history(read) == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "look up alice"},
+        {"role": "assistant", "content": "Looking.", "tool_calls": [
+            {"id": "t1", "type": "function", "function": {"name": "find", "arguments": '{"who": "alice"}'}},
+            {"id": "t2", "type": "function", "function": {"name": "bash", "arguments": '{"command": "ls"}'}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "alice: 1"},
+        {"role": "tool", "tool_call_id": "t2", "content": "a.py"},
+        {"role": "user", "content": "and bob?"},
+        {"role": "assistant", "content": "Done."}]
+    turns, origin = replay.recording_turns(read)
+    assert origin == "recorded" and [t.message_index for t in turns] == [2, 6]
+
+
+def test_call_parts_anthropic_logs_cannot_hold_are_a_corrupt_line_not_dropped(tmp_path):
+    """A call part in a user message, a result part in an assistant message, and a result
+    whose content is neither text nor parts: read as text, the session would lose them."""
+    call = {"type": "tool_use", "id": "t1", "name": "Read", "input": {"file_path": "a.py"}}
+    result = {"type": "tool_result", "tool_use_id": "t1", "content": "x"}
+    lines = [json.dumps({"messages": [{"role": "user", "content": [call]}]}),
+             json.dumps({"messages": [{"role": "assistant", "content": [result]}]}),
+             json.dumps({"messages": [{"role": "user", "content": [{**result, "content": 3}]}]}),
+             json.dumps(_anthropic_log())]
     sessions, corrupt = replay.load_recordings(_write_lines(tmp_path / "t.jsonl", lines))
     assert len(sessions) == 1
     assert [(c.line, c.reason.split(" (")[0]) for c in corrupt] == [
-        (1, "a tool_use content part"), (2, "a tool_result content part")]
+        (1, "a tool_use content part in a message of role user"),
+        (2, "a tool_result content part in a message of role assistant"),
+        (3, "a tool_result content part in a message of role tool")]
 
 
 def test_arguments_nested_as_deeply_as_json_reads_are_checked_without_recursion(tmp_path):
@@ -178,7 +228,7 @@ def test_an_openai_chat_log_reads_as_its_recording(tmp_path):
     sessions, corrupt = replay.load_recordings(path)
     assert corrupt == [] and len(sessions) == 1
     read = sessions[0]
-    assert read["source"] == replay.UNNAMED_SOURCE and read["tool_call_style"] == "structured"
+    assert read["source"] == log_formats.UNNAMED_SOURCE and read["tool_call_style"] == "structured"
     assert replay._render_history(read) == replay._render_history(_structured())
     assert replay.synthesize_tools(read["messages"]) == replay.synthesize_tools(_structured()["messages"])
     chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
