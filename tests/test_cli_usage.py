@@ -137,7 +137,19 @@ def test_replay_unreadable_transcripts(tmp_path, capsys):
 def test_report_malformed_runs(tmp_path, capsys):
     runs = tmp_path / "runs.jsonl"
     runs.write_text("{not json\n")
-    one_error_line(capsys, ["report", str(runs)], "holds no turn records", "mlx-fill replay")
+    one_error_line(capsys, ["report", str(runs)], "holds no turn records (1 line(s) not JSON", "the first is line 1", "mlx-fill replay")
+
+
+def test_report_of_a_file_that_is_no_runs_file_says_what_it_held(tmp_path, capsys):
+    """A transcripts file passed for its runs: JSON objects, but no record among them."""
+    sessions = tmp_path / "sessions.jsonl"
+    sessions.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n" * 2
+                        + json.dumps({"messages": []}) + "\n")
+    one_error_line(capsys, ["report", str(sessions)], "holds no turn records (2 line(s) not JSON, "
+                   'or with no "kind" run or turn; the first is line 1)')
+    headers = tmp_path / "headers.jsonl"
+    headers.write_text(json.dumps({"kind": "run", "command": "replay"}) + "\n")
+    one_error_line(capsys, ["report", str(headers)], "holds no turn records (1 run headers)")
 
 
 def test_audit_malformed_tools(tmp_path, capsys):

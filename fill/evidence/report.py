@@ -175,7 +175,8 @@ def _header_problem(header: dict) -> str | None:
 
 
 def load_runs(path: str | Path) -> Runs:
-    """Read a runs JSONL file; unparsable lines are counted, not fatal. A line that is not
+    """Read a runs JSONL file; lines that are no record (not JSON, or JSON that is not an object
+    of ``kind`` ``run`` or ``turn``) are counted in ``corrupt_lines``, not fatal. A line that is not
     UTF-8 text, or a turn record or run header without the fields ``replay`` writes (of their
     types), is a ``UserError`` naming the file and line."""
     runs = Runs([], [], [])
@@ -193,7 +194,7 @@ def load_runs(path: str | Path) -> Runs:
             except json.JSONDecodeError:
                 runs.corrupt_lines.append(number)
                 continue
-            if not isinstance(obj, dict):
+            if not isinstance(obj, dict) or obj.get("kind") not in ("run", "turn"):
                 runs.corrupt_lines.append(number)
             elif obj.get("kind") == "run":
                 problem = _header_problem(obj)
@@ -379,6 +380,14 @@ def add_arguments(parser) -> None:
                         help="report directory (default: <runs stem>.report next to the runs file)")
 
 
+def _what_else(runs: Runs) -> str:
+    """What a runs file without turn records held instead, as a clause of the error."""
+    if not runs.corrupt_lines:
+        return f" ({len(runs.headers)} run headers)" if runs.headers else " (no lines)"
+    return (f" ({len(runs.corrupt_lines)} line(s) not JSON, or with no \"kind\" run or turn; "
+            f"the first is line {runs.corrupt_lines[0]})")
+
+
 def run(args) -> int:
     if not args.runs.is_file():
         what = "a folder, not a runs file" if args.runs.is_dir() else "no such runs file"
@@ -386,8 +395,8 @@ def run(args) -> int:
                         f"`mlx-fill replay` or `mlx-fill ab` wrote")
     runs = load_runs(args.runs)
     if not runs.turns:
-        raise UserError(f"{args.runs} holds no turn records; pass the runs.jsonl that "
-                        f"`mlx-fill replay` or `mlx-fill ab` wrote")
+        raise UserError(f"{args.runs} holds no turn records{_what_else(runs)}; pass the "
+                        f"runs.jsonl that `mlx-fill replay` or `mlx-fill ab` wrote")
     out_dir = args.out or args.runs.with_name(args.runs.stem + ".report")
     result = write_report(runs, out_dir, by_tool=args.by_tool)
     print(verdict_line(result))
