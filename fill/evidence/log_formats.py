@@ -70,13 +70,14 @@ def arguments_object(raw: Any) -> dict:
 
 
 def _part_text(content: Any) -> str | None:
-    """The text of ``content`` given as a string or as parts (text parts joined, other parts
-    dropped); None for anything else."""
+    """The text of ``content`` given as a string or as parts (strings and text parts joined,
+    other parts dropped); None for anything else."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        return "".join(p["text"] for p in content
-                       if p.get("type") in TEXT_PARTS and isinstance(p.get("text"), str))
+    if isinstance(content, list) and all(isinstance(p, (dict, str)) for p in content):
+        return "".join(p if isinstance(p, str) else p["text"] for p in content
+                       if isinstance(p, str) or (p.get("type") in TEXT_PARTS
+                                                 and isinstance(p.get("text"), str)))
     return None
 
 
@@ -173,3 +174,98 @@ def _call_from_openai(call: dict) -> dict:
     if isinstance(raw, str):
         out["arguments_raw"] = raw
     return out
+
+
+# ----------------------------------------------------------------------------- event logs
+
+CLAUDE_CODE_SOURCE = "claude_code"
+# lines of a Claude Code session log that hold no message and no place in a conversation
+BOOKKEEPING_EVENTS = ("summary", "file-history-snapshot", "queue-operation")
+
+
+def is_event(obj: Any) -> bool:
+    """Whether ``obj`` is a line of a Claude Code session log (one event per line, chained by
+    ``uuid`` and ``parentUuid``) rather than a session."""
+    return (isinstance(obj, dict) and "messages" not in obj
+            and (isinstance(obj.get("sessionId"), str) or obj.get("type") in BOOKKEEPING_EVENTS))
+
+
+def sessions_from_events(events: list[dict]) -> list[tuple[int, dict]]:
+    """The conversations of a Claude Code session log's events (file order), as ``(index of
+    the event that ends it, session)``, the sessions in the Anthropic Messages form
+    :func:`as_recording` reads.
+
+    A conversation is the chain of ``parentUuid`` links from a message back to its root (an
+    event with no parent, or whose parent is not in the log): the log's last message gives the
+    conversation as it finally stood; an earlier message whose chain shares no event with a
+    conversation already taken starts another (what a compaction or a subagent began; named
+    ``SESSION#2`` and on after the first of its session, ``SESSION/AGENT`` for a subagent), and
+    one whose chain does (a branch the user rewound) is dropped. Events that hold no message
+    keep their place in a chain; an error Claude Code wrote in the assistant's place
+    (``isApiErrorMessage``, model ``<synthetic>``) is no reply. The events of one reply (one
+    per content part, sharing the message ``id``) are its one message, where the first of
+    them stands."""
+    by_uuid = {e["uuid"]: e for e in events if isinstance(e.get("uuid"), str)}
+    taken: set[str] = set()
+    found: list[tuple[int, dict]] = []
+    for index in range(len(events) - 1, -1, -1):
+        event = events[index]
+        if _message(event) is None or event.get("uuid") in taken:
+            continue
+        chain = _chain(event, by_uuid)
+        uuids = {e["uuid"] for e in chain}
+        if not uuids & taken:
+            found.append((index, _session(chain)))
+        taken |= uuids
+    found.reverse()
+    named: dict[str, int] = {}
+    for _, session in found:  # a log's later conversations of one session id: "ID#2", "ID#3"
+        named[session["session_id"]] = count = named.get(session["session_id"], 0) + 1
+        if count > 1:
+            session["session_id"] += f"#{count}"
+    return found
+
+
+def _message(event: dict) -> dict | None:
+    """The user or assistant message an event holds, None for any other event."""
+    message = event.get("message")
+    if event.get("type") not in ("user", "assistant") or not isinstance(message, dict):
+        return None
+    if event.get("isApiErrorMessage") or message.get("model") == "<synthetic>":
+        return None
+    return message
+
+
+def _chain(event: dict, by_uuid: dict[str, dict]) -> list[dict]:
+    """``event`` and its ancestors, root first (a cycle ends the walk)."""
+    chain, seen = [event], {event.get("uuid")}
+    while (parent := by_uuid.get(chain[-1].get("parentUuid"))) is not None and parent["uuid"] not in seen:
+        seen.add(parent["uuid"])
+        chain.append(parent)
+    return chain[::-1]
+
+
+def _session(chain: list[dict]) -> dict:
+    """One conversation's chain of events as an Anthropic Messages session."""
+    messages: list[dict] = []
+    replies: dict[str, dict] = {}  # message id -> its message, to gather the reply's parts
+    for event in chain:
+        message = _message(event)
+        if message is None:
+            continue
+        reply_id = message.get("id") if event["type"] == "assistant" else None
+        content = message.get("content")
+        if isinstance(reply_id, str) and reply_id in replies and isinstance(content, list):
+            replies[reply_id]["content"] += content
+            continue
+        out = {"role": event["type"], "content": list(content) if isinstance(content, list) else content}
+        if isinstance(reply_id, str) and isinstance(out["content"], list):
+            replies[reply_id] = out
+        messages.append(out)
+    last = chain[-1]
+    name = str(last.get("sessionId", ""))
+    if last.get("isSidechain") and isinstance(last.get("agentId"), str):
+        name += f"/{last['agentId']}"
+    models = [m.get("model") for e in chain if e.get("type") == "assistant" and (m := _message(e))]
+    return {"source": CLAUDE_CODE_SOURCE, "session_id": name, "harness": "claude-code",
+            "model": next((m for m in models if isinstance(m, str)), None), "messages": messages}

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from . import report
-from .log_formats import CALL_PARTS, as_recording
+from .log_formats import CALL_PARTS, as_recording, is_event, sessions_from_events
 from mlx_fill.core.errors import NOT_REGULAR, UserError, float_in, int_up_to, output_dir, positive_int
 
 JSON_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
@@ -78,11 +78,14 @@ def load_recordings(path: str | Path) -> tuple[list[dict], list[CorruptLine]]:
     """Sessions from a transcripts JSONL file (gzip detected by magic bytes).
 
     A session logged as OpenAI chat or Anthropic Messages is read in the recording format
-    (:func:`~mlx_fill.evidence.log_formats.as_recording`). A line that is not a JSON object with a ``messages`` list of
+    (:func:`~mlx_fill.evidence.log_formats.as_recording`); the lines of a Claude Code session
+    log are read as its conversations (:func:`~mlx_fill.evidence.log_formats.sessions_from_events`),
+    after the file's sessions, a conversation that cannot be read reported under its last line. A line that is not a JSON object with a ``messages`` list of
     role-bearing dicts, or that holds bytes that are not UTF-8, is skipped and returned as a
     :class:`CorruptLine`; a truncated gzip stream ends the read with one.
     """
     sessions, corrupt = [], []
+    events: list[tuple[int, dict]] = []  # (line, event) of a Claude Code session log
     number = 0
     with _open_text(Path(path)) as fh:
         try:
@@ -105,15 +108,27 @@ def load_recordings(path: str | Path) -> tuple[list[dict], list[CorruptLine]]:
                 except RecursionError:
                     corrupt.append(CorruptLine(number, "JSON nested too deeply to read"))
                     continue
-                obj = as_recording(obj)
-                problem = _session_problem(obj)
-                if problem:
-                    corrupt.append(CorruptLine(number, problem))
+                if is_event(obj):
+                    events.append((number, obj))
                 else:
-                    sessions.append(obj)
+                    _keep(obj, number, sessions, corrupt)
         except (EOFError, gzip.BadGzipFile) as exc:
             corrupt.append(CorruptLine(number + 1, f"unreadable: {exc}"))
+    for index, session in sessions_from_events([e for _, e in events]):
+        _keep(session, events[index][0], sessions, corrupt)
+    corrupt.sort(key=lambda c: c.line)
     return sessions, corrupt
+
+
+def _keep(obj: Any, line: int, sessions: list[dict], corrupt: list[CorruptLine]) -> None:
+    """``obj`` read as a recording into ``sessions``, or its problem into ``corrupt`` under
+    ``line``."""
+    obj = as_recording(obj)
+    problem = _session_problem(obj)
+    if problem:
+        corrupt.append(CorruptLine(line, problem))
+    else:
+        sessions.append(obj)
 
 
 def skipped_lines(corrupt: list[CorruptLine]) -> str:

@@ -182,6 +182,85 @@ def test_call_parts_anthropic_logs_cannot_hold_are_a_corrupt_line_not_dropped(tm
         (3, "a tool_result content part in a message of role tool")]
 
 
+def _event(kind: str, uuid: str, parent: str | None, message: dict | None = None, **extra) -> dict:
+    """One line of a Claude Code session log."""
+    event = {"type": kind, "uuid": uuid, "parentUuid": parent, "sessionId": "S", "isSidechain": False,
+             "timestamp": "2026-01-01T00:00:00Z", **extra}
+    return {**event, "message": message} if message is not None else event
+
+
+def _reply(msg_id: str, *parts: dict, model: str = "claude-sonnet-4-5") -> dict:
+    return {"id": msg_id, "type": "message", "role": "assistant", "model": model, "content": list(parts)}
+
+
+def _claude_code_log() -> list[dict]:
+    """A Claude Code session: a reply logged one part per line with a result between its
+    calls, a system event in the chain, a branch the user rewound, an API error in the
+    assistant's place, a subagent's conversation, a compaction, and bookkeeping lines."""
+    text = lambda t: {"type": "text", "text": t}  # noqa: E731
+    user = lambda t: {"role": "user", "content": t}  # noqa: E731
+    result = lambda tid, c: user([{"type": "tool_result", "tool_use_id": tid, "content": c}])  # noqa: E731
+    read = {"type": "tool_use", "id": "t1", "name": "Read", "input": {"file_path": "a.py"}}
+    bash = {"type": "tool_use", "id": "t2", "name": "Bash", "input": {"command": "ls"}}
+    return [
+        {"type": "summary", "summary": "Fixing", "leafUuid": "a7"},
+        _event("user", "u1", None, user("fix the bug")),
+        _event("assistant", "a1", "u1", _reply("m1", {"type": "thinking", "thinking": "hm", "signature": "s"})),
+        _event("assistant", "a2", "a1", _reply("m1", text("Reading."))),
+        _event("assistant", "a3", "a2", _reply("m1", read)),
+        _event("user", "u2", "a3", result("t1", [text("x = 1")])),
+        _event("assistant", "a4", "u2", _reply("m1", bash)),
+        _event("user", "u3", "a4", result("t2", ["a.py"])),
+        _event("system", "s1", "u3", subtype="turn_duration"),
+        _event("assistant", "a5", "s1", _reply("m2", text("Fixed."))),
+        _event("user", "u4", "a5", user("no, undo")),
+        _event("assistant", "a6", "u4", _reply("m3", text("Undone."))),
+        {"type": "file-history-snapshot", "messageId": "u4", "snapshot": {}},
+        _event("user", "u5", "a5", user("thanks")),
+        _event("assistant", "a7", "u5", _reply("m4", text("You're welcome."))),
+        _event("user", "g1", None, user("find X"), isSidechain=True, agentId="ag1"),
+        _event("assistant", "g2", "g1", _reply("m5", text("X is in b.py.")), isSidechain=True, agentId="ag1"),
+        _event("assistant", "e1", "a7", _reply("m6", text("API Error: overloaded"), model="<synthetic>"),
+               isApiErrorMessage=True),
+        _event("system", "c1", None, subtype="compact_boundary", logicalParentUuid="a7"),
+        _event("user", "u6", "c1", user("Summary: the bug is fixed."), isCompactSummary=True),
+        _event("assistant", "a8", "u6", _reply("m7", text("Continuing."))),
+    ]
+
+
+def test_a_claude_code_session_log_reads_as_its_conversations(tmp_path):
+    path = _write_lines(tmp_path / "s.jsonl", [json.dumps(e) for e in _claude_code_log()])
+    sessions, corrupt = replay.load_recordings(path)
+    assert corrupt == []
+    assert [(s["session_id"], s["source"], s["tool_call_style"]) for s in sessions] == [
+        ("S", "claude_code", "structured"), ("S/ag1", "claude_code", "inline_text"),
+        ("S#2", "claude_code", "inline_text")]
+    assert sessions[0]["model"] == "claude-sonnet-4-5"
+    assert replay._render_history(sessions[0]) == [
+        {"role": "user", "content": "fix the bug"},
+        {"role": "assistant", "content": "Reading.", "tool_calls": [
+            {"id": "t1", "type": "function", "function": {"name": "Read", "arguments": '{"file_path": "a.py"}'}},
+            {"id": "t2", "type": "function", "function": {"name": "Bash", "arguments": '{"command": "ls"}'}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "x = 1"},
+        {"role": "tool", "tool_call_id": "t2", "content": "a.py"},
+        {"role": "assistant", "content": "Fixed."},
+        {"role": "user", "content": "thanks"},
+        {"role": "assistant", "content": "You're welcome."}]
+    assert [m["content"] for m in sessions[1]["messages"]] == ["find X", "X is in b.py."]
+    assert [m["content"] for m in sessions[2]["messages"]] == ["Summary: the bug is fixed.", "Continuing."]
+
+
+def test_a_claude_code_conversation_that_cannot_be_read_is_skipped_under_its_last_line(tmp_path):
+    bad = [_event("user", "u1", None, {"role": "user", "content": [
+               {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}),
+           _event("assistant", "a1", "u1", _reply("m1", {"type": "text", "text": "ok"}))]
+    lines = [json.dumps(_structured()), *map(json.dumps, bad), "{broken"]
+    sessions, corrupt = replay.load_recordings(_write_lines(tmp_path / "s.jsonl", lines))
+    assert [s["session_id"] for s in sessions] == ["s-structured"]
+    assert [(c.line, c.reason.split(" (")[0].split(":")[0]) for c in corrupt] == [
+        (3, "a tool_use content part in a message of role user"), (4, "invalid JSON")]
+
+
 def test_arguments_nested_as_deeply_as_json_reads_are_checked_without_recursion(tmp_path):
     deep = '{"a": ' * 600 + '"x"' + "}" * 600
     line = json.dumps({"messages": [{"role": "assistant", "tool_calls": [
