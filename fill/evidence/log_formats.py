@@ -205,15 +205,15 @@ def sessions_from_events(events: list[dict]) -> list[tuple[int, dict]]:
     (``isApiErrorMessage``, model ``<synthetic>``) is no reply. The events of one reply (one
     per content part, sharing the message ``id``) are its one message, where the first of
     them stands."""
-    by_uuid = {e["uuid"]: e for e in events if isinstance(e.get("uuid"), str)}
+    by_uuid = {_uuid(e): e for e in events if _uuid(e) is not None}
     taken: set[str] = set()
     found: list[tuple[int, dict]] = []
     for index in range(len(events) - 1, -1, -1):
         event = events[index]
-        if _message(event) is None or event.get("uuid") in taken:
+        if _message(event) is None or _uuid(event) in taken:
             continue
         chain = _chain(event, by_uuid)
-        uuids = {e["uuid"] for e in chain}
+        uuids = {_uuid(e) for e in chain} - {None}
         if not uuids & taken:
             found.append((index, _session(chain)))
         taken |= uuids
@@ -224,6 +224,12 @@ def sessions_from_events(events: list[dict]) -> list[tuple[int, dict]]:
         if count > 1:
             session["session_id"] += f"#{count}"
     return found
+
+
+def _uuid(event: dict) -> str | None:
+    """The event's ``uuid``; None where it has none that is a string."""
+    uuid = event.get("uuid")
+    return uuid if isinstance(uuid, str) else None
 
 
 def _message(event: dict) -> dict | None:
@@ -238,10 +244,11 @@ def _message(event: dict) -> dict | None:
 
 def _chain(event: dict, by_uuid: dict[str, dict]) -> list[dict]:
     """``event`` and its ancestors, root first (a cycle ends the walk)."""
-    chain, seen = [event], {event.get("uuid")}
-    while (parent := by_uuid.get(chain[-1].get("parentUuid"))) is not None and parent["uuid"] not in seen:
-        seen.add(parent["uuid"])
-        chain.append(parent)
+    chain, seen = [event], {_uuid(event)}
+    while (isinstance(parent_id := chain[-1].get("parentUuid"), str) and parent_id not in seen
+           and parent_id in by_uuid):
+        seen.add(parent_id)
+        chain.append(by_uuid[parent_id])
     return chain[::-1]
 
 

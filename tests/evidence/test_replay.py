@@ -261,6 +261,16 @@ def test_a_claude_code_conversation_that_cannot_be_read_is_skipped_under_its_las
         (3, "a tool_use content part in a message of role user"), (4, "invalid JSON")]
 
 
+def test_claude_code_events_with_ids_of_other_types_are_read_without_error(tmp_path):
+    """Ids that are lists or objects (no string to chain on) and a chain that loops."""
+    lines = [_event("user", ["x"], ["y"], {"role": "user", "content": "hi"}),
+             _event("assistant", "a", {"k": 1}, _reply(["m"], {"type": "text", "text": "yo"})),
+             _event("assistant", "b", "b", _reply("m2", {"type": "text", "text": "again"}))]
+    sessions, corrupt = replay.load_recordings(_write_lines(tmp_path / "s.jsonl", map(json.dumps, lines)))
+    assert corrupt == [] and [(s["session_id"], len(s["messages"])) for s in sessions] == [
+        ("S", 1), ("S#2", 1), ("S#3", 1)]
+
+
 def test_arguments_nested_as_deeply_as_json_reads_are_checked_without_recursion(tmp_path):
     deep = '{"a": ' * 600 + '"x"' + "}" * 600
     line = json.dumps({"messages": [{"role": "assistant", "tool_calls": [
