@@ -15,6 +15,10 @@ returns it in the recording format. It reads three forms, message by message:
 Parts that hold neither text, a call nor a result (images, thinking) are dropped. What this
 module cannot convert is left as it is, for the loader to report as the line's problem: a call
 part outside an assistant message, a result part outside a user message.
+
+A Claude Code session log is no session per line but one event per line: :func:`is_event` tells
+its lines, :func:`sessions_from_events` makes the log's conversations of them, in the Anthropic
+form.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["CALL_PARTS", "TEXT_PARTS", "TOOL_CALL_STYLES", "UNNAMED_SOURCE", "arguments_object",
-           "as_recording"]
+__all__ = ["CALL_PARTS", "CLAUDE_CODE_SOURCE", "TEXT_PARTS", "TOOL_CALL_STYLES", "UNNAMED_SOURCE",
+           "arguments_object", "as_recording", "is_event", "sessions_from_events"]
 
 TEXT_PARTS = ("text", "input_text", "output_text")
 CALL_PART, RESULT_PART = "tool_use", "tool_result"
@@ -113,7 +117,8 @@ def _user_turn(message: dict, content: list[dict]) -> list[dict]:
         text = []
         if part is None:
             break
-        result = _part_text(part.get("content", ""))
+        given = part.get("content")
+        result = _part_text("" if given is None else given)
         out.append({"role": "tool", "tool_call_id": part.get("tool_use_id"),
                     "content": result if result is not None else [part]})
     return out

@@ -137,7 +137,9 @@ def _anthropic_log() -> dict:
                     {"type": "tool_result", "tool_use_id": "t2", "content": [
                         {"type": "text", "text": "a.py"}, {"type": "image", "source": {}}]},
                     {"type": "text", "text": "and bob?"}]},
-                {"role": "assistant", "content": [{"type": "text", "text": "Done."}]}]}
+                {"role": "assistant", "content": [{"type": "text", "text": "Done."},
+                                                  {"type": "tool_use", "id": "t3", "name": "bash", "input": {}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t3", "content": None}]}]}
 
 
 def test_an_anthropic_messages_log_reads_as_its_recording(tmp_path):
@@ -160,7 +162,9 @@ def test_an_anthropic_messages_log_reads_as_its_recording(tmp_path):
         {"role": "tool", "tool_call_id": "t1", "content": "alice: 1"},
         {"role": "tool", "tool_call_id": "t2", "content": "a.py"},
         {"role": "user", "content": "and bob?"},
-        {"role": "assistant", "content": "Done."}]
+        {"role": "assistant", "content": "Done.", "tool_calls": [
+            {"id": "t3", "type": "function", "function": {"name": "bash", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "t3", "content": ""}]
     turns, origin = replay.recording_turns(read)
     assert origin == "recorded" and [t.message_index for t in turns] == [2, 6]
 
