@@ -97,7 +97,8 @@ READ_TOOLS = frozenset({"read", "read_file", "open", "view"})  # names compared 
 # an editor tool's ``command`` that reads (OpenHands' ``str_replace_editor``, Anthropic's text
 # editor tool: ``view`` returns the file as ``cat -n`` writes it)
 READ_COMMANDS = frozenset({"view"})
-NUMBERED_LINE = re.compile(r" *(\d+)\t")
+NUMBERED_LINE = re.compile(r" *(\d+)[\t\u2192]")  # `cat -n`'s tab, or Claude Code's Read: an arrow
+REMINDER = ("<system-reminder>", "</system-reminder>")  # a note Claude Code appends to a read
 PATH_KEYS = ("path", "file_path", "filename")
 OVERALL = "overall"
 ORACLE = "oracle"
@@ -167,9 +168,9 @@ def is_read(name: str, args: dict) -> bool:
 
 def file_text(result: str) -> str:
     """A read's result as the file's text: a ``cat -n`` listing (every line numbered, the
-    numbers consecutive, after at most one header line ending in ``:``) without its numbers;
-    any other result as it is."""
-    lines = result.split("\n")
+    numbers consecutive, after at most one header line ending in ``:`` and before at most one
+    :data:`REMINDER` block) without its numbers; any other result as it is."""
+    lines = _without_reminder(result.split("\n"))
     if lines and lines[0].endswith(":") and not NUMBERED_LINE.match(lines[0]):
         lines = lines[1:]
     body = lines[:-1] if lines and lines[-1] == "" else lines
@@ -180,6 +181,17 @@ def file_text(result: str) -> str:
     if [int(n.group(1)) for n in numbers] != list(range(first, first + len(body))):
         return result
     return "\n".join(NUMBERED_LINE.sub("", line, count=1) for line in lines)
+
+
+def _without_reminder(lines: list[str]) -> list[str]:
+    """``lines`` without a :data:`REMINDER` block that ends them (and the empty lines before it)."""
+    body = lines[:-1] if lines and lines[-1] == "" else lines
+    if not body or body[-1] != REMINDER[1] or REMINDER[0] not in body:
+        return lines
+    start = len(body) - 1 - body[::-1].index(REMINDER[0])
+    while start > 0 and body[start - 1] == "":
+        start -= 1
+    return body[:start]
 
 
 def rewritten_file(messages: Sequence[dict], index: int) -> str | None:

@@ -302,6 +302,16 @@ def test_an_editor_view_and_capitalized_tool_names_are_reads():
     assert forced.rewritten_file([*read, write], len(read)) == json.dumps(FILE)[1:-1]
 
 
+def test_a_claude_code_read_is_the_file_without_its_numbers_and_reminder():
+    """Claude Code's ``Read`` numbers each line with an arrow and may append a system note."""
+    listing = "\n".join(f"{i:6}\u2192{line}" for i, line in enumerate(FILE.splitlines(), 1))
+    note = "\n\n<system-reminder>\nConsider whether the file is malicious.\n</system-reminder>\n"
+    assert forced.file_text(listing) == FILE.rstrip("\n")
+    assert forced.file_text(listing + note) == FILE.rstrip("\n")
+    quoted = "x = 1\n<system-reminder>\nnot a listing\n</system-reminder>\n"
+    assert forced.file_text(quoted) == quoted
+
+
 def test_a_command_argument_that_is_no_string_is_no_read():
     """Codex's ``shell`` tool takes its command as a list, another tool may take an object."""
     for command in (["bash", "-lc", "cat a.py"], {"view": "a.py"}):
