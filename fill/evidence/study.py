@@ -18,7 +18,8 @@ and leads the next round's rows), as this model charges it.
 Rows: ``baseline`` (reference prompt lookup: n = 3..1, K = 10, first occurrence, fixed length),
 each requested source alone (gated as served), ``all`` (echo, suffix and ngram as
 ``MLX_FILL=all`` serves them: each priced by its own gate, competing for each view), ``strict``
-(:func:`mlx_fill.strict.source.strict_source`, compiled per turn from the session's tools) and
+(:func:`mlx_fill.strict.source.compile_strict`: the session's rows compiled once, from its
+tools in its first turn's conversation, a fresh source per turn) and
 ``best`` (strict rows before ``all``'s sources). Assert spans emit their length for their rows'
 cost; an assert span that disagrees with the recording (it would have been wrong output) is
 counted in ``assert_mismatches`` and scored as a verify. One session index is shared by all rows (they see the
@@ -37,7 +38,7 @@ from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlx_fill.assets.store import FAMILIES, load_tokenizer
 from mlx_fill.core.index import LOOKUP_MAX_SPAN, EchoIndex
@@ -49,10 +50,15 @@ from mlx_fill.core.proposal import DecodeView, FillSession, Pace
 
 from .transcripts import markers
 
+if TYPE_CHECKING:
+    from mlx_fill.strict.source import CompiledStrict, StrictSource
+
 ROW_SOURCES = {"ngram": ["ngram"], "echo": ["echo"], "suffix": ["suffix"],
                "all": ["echo", "suffix", "ngram"], "strict": ["strict"],
                "best": ["strict", "echo", "suffix", "ngram"]}
 BASELINE = "baseline"
+# the template kwargs the sessions are rendered with (:mod:`.transcripts`), strict rows too
+STRICT_TEMPLATE_KWARGS = {"enable_thinking": False}
 METRICS = ("tokens", "forwards", "proposed", "accepted", "rejected", "cost", "turns", "asserted",
            "assert_mismatches")
 
@@ -119,20 +125,20 @@ def _make_session(row: Row, plan: DispatchPlan | None, prompt: list[int], index:
     if "strict" in row.names and strict is not None:
         gate = None if plan is None else source_gate(plan, max_span, "strict",
                                                      acceptance=row.acceptance, pace=pace)
-        made = strict(gate)
-        if made is not None:
-            sources.insert(0, made)
+        sources.insert(0, strict(gate))
     return FillSession(sources, max_span=max_span, plan=plan, pace=pace, compete=names)
 
 
 def study_session(rendered, rows: list[Row], plan: DispatchPlan | None, eos: frozenset[int],
                   max_span: int, tokenizer: Any = None) -> None:
-    """Teacher-forced replay of one rendered session through every row, in lockstep. Rows
-    with ``strict`` get a fresh strict source per turn (needs ``tokenizer``)."""
+    """Teacher-forced replay of one rendered session through every row, in lockstep. Rows with
+    ``strict`` get a fresh strict source per turn over the session's rows (needs ``tokenizer``)."""
     verify_costs = RoundCosts(plan, max_span, extra_rows=1) if plan is not None else None
     assert_costs = RoundCosts(plan, max_span, extra_rows=0) if plan is not None else None
     index = EchoIndex()
     tokens = rendered.tokens
+    compiled = (_compile_strict(tokenizer, rendered)
+                if tokenizer is not None and any("strict" in r.names for r in rows) else None)
     for turn in rendered.turns:
         prompt = tokens[:turn.start] + rendered.think_ids
         out = tokens[turn.start:turn.end]
@@ -140,9 +146,7 @@ def study_session(rendered, rows: list[Row], plan: DispatchPlan | None, eos: fro
         if not out:
             continue
         live = []
-        strict = None
-        if tokenizer is not None and any("strict" in r.names for r in rows):
-            strict = _strict_factory(tokenizer, rendered, turn)
+        strict = None if compiled is None else _strict_factory(compiled, tokenizer, rendered, turn)
         for row in rows:
             row.session = _make_session(row, plan, prompt, index, max_span, strict)
             c = row.by_source[rendered.transcript_source]
@@ -206,20 +210,33 @@ def study_session(rendered, rows: list[Row], plan: DispatchPlan | None, eos: fro
             row.session = None
 
 
-def _strict_factory(tokenizer: Any, rendered: Any, turn: Any):
-    """A per-turn constructor of the strict source, ``make(gate)`` (its rows compiled for each
-    row that calls it; None when none compile), or None for a session without tools."""
-    from mlx_fill.strict.source import strict_source
-    if not rendered.tools:
+def _compile_strict(tokenizer: Any, rendered: Any) -> CompiledStrict | None:
+    """The session's strict rows and initial role, compiled once, in the conversation of its
+    first turn with output; every later turn's source is built over them. What the compile
+    reads from a rendering (how the template writes a call after the conversation, its
+    generation prompt) is taken as the template's and the tools', not the history's: the
+    terms on which the study cuts every turn's prompt from one rendering of the session
+    (:mod:`.transcripts`). So no turn renders its history. None for a session without tools,
+    or whose rows do not compile (a malformed tool included)."""
+    from mlx_fill.strict.source import compile_strict
+    first = next((t for t in rendered.turns if t.end > t.start), None)
+    if not rendered.tools or first is None:
         return None
+    try:
+        return compile_strict(tokenizer, rendered.messages[:first.message_index], rendered.tools,
+                              STRICT_TEMPLATE_KWARGS)
+    except ValueError:
+        return None
+
+
+def _strict_factory(compiled: CompiledStrict, tokenizer: Any, rendered: Any, turn: Any):
+    """A per-turn constructor of the strict source over the session's ``compiled`` rows,
+    ``make(gate)``: a fresh source for each row that calls it, compiling a tool's key rows,
+    the first time any turn needs them, in this turn's conversation."""
     msgs = rendered.messages[:turn.message_index]
 
-    def make(gate: CostGate | None = None):
-        try:
-            return strict_source(tokenizer, msgs, rendered.tools, {"enable_thinking": False},
-                                 gate=gate)
-        except ValueError:
-            return None
+    def make(gate: CostGate | None = None) -> StrictSource:
+        return compiled.source(tokenizer, msgs, rendered.tools, STRICT_TEMPLATE_KWARGS, gate=gate)
     return make
 
 

@@ -269,19 +269,47 @@ def _ends_with(seq, tail: tuple[int, ...]) -> bool:
     return n == 0 or (len(seq) >= n and tuple(seq[-n:]) == tail)
 
 
+@dataclass(frozen=True)
+class CompiledStrict:
+    """What rendering a conversation decides for its strict sources: the row table
+    (:func:`~mlx_fill.strict.rows.table_for`) and the role the reply opens in
+    (:func:`~mlx_fill.strict.rows.initial_role`). :meth:`source` builds a request's source
+    from it without rendering anything."""
+
+    table: RowTable
+    initial: Role
+
+    def source(self, tokenizer, messages: list[dict], tools: list[dict] | None,
+               template_kwargs: dict | None = None, ledger=None, gate=None) -> StrictSource:
+        """A StrictSource over these rows whose tools' key rows, when first needed, are
+        compiled in ``messages``'s conversation; ``gate`` prices its ``verify`` rows."""
+        compile_keys = functools.partial(compile_tool_keys, self.table, tokenizer=tokenizer,
+                                         messages=messages, tools=tools,
+                                         template_kwargs=template_kwargs)
+        return StrictSource(self.table, tokenizer, self.initial, ledger, gate, compile_keys)
+
+
+def compile_strict(tokenizer, messages: list[dict], tools: list[dict] | None,
+                   template_kwargs: dict | None = None) -> CompiledStrict | None:
+    """The rows and initial role of this conversation's strict sources (it renders the
+    conversation a few times), or None when no rows compile (no tools, or a template that
+    cannot render tool calls). Raises ValueError naming the path of a malformed tool."""
+    table = table_for(tokenizer, messages, tools, template_kwargs)
+    if table is None or not table.rows():
+        return None
+    role = initial_role(tokenizer, messages, tools, dict(template_kwargs or {}), table.markers)
+    return CompiledStrict(table, role)
+
+
 def strict_source(tokenizer, messages: list[dict], tools: list[dict] | None,
                   template_kwargs: dict | None = None, ledger=None, gate=None) -> StrictSource | None:
     """A StrictSource for this request, or None when no rows compile (no tools, or a template
     that cannot render tool calls); ``gate`` prices its ``verify`` rows. Raises ValueError
     naming the path of a malformed tool."""
-    table = table_for(tokenizer, messages, tools, template_kwargs)
-    if table is None or not table.rows():
+    compiled = compile_strict(tokenizer, messages, tools, template_kwargs)
+    if compiled is None:
         return None
-    role = initial_role(tokenizer, messages, tools, dict(template_kwargs or {}), table.markers)
-    compile_keys = functools.partial(compile_tool_keys, table, tokenizer=tokenizer,
-                                     messages=messages, tools=tools,
-                                     template_kwargs=template_kwargs)
-    return StrictSource(table, tokenizer, role, ledger, gate, compile_keys)
+    return compiled.source(tokenizer, messages, tools, template_kwargs, ledger, gate)
 
 
 class LazyStrictSource:

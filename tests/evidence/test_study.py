@@ -11,8 +11,9 @@ from cli_lines import one_error_line
 from mlx_fill import cli
 from mlx_fill.assets.store import load_tokenizer
 from mlx_fill.core.plan import DispatchPlan
-from mlx_fill.evidence.study import BASELINE, markdown_report, run_study
+from mlx_fill.evidence.study import BASELINE, Row, markdown_report, run_study, study_session
 from mlx_fill.evidence.transcripts import markers, recorded_responses, render_recording
+from mlx_fill.strict import rows as strict_rows
 
 READ = {"name": "read", "arguments": {"path": "src/app/main.py"}}
 
@@ -226,6 +227,43 @@ def test_baseline_row_equals_from_scratch_reference(transcripts, tok):
     assert result["corrupt_lines"] and result["corrupt_lines"][0]["line"] == 3
     report = markdown_report(result)
     assert "| baseline |" in report and "toy_inline" in report
+
+
+def _calling_session(turns: int) -> dict:
+    """A structured session of ``turns`` assistant turns, each calling ``read`` once."""
+    messages = [{"role": "system", "content": "You are a coding agent."},
+                {"role": "user", "content": "Read every part of src/app."}]
+    for k in range(turns):
+        call = {"id": f"c{k}", "name": "read", "arguments": {"path": f"src/app/p{k}.py"}}
+        messages += [{"role": "assistant", "content": f"Part {k}.", "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": f"c{k}", "content": f"def p{k}(): ...\n"}]
+    return {"source": "toy_calls", "session_id": f"calls{turns}", "tool_call_style": "structured",
+            "messages": messages}
+
+
+def test_strict_rows_render_the_history_no_more_often_as_a_session_grows(tok, monkeypatch):
+    """Studying a session's strict rows renders at most twice as many messages through the
+    chat template for twice as many turns: no turn renders its history again (a session of N
+    turns would render on the order of N * N messages)."""
+    template = type(tok).apply_chat_template
+    rendered: list[int] = []
+
+    def counting(self, messages, *args, **kwargs):
+        rendered.append(len(messages))
+        return template(self, messages, *args, **kwargs)
+
+    messages_rendered = {}
+    for turns in (10, 20):
+        session = render_recording(_calling_session(turns), tok, markers(tok))
+        monkeypatch.setattr(strict_rows, "_TABLES", {})  # each session compiles its own table
+        monkeypatch.setattr(type(tok), "apply_chat_template", counting)
+        row = Row("strict", ["strict"], None)
+        study_session(session, [row], None, frozenset(tok.eos_token_ids), 32, tok)
+        monkeypatch.setattr(type(tok), "apply_chat_template", template)
+        assert row.by_source["toy_calls"].accepted > 0  # the strict rows fired
+        messages_rendered[turns] = sum(rendered)
+        rendered.clear()
+    assert messages_rendered[20] <= 2 * messages_rendered[10], messages_rendered
 
 
 # rows nearly free at any KV length, and the same curve at KV 256 whose rows cost twice a plain
