@@ -96,7 +96,7 @@ def test_serve_store_seed_errors(tmp_path, capsys):
     """Said before the model loads."""
     from mlx_fill.assets.fixtures import fixture_path
     serve = ["serve", "--model", str(fixture_path("qwen3-json")), "--port", "0", "--fill", "all"]
-    one_error_line(capsys, [*serve, "--store-seed", str(tmp_path / "none.jsonl")], "cannot read transcripts")
+    one_error_line(capsys, [*serve, "--store-seed", str(tmp_path / "none.jsonl")], "no such transcripts file or folder")
     (tmp_path / "bad.jsonl").write_text("not json\n")
     one_error_line(capsys, [*serve, "--store-seed", str(tmp_path / "bad.jsonl")], "holds no session", "line 1")
     one_error_line(capsys, [*serve, "--store-tokens", "0"], "--store-tokens: 0 is not at least 1")
@@ -120,8 +120,9 @@ def test_transcripts_that_are_no_regular_file_are_named_so(capsys):
 
 
 def test_study_missing_or_malformed_inputs(tmp_path, capsys):
-    one_error_line(capsys, ["study", "--transcripts", str(tmp_path / "none.jsonl")], "no such file")
-    one_error_line(capsys, ["study", "--transcripts", str(tmp_path)], f"{tmp_path} is a folder; pass a file")
+    one_error_line(capsys, ["study", "--transcripts", str(tmp_path / "none.jsonl")], "no such transcripts file or folder")
+    one_error_line(capsys, ["study", "--transcripts", str(tmp_path)],
+                   f"{tmp_path} is a folder without transcripts files (names ending in .jsonl")
     one_error_line(capsys, ["report", str(tmp_path)], f"a folder, not a runs file: {tmp_path}")
     one_error_line(capsys, ["study", "--family", "qwen4"], "invalid choice: 'qwen4'")
     curve = tmp_path / "plan.json"

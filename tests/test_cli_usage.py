@@ -131,7 +131,7 @@ def test_replay_unreadable_transcripts(tmp_path, capsys):
     folder = tmp_path / "a-folder.jsonl"
     folder.mkdir()
     one_error_line(capsys, ["replay", "--sessions", str(folder), "--url", "http://127.0.0.1:9"],
-                   "a folder, not a transcripts file")
+                   "is a folder without transcripts files (names ending in .jsonl or .jsonl.gz)")
 
 
 def test_report_malformed_runs(tmp_path, capsys):

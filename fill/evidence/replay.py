@@ -39,7 +39,7 @@ import json
 import re
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
@@ -56,8 +56,25 @@ JSON_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "str
 
 @dataclass(frozen=True)
 class CorruptLine:
+    """A skipped line of a transcripts file: its number, why, and (read from a folder) the
+    file's path in the folder."""
+
     line: int
     reason: str
+    file: str = ""
+
+    @property
+    def where(self) -> str:
+        """The line as a message names it."""
+        return f"{self.file} line {self.line}" if self.file else f"line {self.line}"
+
+
+TRANSCRIPT_FILES = (".jsonl", ".jsonl.gz")  # the names a folder's transcripts files end in
+
+
+def transcript_files(folder: Path) -> list[Path]:
+    """The transcripts files in ``folder`` at any depth (:data:`TRANSCRIPT_FILES`), by path."""
+    return sorted(p for p in folder.rglob("*") if p.name.endswith(TRANSCRIPT_FILES) and p.is_file())
 
 
 # what a byte that is not UTF-8 reads as under ``errors="surrogateescape"`` (no UTF-8 text does)
@@ -75,19 +92,35 @@ def _open_text(path: Path):
 
 
 def load_recordings(path: str | Path) -> tuple[list[dict], list[CorruptLine]]:
-    """Sessions from a transcripts JSONL file (gzip detected by magic bytes).
+    """Sessions from a transcripts JSONL file (gzip detected by magic bytes), or from every
+    transcripts file in a folder (:func:`transcript_files`, in that order).
 
     A session logged as OpenAI chat or Anthropic Messages is read in the recording format
     (:func:`~mlx_fill.evidence.log_formats.as_recording`); the lines of a Claude Code session
-    log are read as its conversations (:func:`~mlx_fill.evidence.log_formats.sessions_from_events`),
-    after the file's sessions, a conversation that cannot be read reported under its last line. A line that is not a JSON object with a ``messages`` list of
-    role-bearing dicts, or that holds bytes that are not UTF-8, is skipped and returned as a
-    :class:`CorruptLine`; a truncated gzip stream ends the read with one.
+    log are read as its conversations
+    (:func:`~mlx_fill.evidence.log_formats.sessions_from_events`), after the file's sessions,
+    a conversation that cannot be read reported under its last line. A line that is not a
+    JSON object with a ``messages`` list of role-bearing dicts, or that holds bytes that are
+    not UTF-8, is skipped and returned as a :class:`CorruptLine`; a truncated gzip stream ends
+    the file's read with one.
     """
+    path = Path(path)
+    if not path.is_dir():
+        return _load_file(path)
+    sessions, corrupt = [], []
+    for file in transcript_files(path):
+        read, skipped = _load_file(file)
+        sessions += read
+        corrupt += [replace(c, file=str(file.relative_to(path))) for c in skipped]
+    return sessions, corrupt
+
+
+def _load_file(path: Path) -> tuple[list[dict], list[CorruptLine]]:
+    """:func:`load_recordings` of one file."""
     sessions, corrupt = [], []
     events: list[tuple[int, dict]] = []  # (line, event) of a Claude Code session log
     number = 0
-    with _open_text(Path(path)) as fh:
+    with _open_text(path) as fh:
         try:
             for number, line in enumerate(fh, 1):
                 # a byte-order mark, as some editors write (at the start of every file that
@@ -134,21 +167,34 @@ def _keep(obj: Any, line: int, sessions: list[dict], corrupt: list[CorruptLine])
 def skipped_lines(corrupt: list[CorruptLine]) -> str:
     """What a command that goes on without ``corrupt`` (not empty) says about them: how many,
     and the first one's line and reason."""
-    return f"skipped {len(corrupt)} corrupt lines (line {corrupt[0].line}: {corrupt[0].reason})"
+    return f"skipped {len(corrupt)} corrupt lines ({corrupt[0].where}: {corrupt[0].reason})"
+
+
+def check_transcripts(path: Path) -> None:
+    """Raise a :class:`UserError` saying why ``path`` cannot be read as transcripts before it
+    is read: it does not exist, it is a pipe or a device (the reader opens a file twice), or a
+    folder without transcripts files."""
+    if not path.exists():
+        raise UserError(f"no such transcripts file or folder: {path}")
+    if not path.is_file() and not path.is_dir():
+        raise UserError(f"{path} {NOT_REGULAR}")
+    if path.is_dir() and not transcript_files(path):
+        raise UserError(f"{path} is a folder without transcripts files (names ending in "
+                        f"{' or '.join(TRANSCRIPT_FILES)})")
 
 
 def read_sessions(path: Path) -> tuple[list[dict], list[CorruptLine]]:
-    """:func:`load_recordings` for a command: a file that cannot be read (a pipe or a device
-    among them: it is opened twice), or holds no session, is a :class:`UserError` that says so
-    (with the first corrupt line's reason)."""
-    if path.exists() and not path.is_file() and not path.is_dir():
-        raise UserError(f"{path} {NOT_REGULAR}")
+    """:func:`load_recordings` for a command: transcripts :func:`check_transcripts` refuses,
+    a file that cannot be read, or transcripts without a session, are a :class:`UserError`
+    that says so (with the first corrupt line's reason)."""
+    check_transcripts(path)
     try:
         sessions, corrupt = load_recordings(path)
     except OSError as err:
-        raise UserError(f"cannot read transcripts {path}: {err.strerror or err}") from err
+        raise UserError(f"cannot read transcripts {err.filename or path}: "
+                        f"{err.strerror or err}") from err
     if not sessions:
-        first = f", line {corrupt[0].line}: {corrupt[0].reason}" if corrupt else ""
+        first = f", {corrupt[0].where}: {corrupt[0].reason}" if corrupt else ""
         raise UserError(f"{path} holds no session ({len(corrupt)} corrupt lines{first}); pass "
                         f"JSONL transcripts, one JSON object with a messages list per line")
     return sessions, corrupt
@@ -521,7 +567,8 @@ def candidate_arms(values: list[str]) -> dict[str, str]:
 
 
 def add_arguments_for(name: str, parser) -> None:
-    parser.add_argument("--sessions", type=Path, required=True, help="transcripts JSONL(.gz)")
+    parser.add_argument("--sessions", type=Path, required=True,
+                        help="a transcripts JSONL(.gz) file, or a folder of them")
     if name == "ab":
         parser.add_argument("--url-a", required=True, type=endpoint_url,
                             help="reference endpoint base URL (e.g. fill off)")
@@ -568,12 +615,9 @@ def run(args) -> int:
     if runs_path.exists():
         raise UserError(f"{runs_path} already exists (an earlier run's); pass another --out "
                         f"or remove that file")
-    if args.sessions.is_dir() or not args.sessions.exists():
-        what = "a folder, not a transcripts file" if args.sessions.is_dir() else "no such transcripts file"
-        raise UserError(f"{what}: {args.sessions}")
     sessions, corrupt = read_sessions(args.sessions)
     for bad in corrupt:
-        print(f"transcripts line {bad.line} skipped: {bad.reason}", file=sys.stderr)
+        print(f"transcripts {bad.where} skipped: {bad.reason}", file=sys.stderr)
     turns, notes = select_turns(sessions, sources=args.source, max_sessions=args.max_sessions,
                                 turns_per_session=args.turns)
     if not turns:

@@ -48,6 +48,7 @@ from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.cost import CostGate, RoundCosts
 from mlx_fill.core.proposal import DecodeView, FillSession, Pace
 
+from .replay import check_transcripts
 from .transcripts import markers
 
 if TYPE_CHECKING:
@@ -408,9 +409,9 @@ def plot(result: dict, out: Path) -> list[Path]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--transcripts", type=existing_file, default=None,
-                        help="JSONL(.gz) transcripts (default: the repository's "
-                             "fixtures/transcripts/dev.jsonl.gz)")
+    parser.add_argument("--transcripts", type=Path, default=None,
+                        help="a JSONL(.gz) transcripts file, or a folder of them (default: the "
+                             "repository's fixtures/transcripts/dev.jsonl.gz)")
     parser.add_argument("--family", default="qwen3", choices=FAMILIES, help="tokenizer/template family (one whose rendered replies can be cut "
                              "into turns; the others are refused saying why)")
     parser.add_argument("--sources", default="ngram,echo,suffix,all,best",
@@ -436,9 +437,10 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         raise UserError(f"unknown sources {bad}; choose from {sorted(ROW_SOURCES)}")
     path = args.transcripts or TRANSCRIPTS
-    if not path.is_file():
+    if args.transcripts is None and not path.is_file():
         raise UserError(f"no transcripts at {path} (an installed package has none); pass "
                         f"--transcripts FILE, e.g. a clone's fixtures/transcripts/dev.jsonl.gz")
+    check_transcripts(path)
     plan = None
     if args.cost_curve is not None:
         try:

@@ -697,7 +697,8 @@ def cost_curve(text: str) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     ap = _Parser(prog="python -m scripts.bench.forced", description=__doc__.splitlines()[0])
     ap.add_argument("--transcripts", type=Path, default=None,
-                    help="a transcripts JSONL(.gz) file (default: the held-back sessions)")
+                    help="a transcripts JSONL(.gz) file, or a folder of them (default: the "
+                         "held-back sessions)")
     ap.add_argument("--model", default=None, type=model_folder,
                     help="an mlx-lm model dir (default: smollm2-135m)")
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16", "none"),
@@ -728,7 +729,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-cross-request", action="store_true",
                     help="no store of earlier replies: each turn as a freshly started server's first")
     ap.add_argument("--store-seed", type=Path, default=None,
-                    help="a transcripts file whose replies fill the cross-request store before the "
+                    help="a transcripts file (or folder) whose replies fill the cross-request store before the "
                          "first turn (a server that served those sessions)")
     ap.add_argument("--store-tokens", type=positive_int, default=STORE_TOKENS,
                     help=f"the cross-request store's bound in ids (default {STORE_TOKENS:,})")
@@ -757,9 +758,6 @@ def main(argv: list[str] | None = None) -> int:
         return fail("--store-seed fills the cross-request store; drop --no-cross-request")
 
     def sessions_of(path: Path) -> list[dict]:
-        if path.is_dir() or not path.exists():
-            raise UserError(f"{path} is a folder; pass a transcripts file" if path.is_dir()
-                            else f"no transcripts file {path}")
         sessions, corrupt = read_sessions(path)
         if corrupt:
             print(f"forced: {path}: {skipped_lines(corrupt)}", file=sys.stderr)

@@ -235,7 +235,7 @@ def test_a_seeded_store_serves_the_first_turn_and_every_repeat_starts_from_it(tw
     assert forced.main(["--store-seed", str(two_sessions) + ".missing", "--surrogate"]) == 2
     assert forced.main(["--store-seed", str(two_sessions), "--no-cross-request"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"forced: no transcripts file {two_sessions}.missing",
+    assert err == [f"forced: no such transcripts file or folder: {two_sessions}.missing",
                    "forced: --store-seed fills the cross-request store; drop --no-cross-request"]
 
 

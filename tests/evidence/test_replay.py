@@ -265,6 +265,20 @@ def test_a_claude_code_conversation_that_cannot_be_read_is_skipped_under_its_las
         (3, "a tool_use content part in a message of role user"), (4, "invalid JSON")]
 
 
+def test_a_folder_is_read_as_every_transcripts_file_in_it(tmp_path):
+    """A Claude Code project folder: one log per session, a subagent's log in a subfolder;
+    files of other names are not read, and a skipped line names its file."""
+    (tmp_path / "s1").mkdir()
+    log = [json.dumps({**e, "sessionId": "A"}) for e in _claude_code_log()]
+    _write_lines(tmp_path / "A.jsonl", log)
+    _write_lines(tmp_path / "s1" / "agent.jsonl.gz", [json.dumps(_structured()), "{oops"], gz=True)
+    _write_lines(tmp_path / "notes.txt", ["{oops"])
+    sessions, corrupt = replay.load_recordings(tmp_path)
+    assert [s["session_id"] for s in sessions] == ["A", "A/ag1", "A#2", "s-structured"]
+    assert [(c.where, c.reason.split(":")[0]) for c in corrupt] == [("s1/agent.jsonl.gz line 2", "invalid JSON")]
+    assert replay.skipped_lines(corrupt).startswith("skipped 1 corrupt lines (s1/agent.jsonl.gz line 2: ")
+
+
 def test_claude_code_events_with_ids_of_other_types_are_read_without_error(tmp_path):
     """Ids that are lists or objects (no string to chain on) and a chain that loops."""
     lines = [_event("user", ["x"], ["y"], {"role": "user", "content": "hi"}),
