@@ -53,11 +53,21 @@ def generate_step(
     """``mlx_lm.generate.generate_step`` plus ``fill=``; stock behaviour when ``fill`` is None.
 
     ``stock_generate_step`` is bound when this module is first imported, before any patching,
-    so delegation never recurses into a patched module attribute.
+    so delegation never recurses into a patched module attribute. Raises TypeError at the call
+    for a ``fill`` that is neither None nor a :class:`FillSession` (:func:`check_fill`).
     """
     if fill is None:
         return stock_generate_step(prompt, model, stream, **kwargs)
+    check_fill(fill)
     return _fill_loop(prompt, model, stream, fill=fill, **kwargs)
+
+
+def check_fill(fill: Any) -> None:
+    """TypeError unless ``fill`` is None or a :class:`FillSession` (what ``build_session``
+    returns)."""
+    if fill is not None and not isinstance(fill, FillSession):
+        raise TypeError(f"fill: expected a FillSession from build_session, or None, got "
+                        f"{type(fill).__name__} {fill!r:.40}")
 
 
 def _refusal(prompt_cache: list, input_embeddings: Any) -> str | None:

@@ -14,7 +14,7 @@ import mlx.core as mx
 import pytest
 from adapter_models import TOOLS, random_qwen3_dir
 from mlx_fill.adapters import autoload
-from mlx_fill.adapters.mlx_lm import stream_generate
+from mlx_fill.adapters.mlx_lm import generate_step, stream_generate
 from mlx_fill.sources.echo import EchoSource
 from mlx_fill.sources.prediction import PredictionSource, prediction_text, prediction_usage
 from mlx_fill.core.plan import DispatchPlan
@@ -138,6 +138,29 @@ def test_fill_with_draft_model_is_rejected(lm):
     session = build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt)
     with pytest.raises(ValueError, match="draft_model"):
         stream_generate(model, tok, prompt, fill=session, draft_model=model)
+
+
+def test_stream_generate_takes_stocks_positional_arguments(lm):
+    """``max_tokens``, ``draft_model`` and ``stream`` are positional as in mlx-lm's
+    ``stream_generate``; ``fill=`` is keyword-only, so a stock call never lands in it."""
+    model, tok, prompt = lm
+    stock = tokens_of(stock_stream_generate(model, tok, prompt, 5, None, mx.cpu))
+    assert tokens_of(stream_generate(model, tok, prompt, 5, None, mx.cpu)) == stock
+    session = build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt)
+    assert tokens_of(stream_generate(model, tok, prompt, 5, fill=session)) == stock
+    with pytest.raises(ValueError, match="draft_model"):
+        stream_generate(model, tok, prompt, 5, model, fill=session)
+
+
+@pytest.mark.parametrize("bad", ["strict", True, 3, {}])
+def test_a_fill_that_is_not_a_session_is_one_type_error(lm, bad):
+    """``fill=`` takes what ``build_session`` returns; anything else is refused at the call,
+    naming the argument, not an AttributeError from inside the loop."""
+    model, tok, prompt = lm
+    with pytest.raises(TypeError, match="fill: expected a FillSession"):
+        stream_generate(model, tok, prompt, max_tokens=3, fill=bad)
+    with pytest.raises(TypeError, match="fill: expected a FillSession"):
+        generate_step(mx.array(prompt), model, max_tokens=3, fill=bad)
 
 
 def test_modes_and_sources(lm):
