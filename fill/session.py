@@ -171,6 +171,18 @@ def check_env() -> None:
     user_cache_dir()  # MLX_FILL_CACHE / XDG_CACHE_HOME: a folder that can hold files
 
 
+def _check_messages(messages: Any) -> None:
+    """ValueError naming where, unless ``messages`` is None or a list of message objects."""
+    if messages is None:
+        return
+    if not isinstance(messages, (list, tuple)):
+        raise ValueError(f"messages: must be a list of message objects, got "
+                         f"{type(messages).__name__}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}]: must be an object, got {type(message).__name__}")
+
+
 def _strict_source(tokenizer: Any, messages: Any, tools: Any, template_kwargs: Any, ledger: Any,
                    gate: CostGate | None = None):
     """The strict source, or None when the request has nothing strict can determine. Raises
@@ -231,8 +243,8 @@ def build_session(
     every cost-gated source's per-draft acceptance estimates across requests (None: each
     request starts from the prior). The session carries the dispatch plan (:func:`~mlx_fill.core.resolve.plan_for`: looked up once
     per configuration and process, quick-qualified on the loaded model the first time no plan
-    applies). Raises ValueError for a bad mode or ``max_span``, malformed tools/schemas or a malformed
-    prediction.
+    applies). Raises ValueError for a bad mode or ``max_span``, malformed messages, tools/schemas or
+    a malformed prediction.
     The caller ends it with :func:`end_session` when generation ends.
 
     ``group``: the ``mx.distributed`` group a sharded ``model`` spans (``sharded_load`` under
@@ -262,6 +274,7 @@ def build_session(
     plan = unqualified()
     if refusal is None:
         tool_schemas(tools)  # ValueError naming the path of a malformed tool
+        _check_messages(messages)
         if isinstance(prediction, (list, tuple)):  # the ids, from a caller that encoded them
             predicted = checked_ids(prediction, vocab_size(model) or _tokenizer_size(tokenizer))
         else:

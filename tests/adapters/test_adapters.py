@@ -207,6 +207,26 @@ def test_malformed_tools_raise_with_path(lm):
                       messages=[{"role": "user", "content": "x"}], tools=bad)
 
 
+@pytest.mark.parametrize("messages,needle", [
+    ("hello", r"messages: must be a list of message objects, got str"),
+    ({"role": "user", "content": "x"}, r"messages: must be a list of message objects, got dict"),
+    ([{"role": "user", "content": "x"}, 5], r"messages\[1\]: must be an object, got int")])
+def test_malformed_messages_raise_with_path(lm, messages, needle):
+    """Messages that are not a list of objects are one ValueError naming where, at
+    ``build_session``, not an AttributeError or KeyError from the strict compiler."""
+    model, tok, prompt = lm
+    with pytest.raises(ValueError, match=needle):
+        build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt,
+                      messages=messages, tools=TOOLS)
+
+
+@pytest.mark.parametrize("mode", [3, True, ["strict"]])
+def test_a_mode_that_is_not_a_string_is_one_value_error(lm, mode):
+    model, tok, prompt = lm
+    with pytest.raises(ValueError, match="fill mode must be one of off, strict, echo, all"):
+        build_session(mode, model=model, tokenizer=tok, prompt_ids=prompt)
+
+
 def test_prediction_source_follows_and_reanchors():
     src = PredictionSource([1, 2, 3, 4, 5, 6, 7, 8, 9], max_span=3)
     view = lambda emitted: DecodeView(prompt=[0], emitted=emitted)
