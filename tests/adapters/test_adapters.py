@@ -21,7 +21,7 @@ from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.proposal import DecodeView, FillStats
 from mlx_fill.core.cost import CostGate, DraftAcceptance
 from mlx_fill.modes import OFF, enabled
-from mlx_fill.session import build_session, check_mode, prediction_ids
+from mlx_fill.session import build_session, check_mode, end_session, prediction_ids
 from mlx_lm import load
 from mlx_lm.generate import GenerationResponse
 from mlx_lm.generate import stream_generate as stock_stream_generate
@@ -161,6 +161,26 @@ def test_a_fill_that_is_not_a_session_is_one_type_error(lm, bad):
         stream_generate(model, tok, prompt, max_tokens=3, fill=bad)
     with pytest.raises(TypeError, match="fill: expected a FillSession"):
         generate_step(mx.array(prompt), model, max_tokens=3, fill=bad)
+
+
+def test_a_session_used_after_end_session_decodes_without_its_closed_trace(lm, tmp_path,
+                                                                          monkeypatch, capsys):
+    """``end_session`` closes the trace; a decode that reuses the session still returns plain
+    decoding's tokens (it stopped with ``I/O operation on closed file`` at the first event)."""
+    model, tok, prompt = lm
+    price_rows_as_free(monkeypatch)
+    ref = list(stream_generate(model, tok, prompt, max_tokens=20))
+    head = "".join(r.text for r in ref)
+    trace = tmp_path / "trace.jsonl"
+    session = build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt,
+                            prediction={"type": "content", "content": head}, trace_path=trace)
+    end_session(session)
+    end_session(session)
+    assert tokens_of(stream_generate(model, tok, prompt, max_tokens=20, fill=session)) == tokens_of(ref)
+    assert session.stats.injected > 0 and trace.read_text() == ""
+    assert capsys.readouterr().err.splitlines() == [
+        "mlx-fill: trace not written (I/O operation on closed file); tracing stops for this "
+        "request"]
 
 
 def test_modes_and_sources(lm):
