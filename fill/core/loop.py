@@ -22,6 +22,7 @@ sample.
 from __future__ import annotations
 
 import functools
+import numbers
 from dataclasses import replace
 from typing import Any, Callable, Generator, Iterator, Optional, Sequence
 
@@ -69,6 +70,16 @@ def check_fill(fill: Any) -> None:
     if fill is not None and not isinstance(fill, FillSession):
         raise TypeError(f"fill: expected a FillSession from build_session, or None, got "
                         f"{type(fill).__name__} {fill!r:.40}")
+
+
+def _token_budget(max_tokens: Any) -> int:
+    """``max_tokens`` as an int: mlx-lm compares it with its count, so ``30.0`` is 30 and a
+    negative number no limit. TypeError for what is no whole number (mlx-lm's loop never
+    reaches ``2.5`` or ``None`` and decodes without end)."""
+    if isinstance(max_tokens, numbers.Real) and float(max_tokens).is_integer():
+        return int(max_tokens)
+    raise TypeError(f"max_tokens: expected a whole number of tokens (-1: no limit), got "
+                    f"{max_tokens!r}")
 
 
 def _check_prompt(prompt: Any, model: nn.Module) -> None:
@@ -210,6 +221,7 @@ def _fill_loop(
     """The decode loop with fill: mlx-lm's pipelined serial step, and after each yielded token
     (or each round's last one: a *chained* round) one proposal applied as an assert or verify
     round."""
+    max_tokens = _token_budget(max_tokens)
     if input_embeddings is None:
         _check_prompt(prompt, model)
     if prompt_cache is None:

@@ -191,3 +191,19 @@ def test_a_prompt_that_is_no_token_ids_of_the_model_is_one_error(prompt, error, 
     model = tiny_model("qwen3")
     with pytest.raises(error, match=needle):
         next(generate_step(prompt, model, max_tokens=3, fill=session(ReferenceSource([], "verify"))))
+
+
+def test_max_tokens_is_any_whole_number_mlx_lm_counts_to():
+    """mlx-lm compares ``max_tokens`` with its count, so ``12.0`` stops after 12 tokens; the
+    loop with fill did too until a round sliced with it (a TypeError mid-decode). What is no
+    whole number (mlx-lm's loop never reaches it and decodes without end) is one TypeError."""
+    model = tiny_model("qwen3")
+    ref, _ = decode(model, n=12)
+    s = session(ReferenceSource(ref, "verify", every=1))
+    out, _ = decode(model, s, n=12.0)
+    assert out == ref and s.stats.injected > 0
+    for bad in (2.5, None, "12"):
+        with pytest.raises(TypeError, match=r"max_tokens: expected a whole number of tokens "
+                                            r"\(-1: no limit\), got"):
+            next(generate_step(mx.array(PROMPT), model, max_tokens=bad,
+                               fill=session(ReferenceSource(ref, "verify"))))
