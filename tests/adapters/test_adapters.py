@@ -183,6 +183,19 @@ def test_a_session_used_after_end_session_decodes_without_its_closed_trace(lm, t
         "request"]
 
 
+@pytest.mark.parametrize("model", [None, "Qwen/Qwen3-0.6B"])
+def test_a_model_that_is_not_a_loaded_model_is_one_type_error(lm, model):
+    """``plan_for`` and ``build_session`` name the argument; they failed with
+    ``AttributeError: 'NoneType' object has no attribute 'parameters'``."""
+    from mlx_fill import plan_for
+    _, tok, prompt = lm
+    with pytest.raises(TypeError, match=r"model: expected a loaded mlx-lm model \(an "
+                                        r"mlx\.nn\.Module\), got (NoneType|str)"):
+        plan_for(model)
+    with pytest.raises(TypeError, match="model: expected a loaded mlx-lm model"):
+        build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt)
+
+
 def test_modes_and_sources(lm):
     model, tok, prompt = lm
     msgs = [{"role": "user", "content": "weather in Paris?"}]
