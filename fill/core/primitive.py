@@ -116,6 +116,13 @@ def cache_kinds(cache: Sequence[Any]) -> tuple[bool, bool]:
             any(isinstance(c, C.RotatingKVCache) for c in leaves))
 
 
+def _check_plan(plan: Any) -> None:
+    """TypeError unless ``plan`` is a :class:`DispatchPlan`."""
+    if not isinstance(plan, DispatchPlan):
+        raise TypeError(f"plan: expected a DispatchPlan (plan_for(model)), got "
+                        f"{type(plan).__name__}")
+
+
 def checkpoint(model: Any, cache: list[Any], plan: DispatchPlan) -> Checkpoint:
     """Record the state a later :func:`rewind` returns to. O(layers), no array copies.
 
@@ -123,8 +130,10 @@ def checkpoint(model: Any, cache: list[Any], plan: DispatchPlan) -> Checkpoint:
     Rotating layers also keep their ring by alias (:class:`~.ring.RingSnapshot`): a wrapped
     ring's slots are overwritten in place. Recurrent layers record their arrays by reference:
     mlx-lm rebinds ``cache[i]`` on every update and never mutates those arrays in place, so the
-    references stay exact.
+    references stay exact. TypeError for a ``plan`` that is no :class:`DispatchPlan` (a
+    rewind replays the kept ids with it).
     """
+    _check_plan(plan)
     offsets: list[int | None] = []
     snaps: list[tuple | None] = []
     rings: list[RingSnapshot | None] = []
@@ -255,16 +264,13 @@ def append(
     KV-quantization step, which may swap list entries in place exactly as serial decode would).
     Before any forward: ValueError for no ids, an id that is no token of the model's vocabulary
     or a ``logits`` outside :data:`LOGIT_ROWS`; TypeError for a ``plan`` that is no
-    :class:`DispatchPlan`.
+    :class:`DispatchPlan` (:func:`checkpoint`).
     """
     ids = _token_ids(model, ids)
     if not ids:
         raise ValueError("append needs at least one id")
     if logits not in LOGIT_ROWS:
         raise ValueError(f"logits: expected 'none', 'last' or 'all', got {logits!r}")
-    if not isinstance(plan, DispatchPlan):
-        raise TypeError(f"plan: expected a DispatchPlan (plan_for(model)), got "
-                        f"{type(plan).__name__}")
     leaves = _leaves(cache)
     entry = checkpoint(model, cache, plan)
     split = _split_head(model)

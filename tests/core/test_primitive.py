@@ -157,10 +157,14 @@ def test_an_id_that_is_no_token_of_the_vocabulary_is_refused_before_any_forward(
 
 
 def test_a_bad_plan_or_logits_is_one_error_naming_it():
+    """Also at ``checkpoint``: a hybrid model's rewind restores the checkpoint and replays the
+    kept ids with its plan, so a bad plan found there lost them."""
     model = tiny_model("qwen3")
     cache = fresh_cache(model, ids_of(4, 13))
     with pytest.raises(TypeError, match="plan: expected a DispatchPlan"):
         append(model, cache, [1], plan=None)
+    with pytest.raises(TypeError, match="plan: expected a DispatchPlan"):
+        checkpoint(model, cache, None)
     with pytest.raises(ValueError, match="logits: expected 'none', 'last' or 'all', got 'every'"):
         append(model, cache, [1], plan=PLAN, logits="every")
     assert cache[0].offset == 4
