@@ -196,6 +196,28 @@ def test_a_model_that_is_not_a_loaded_model_is_one_type_error(lm, model):
         build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt)
 
 
+@pytest.mark.parametrize("bad", [None, "hello", [1, "2"], [[1, 2]], mx.array([[1, 2]])])
+def test_prompt_ids_that_are_no_token_ids_are_one_type_error(lm, bad):
+    model, tok, _ = lm
+    with pytest.raises(TypeError, match="prompt_ids: expected the prompt's token ids"):
+        build_session("strict", model=model, tokenizer=tok, prompt_ids=bad)
+
+
+def test_a_hugging_face_tokenizer_is_wrapped_as_stream_generate_wraps_it(lm):
+    """mlx-lm's ``stream_generate`` takes the tokenizer unwrapped; so does ``build_session``
+    (it failed with ``'int' object is not iterable`` on its ``eos_token_ids``). No tokenizer is
+    one TypeError naming it."""
+    model, tok, prompt = lm
+    ref = tokens_of(stream_generate(model, tok._tokenizer, prompt, max_tokens=12))
+    session = build_session("strict", model=model, tokenizer=tok._tokenizer, prompt_ids=prompt,
+                            prediction=ref)
+    assert session.eos_ids == frozenset(tok.eos_token_ids)
+    assert tokens_of(stream_generate(model, tok._tokenizer, prompt, max_tokens=12,
+                                     fill=session)) == ref
+    with pytest.raises(TypeError, match="tokenizer: expected the model's tokenizer"):
+        build_session("strict", model=model, tokenizer=None, prompt_ids=prompt)
+
+
 def test_modes_and_sources(lm):
     model, tok, prompt = lm
     msgs = [{"role": "user", "content": "weather in Paris?"}]
