@@ -307,6 +307,9 @@ def build_session(
         _check_messages(messages)
         if isinstance(prediction, (list, tuple)):  # the ids, from a caller that encoded them
             predicted = checked_ids(prediction, vocab_size(model) or _tokenizer_size(tokenizer))
+        elif prediction is not None and not isinstance(prediction, dict):
+            raise ValueError(f"prediction: expected OpenAI's {{'type': 'content', 'content': ...}}"
+                             f" or a list of token ids, got {type(prediction).__name__}")
         else:
             predicted = prediction_ids(tokenizer, prediction) or []
         # after the request's own validation: a bad request measures nothing

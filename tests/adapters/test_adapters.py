@@ -121,6 +121,17 @@ def test_a_prediction_that_is_not_text_or_token_ids_is_one_value_error(lm):
     build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt, prediction=[0, vocab - 1])
 
 
+@pytest.mark.parametrize("given,kind", [("def f(): pass", "str"), (mx.array([1, 2]), "array"),
+                                        (7, "int")])
+def test_a_prediction_of_neither_shape_names_both(lm, given, kind):
+    """``build_session`` takes OpenAI's object or the ids; text or an ``mx.array`` said only
+    ``expected an object``, as if ids were not taken."""
+    model, tok, prompt = lm
+    with pytest.raises(ValueError, match=r"prediction: expected OpenAI's \{'type': 'content', "
+                                         rf"'content': \.\.\.\}} or a list of token ids, got {kind}"):
+        build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt, prediction=given)
+
+
 def test_a_max_span_outside_one_to_the_ceiling_is_one_value_error(lm):
     """``max_span`` is checked as ``MLX_FILL_MAX_SPAN`` is: 0 or -1 do not silently turn fill
     off, a fraction does not fail later inside a source."""
