@@ -14,7 +14,9 @@ OFF = ("", "off", "0", "false", "no")
 
 def check_mode(mode: str | None) -> str:
     """The normalised mode; ValueError for anything but :data:`MODES` (None and every spelling
-    in :data:`OFF` mean off)."""
+    in :data:`OFF` mean off; a value that is not a string is no mode)."""
+    if mode is not None and not isinstance(mode, str):
+        raise ValueError(f"fill mode must be one of {', '.join(MODES)}; got {mode!r}")
     m = (mode or "").strip().lower()
     if m in OFF:
         return "off"

@@ -32,11 +32,14 @@ and ``MLX_FILL_PROMOTE_AFTER`` (agreements needed, default 50), read by :func:`s
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import mlx.core as mx
 
 from mlx_fill.core.errors import UserError, unwritable
 from mlx_fill.core.model_folder import vocab_size
@@ -171,6 +174,39 @@ def check_env() -> None:
     user_cache_dir()  # MLX_FILL_CACHE / XDG_CACHE_HOME: a folder that can hold files
 
 
+def _check_messages(messages: Any) -> None:
+    """ValueError naming where, unless ``messages`` is None or a list of message objects."""
+    if messages is None:
+        return
+    if not isinstance(messages, (list, tuple)):
+        raise ValueError(f"messages: must be a list of message objects, got "
+                         f"{type(messages).__name__}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}]: must be an object, got {type(message).__name__}")
+
+
+def _check_prompt_ids(prompt_ids: Any) -> None:
+    """TypeError unless ``prompt_ids`` is the prompt's token ids: a list, tuple or 1-D
+    ``mx.array`` of whole numbers."""
+    ids = prompt_ids.tolist() if isinstance(prompt_ids, mx.array) else prompt_ids
+    if not isinstance(ids, (list, tuple)) or not all(
+            type(t) is int or isinstance(t, numbers.Integral) and not isinstance(t, bool)
+            for t in ids):
+        raise TypeError(f"prompt_ids: expected the prompt's token ids (a list of ints), got "
+                        f"{type(prompt_ids).__name__} {prompt_ids!r:.40}")
+
+
+def _wrapped(tokenizer: Any) -> Any:
+    """``tokenizer``, a Hugging Face tokenizer wrapped in mlx-lm's ``TokenizerWrapper`` as
+    mlx-lm's ``stream_generate`` wraps it (its eos ids a set, its streaming detokenizer)."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from transformers import PreTrainedTokenizerBase
+    if isinstance(tokenizer, PreTrainedTokenizerBase):
+        return TokenizerWrapper(tokenizer)
+    return tokenizer
+
+
 def _strict_source(tokenizer: Any, messages: Any, tools: Any, template_kwargs: Any, ledger: Any,
                    gate: CostGate | None = None):
     """The strict source, or None when the request has nothing strict can determine. Raises
@@ -231,8 +267,9 @@ def build_session(
     every cost-gated source's per-draft acceptance estimates across requests (None: each
     request starts from the prior). The session carries the dispatch plan (:func:`~mlx_fill.core.resolve.plan_for`: looked up once
     per configuration and process, quick-qualified on the loaded model the first time no plan
-    applies). Raises ValueError for a bad mode or ``max_span``, malformed tools/schemas or a malformed
-    prediction.
+    applies). Raises ValueError for a bad mode or ``max_span``, malformed messages, tools/schemas or
+    a malformed prediction; TypeError for ``prompt_ids`` that are no token ids, or no
+    ``tokenizer`` (a Hugging Face tokenizer is wrapped as mlx-lm's ``stream_generate`` wraps it).
     The caller ends it with :func:`end_session` when generation ends.
 
     ``group``: the ``mx.distributed`` group a sharded ``model`` spans (``sharded_load`` under
@@ -252,6 +289,8 @@ def build_session(
     ranks = ranks_of(group)
     if ranks is not None and not ranks.root:
         return follower_session(model, prompt_ids, group, max_span=max_span)
+    _check_prompt_ids(prompt_ids)
+    tokenizer = _wrapped(tokenizer)
     max_span = max_span if max_span is not None else env_max_span()
     refusal = refuse or _refusal(logprobs=logprobs, seed=seed, response_format=response_format,
                                  media=media)
@@ -261,9 +300,16 @@ def build_session(
     pace = Pace()  # the session's and its gates' bar (the batched lane raises it per step)
     plan = unqualified()
     if refusal is None:
+        if tokenizer is None:
+            raise TypeError("tokenizer: expected the model's tokenizer (as mlx_lm.load returns "
+                            "it), got None")
         tool_schemas(tools)  # ValueError naming the path of a malformed tool
+        _check_messages(messages)
         if isinstance(prediction, (list, tuple)):  # the ids, from a caller that encoded them
             predicted = checked_ids(prediction, vocab_size(model) or _tokenizer_size(tokenizer))
+        elif prediction is not None and not isinstance(prediction, dict):
+            raise ValueError(f"prediction: expected OpenAI's {{'type': 'content', 'content': ...}}"
+                             f" or a list of token ids, got {type(prediction).__name__}")
         else:
             predicted = prediction_ids(tokenizer, prediction) or []
         # after the request's own validation: a bad request measures nothing

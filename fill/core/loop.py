@@ -22,6 +22,7 @@ sample.
 from __future__ import annotations
 
 import functools
+import numbers
 from dataclasses import replace
 from typing import Any, Callable, Generator, Iterator, Optional, Sequence
 
@@ -33,6 +34,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
 from .acceptance import Sampler
+from .model_folder import vocab_size
 from .plan import DispatchPlan
 from .primitive import Checkpoint, Unsupported, cache_kinds, check_supported, rewind
 from .proposal import MEDIA_REFUSAL, FillSession, FillStats
@@ -53,11 +55,52 @@ def generate_step(
     """``mlx_lm.generate.generate_step`` plus ``fill=``; stock behaviour when ``fill`` is None.
 
     ``stock_generate_step`` is bound when this module is first imported, before any patching,
-    so delegation never recurses into a patched module attribute.
+    so delegation never recurses into a patched module attribute. Raises TypeError at the call
+    for a ``fill`` that is neither None nor a :class:`FillSession` (:func:`check_fill`).
     """
     if fill is None:
         return stock_generate_step(prompt, model, stream, **kwargs)
+    check_fill(fill)
     return _fill_loop(prompt, model, stream, fill=fill, **kwargs)
+
+
+def check_fill(fill: Any) -> None:
+    """TypeError unless ``fill`` is None or a :class:`FillSession` (what ``build_session``
+    returns)."""
+    if fill is not None and not isinstance(fill, FillSession):
+        raise TypeError(f"fill: expected a FillSession from build_session, or None, got "
+                        f"{type(fill).__name__} {fill!r:.40}")
+
+
+def _token_budget(max_tokens: Any) -> int:
+    """``max_tokens`` as an int: mlx-lm compares it with its count, so ``30.0`` is 30 and a
+    negative number no limit. TypeError for what is no whole number (mlx-lm's loop never
+    reaches ``2.5`` or ``None`` and decodes without end)."""
+    if isinstance(max_tokens, numbers.Real) and float(max_tokens).is_integer():
+        return int(max_tokens)
+    raise TypeError(f"max_tokens: expected a whole number of tokens (-1: no limit), got "
+                    f"{max_tokens!r}")
+
+
+def _check_prompt(prompt: Any, model: nn.Module) -> None:
+    """TypeError or ValueError naming what is wrong unless ``prompt`` is a 1-D ``mx.array`` of
+    integer ids of ``model``'s vocabulary (empty allowed: mlx-lm's own error follows). Stock
+    mlx-lm fails on such a prompt inside the model; an id past the embedding's rows can end
+    the process."""
+    if not isinstance(prompt, mx.array):
+        raise TypeError(f"prompt: expected an mx.array of token ids, got {type(prompt).__name__}")
+    if prompt.ndim != 1:
+        raise ValueError(f"prompt: expected a 1-D array of token ids, got shape {prompt.shape}")
+    if prompt.size == 0:
+        return
+    if not mx.issubdtype(prompt.dtype, mx.integer):
+        raise TypeError(f"prompt: expected integer token ids, got {prompt.dtype}")
+    vocab = vocab_size(model)
+    outside = prompt < 0 if vocab is None else (prompt < 0) | (prompt >= vocab)
+    if mx.any(outside).item():
+        i = int(mx.argmax(outside).item())
+        bound = f"0 to {vocab - 1}" if vocab is not None else "0 or more"
+        raise ValueError(f"prompt[{i}]: expected a token id from {bound}, got {prompt[i].item()}")
 
 
 def _refusal(prompt_cache: list, input_embeddings: Any) -> str | None:
@@ -178,6 +221,9 @@ def _fill_loop(
     """The decode loop with fill: mlx-lm's pipelined serial step, and after each yielded token
     (or each round's last one: a *chained* round) one proposal applied as an assert or verify
     round."""
+    max_tokens = _token_budget(max_tokens)
+    if input_embeddings is None:
+        _check_prompt(prompt, model)
     if prompt_cache is None:
         prompt_cache = make_prompt_cache(model, max_kv_size=max_kv_size)
     reason = _refusal(prompt_cache, input_embeddings)

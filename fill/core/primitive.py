@@ -18,17 +18,20 @@ reproduce serial steps' logits, measured on a random-weight replica).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Sequence
 
 import mlx.core as mx
 from mlx_lm.models import cache as C
 
+from .model_folder import vocab_size
 from .plan import DispatchPlan
 from .ring import RingRefused, RingSnapshot, chunk_writes
 from .shapes import append_shape
 
 LogitRows = Literal["none", "last", "all"]
+LOGIT_ROWS = ("none", "last", "all")
 
 # Model types whose ``__call__`` is exactly ``head(body(x))`` with head = lm_head or tied
 # embeddings; for these the vocabulary projection runs only on the requested rows.
@@ -113,6 +116,13 @@ def cache_kinds(cache: Sequence[Any]) -> tuple[bool, bool]:
             any(isinstance(c, C.RotatingKVCache) for c in leaves))
 
 
+def _check_plan(plan: Any) -> None:
+    """TypeError unless ``plan`` is a :class:`DispatchPlan`."""
+    if not isinstance(plan, DispatchPlan):
+        raise TypeError(f"plan: expected a DispatchPlan (plan_for(model)), got "
+                        f"{type(plan).__name__}")
+
+
 def checkpoint(model: Any, cache: list[Any], plan: DispatchPlan) -> Checkpoint:
     """Record the state a later :func:`rewind` returns to. O(layers), no array copies.
 
@@ -120,8 +130,10 @@ def checkpoint(model: Any, cache: list[Any], plan: DispatchPlan) -> Checkpoint:
     Rotating layers also keep their ring by alias (:class:`~.ring.RingSnapshot`): a wrapped
     ring's slots are overwritten in place. Recurrent layers record their arrays by reference:
     mlx-lm rebinds ``cache[i]`` on every update and never mutates those arrays in place, so the
-    references stay exact.
+    references stay exact. TypeError for a ``plan`` that is no :class:`DispatchPlan` (a
+    rewind replays the kept ids with it).
     """
+    _check_plan(plan)
     offsets: list[int | None] = []
     snaps: list[tuple | None] = []
     rings: list[RingSnapshot | None] = []
@@ -152,16 +164,46 @@ def restore(cp: Checkpoint) -> None:
             c.trim(extra)
 
 
+def _whole(value: Any) -> int | None:
+    """``value`` as an int when it is a whole number (an int, a NumPy or 0-d MLX integer), not
+    a bool; None otherwise."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _token_ids(model: Any, ids: Sequence[Any]) -> list[int]:
+    """``ids`` as ints, each a token id of ``model``'s vocabulary (any id from 0 when the model
+    does not say its size). ValueError naming the first that is not: an id past the
+    embedding's rows reads outside it."""
+    vocab = vocab_size(model)
+    out: list[int] = []
+    for i, t in enumerate(ids):
+        value = _whole(t)
+        if value is None or value < 0 or (vocab is not None and value >= vocab):
+            bound = f"0 to {vocab - 1}" if vocab is not None else "0 or more"
+            raise ValueError(f"ids[{i}]: expected a token id from {bound}, got {t!r}")
+        out.append(value)
+    return out
+
+
 def rewind(cp: Checkpoint, keep: int) -> None:
     """Keep the first ``keep`` ids appended since ``cp`` and drop the rest.
 
     Postcondition: the cache is bit-identical to having appended only ``cp.appended[:keep]``
     from the checkpoint. Trimmable layers trim; when recurrent layers are present and a tail
     must go, every layer is restored and the kept prefix is replayed with one chunked append.
+    ValueError, the cache untouched, unless ``keep`` is a whole number from 0 to the ids
+    appended since ``cp``.
     """
     n = len(cp.appended)
-    if not 0 <= keep <= n:
-        raise ValueError(f"keep={keep} outside 0..{n}")
+    whole = _whole(keep)
+    if whole is None or not 0 <= whole <= n:
+        raise ValueError(f"keep={keep!r}: expected a whole number from 0 to {n}")
+    keep = whole
     if keep == n:
         return
     kept = cp.appended[:keep]
@@ -220,10 +262,15 @@ def append(
     When ``record`` is given the ids are recorded on it for a later :func:`rewind`.
     ``after_chunk(cache)`` runs after every chunk's forward (the decode loop passes mlx-lm's
     KV-quantization step, which may swap list entries in place exactly as serial decode would).
+    Before any forward: ValueError for no ids, an id that is no token of the model's vocabulary
+    or a ``logits`` outside :data:`LOGIT_ROWS`; TypeError for a ``plan`` that is no
+    :class:`DispatchPlan` (:func:`checkpoint`).
     """
-    ids = [int(t) for t in ids]
+    ids = _token_ids(model, ids)
     if not ids:
         raise ValueError("append needs at least one id")
+    if logits not in LOGIT_ROWS:
+        raise ValueError(f"logits: expected 'none', 'last' or 'all', got {logits!r}")
     leaves = _leaves(cache)
     entry = checkpoint(model, cache, plan)
     split = _split_head(model)

@@ -272,10 +272,12 @@ class FillSession:
         self.stats.source_errors[f"{src.name}:{type(err).__name__}"] += 1
         self.sources.remove(src)
 
-    def _drop_trace(self, err: OSError) -> None:
-        """Stop tracing after a failed write, saying so once on stderr."""
-        print(f"mlx-fill: trace not written ({err.strerror or err}); tracing stops for this "
-              f"request", file=sys.stderr, flush=True)
+    def _drop_trace(self, err: OSError | ValueError) -> None:
+        """Stop tracing after a failed write (a full disk; a file already closed, as
+        :func:`~mlx_fill.session.end_session` leaves it), saying so once on stderr."""
+        reason = getattr(err, "strerror", None) or str(err).rstrip(".")
+        print(f"mlx-fill: trace not written ({reason}); tracing stops for this request",
+              file=sys.stderr, flush=True)
         try:
             self.trace.close()
         except OSError:
@@ -324,6 +326,6 @@ class FillSession:
                 event["certainty"] = proposal.certainty
             try:
                 self.trace.write(json.dumps(event) + "\n")
-            except OSError as e:  # a full disk ends the trace, never the generation
+            except (OSError, ValueError) as e:  # a full disk, a closed file: never the generation
                 self._drop_trace(e)
         s.source_ms += (time.perf_counter() - t0) * 1e3

@@ -267,7 +267,12 @@ def _shared_plan(model: Any, ranks: Any) -> DispatchPlan:
 def plan_for(model: Any, group: Any = None) -> DispatchPlan:
     """:func:`resolve`'s plan (exact mode): what a request on ``model`` appends with. With a
     distributed ``group`` of more than one rank (a sharded model), the plan rank 0 chose, the
-    same on every rank; every rank must then call this at the same point the first time."""
+    same on every rank; every rank must then call this at the same point the first time.
+    TypeError for a ``model`` that is no loaded model (one without an ``nn.Module``'s
+    ``parameters()``; a wrapper that delegates to a model is one)."""
+    if not callable(getattr(model, "parameters", None)):
+        raise TypeError(f"model: expected a loaded mlx-lm model (an mlx.nn.Module), got "
+                        f"{type(model).__name__}")
     shared = getattr(model, SHARED_PLAN, None)
     if shared is not None:
         return shared

@@ -14,14 +14,14 @@ import mlx.core as mx
 import pytest
 from adapter_models import TOOLS, random_qwen3_dir
 from mlx_fill.adapters import autoload
-from mlx_fill.adapters.mlx_lm import stream_generate
+from mlx_fill.adapters.mlx_lm import generate_step, stream_generate
 from mlx_fill.sources.echo import EchoSource
 from mlx_fill.sources.prediction import PredictionSource, prediction_text, prediction_usage
 from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.proposal import DecodeView, FillStats
 from mlx_fill.core.cost import CostGate, DraftAcceptance
 from mlx_fill.modes import OFF, enabled
-from mlx_fill.session import build_session, check_mode, prediction_ids
+from mlx_fill.session import build_session, check_mode, end_session, prediction_ids
 from mlx_lm import load
 from mlx_lm.generate import GenerationResponse
 from mlx_lm.generate import stream_generate as stock_stream_generate
@@ -121,6 +121,17 @@ def test_a_prediction_that_is_not_text_or_token_ids_is_one_value_error(lm):
     build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt, prediction=[0, vocab - 1])
 
 
+@pytest.mark.parametrize("given,kind", [("def f(): pass", "str"), (mx.array([1, 2]), "array"),
+                                        (7, "int")])
+def test_a_prediction_of_neither_shape_names_both(lm, given, kind):
+    """``build_session`` takes OpenAI's object or the ids; text or an ``mx.array`` said only
+    ``expected an object``, as if ids were not taken."""
+    model, tok, prompt = lm
+    with pytest.raises(ValueError, match=r"prediction: expected OpenAI's \{'type': 'content', "
+                                         rf"'content': \.\.\.\}} or a list of token ids, got {kind}"):
+        build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt, prediction=given)
+
+
 def test_a_max_span_outside_one_to_the_ceiling_is_one_value_error(lm):
     """``max_span`` is checked as ``MLX_FILL_MAX_SPAN`` is: 0 or -1 do not silently turn fill
     off, a fraction does not fail later inside a source."""
@@ -138,6 +149,84 @@ def test_fill_with_draft_model_is_rejected(lm):
     session = build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt)
     with pytest.raises(ValueError, match="draft_model"):
         stream_generate(model, tok, prompt, fill=session, draft_model=model)
+
+
+def test_stream_generate_takes_stocks_positional_arguments(lm):
+    """``max_tokens``, ``draft_model`` and ``stream`` are positional as in mlx-lm's
+    ``stream_generate``; ``fill=`` is keyword-only, so a stock call never lands in it."""
+    model, tok, prompt = lm
+    stock = tokens_of(stock_stream_generate(model, tok, prompt, 5, None, mx.cpu))
+    assert tokens_of(stream_generate(model, tok, prompt, 5, None, mx.cpu)) == stock
+    session = build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt)
+    assert tokens_of(stream_generate(model, tok, prompt, 5, fill=session)) == stock
+    with pytest.raises(ValueError, match="draft_model"):
+        stream_generate(model, tok, prompt, 5, model, fill=session)
+
+
+@pytest.mark.parametrize("bad", ["strict", True, 3, {}])
+def test_a_fill_that_is_not_a_session_is_one_type_error(lm, bad):
+    """``fill=`` takes what ``build_session`` returns; anything else is refused at the call,
+    naming the argument, not an AttributeError from inside the loop."""
+    model, tok, prompt = lm
+    with pytest.raises(TypeError, match="fill: expected a FillSession"):
+        stream_generate(model, tok, prompt, max_tokens=3, fill=bad)
+    with pytest.raises(TypeError, match="fill: expected a FillSession"):
+        generate_step(mx.array(prompt), model, max_tokens=3, fill=bad)
+
+
+def test_a_session_used_after_end_session_decodes_without_its_closed_trace(lm, tmp_path,
+                                                                          monkeypatch, capsys):
+    """``end_session`` closes the trace; a decode that reuses the session still returns plain
+    decoding's tokens (it stopped with ``I/O operation on closed file`` at the first event)."""
+    model, tok, prompt = lm
+    price_rows_as_free(monkeypatch)
+    ref = list(stream_generate(model, tok, prompt, max_tokens=20))
+    head = "".join(r.text for r in ref)
+    trace = tmp_path / "trace.jsonl"
+    session = build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt,
+                            prediction={"type": "content", "content": head}, trace_path=trace)
+    end_session(session)
+    end_session(session)
+    assert tokens_of(stream_generate(model, tok, prompt, max_tokens=20, fill=session)) == tokens_of(ref)
+    assert session.stats.injected > 0 and trace.read_text() == ""
+    assert capsys.readouterr().err.splitlines() == [
+        "mlx-fill: trace not written (I/O operation on closed file); tracing stops for this "
+        "request"]
+
+
+@pytest.mark.parametrize("model", [None, "Qwen/Qwen3-0.6B"])
+def test_a_model_that_is_not_a_loaded_model_is_one_type_error(lm, model):
+    """``plan_for`` and ``build_session`` name the argument; they failed with
+    ``AttributeError: 'NoneType' object has no attribute 'parameters'``."""
+    from mlx_fill import plan_for
+    _, tok, prompt = lm
+    with pytest.raises(TypeError, match=r"model: expected a loaded mlx-lm model \(an "
+                                        r"mlx\.nn\.Module\), got (NoneType|str)"):
+        plan_for(model)
+    with pytest.raises(TypeError, match="model: expected a loaded mlx-lm model"):
+        build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt)
+
+
+@pytest.mark.parametrize("bad", [None, "hello", [1, "2"], [[1, 2]], mx.array([[1, 2]])])
+def test_prompt_ids_that_are_no_token_ids_are_one_type_error(lm, bad):
+    model, tok, _ = lm
+    with pytest.raises(TypeError, match="prompt_ids: expected the prompt's token ids"):
+        build_session("strict", model=model, tokenizer=tok, prompt_ids=bad)
+
+
+def test_a_hugging_face_tokenizer_is_wrapped_as_stream_generate_wraps_it(lm):
+    """mlx-lm's ``stream_generate`` takes the tokenizer unwrapped; so does ``build_session``
+    (it failed with ``'int' object is not iterable`` on its ``eos_token_ids``). No tokenizer is
+    one TypeError naming it."""
+    model, tok, prompt = lm
+    ref = tokens_of(stream_generate(model, tok._tokenizer, prompt, max_tokens=12))
+    session = build_session("strict", model=model, tokenizer=tok._tokenizer, prompt_ids=prompt,
+                            prediction=ref)
+    assert session.eos_ids == frozenset(tok.eos_token_ids)
+    assert tokens_of(stream_generate(model, tok._tokenizer, prompt, max_tokens=12,
+                                     fill=session)) == ref
+    with pytest.raises(TypeError, match="tokenizer: expected the model's tokenizer"):
+        build_session("strict", model=model, tokenizer=None, prompt_ids=prompt)
 
 
 def test_modes_and_sources(lm):
@@ -182,6 +271,26 @@ def test_malformed_tools_raise_with_path(lm):
     with pytest.raises(ValueError, match=r"tools\[0\]"):
         build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt,
                       messages=[{"role": "user", "content": "x"}], tools=bad)
+
+
+@pytest.mark.parametrize("messages,needle", [
+    ("hello", r"messages: must be a list of message objects, got str"),
+    ({"role": "user", "content": "x"}, r"messages: must be a list of message objects, got dict"),
+    ([{"role": "user", "content": "x"}, 5], r"messages\[1\]: must be an object, got int")])
+def test_malformed_messages_raise_with_path(lm, messages, needle):
+    """Messages that are not a list of objects are one ValueError naming where, at
+    ``build_session``, not an AttributeError or KeyError from the strict compiler."""
+    model, tok, prompt = lm
+    with pytest.raises(ValueError, match=needle):
+        build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt,
+                      messages=messages, tools=TOOLS)
+
+
+@pytest.mark.parametrize("mode", [3, True, ["strict"]])
+def test_a_mode_that_is_not_a_string_is_one_value_error(lm, mode):
+    model, tok, prompt = lm
+    with pytest.raises(ValueError, match="fill mode must be one of off, strict, echo, all"):
+        build_session(mode, model=model, tokenizer=tok, prompt_ids=prompt)
 
 
 def test_prediction_source_follows_and_reanchors():

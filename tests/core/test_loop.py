@@ -177,3 +177,33 @@ def test_telemetry_counts_what_the_consumer_received_when_it_stops_mid_burst(pol
     assert out == ref[:8]
     assert s.stats.emitted == 8
     assert s.stats.injected == 3 and s.stats.events == 1
+
+
+@pytest.mark.parametrize("prompt,error,needle", [
+    (mx.array(PROMPT[:3] + [512]), ValueError, r"prompt\[3\]: expected a token id from 0 to 511, got 512"),
+    (mx.array([-1] + PROMPT[:3]), ValueError, r"prompt\[0\]: expected a token id from 0 to 511, got -1"),
+    (mx.array([PROMPT]), ValueError, r"prompt: expected a 1-D array of token ids, got shape \(1, 20\)"),
+    (mx.array(PROMPT, dtype=mx.float32), TypeError, r"prompt: expected integer token ids, got mlx.core.float32"),
+    (PROMPT, TypeError, r"prompt: expected an mx.array of token ids, got list")])
+def test_a_prompt_that_is_no_token_ids_of_the_model_is_one_error(prompt, error, needle):
+    """Stock mlx-lm fails on these deep inside the model (an id past the embedding's rows can
+    end the process); with a session the prompt is checked before any forward."""
+    model = tiny_model("qwen3")
+    with pytest.raises(error, match=needle):
+        next(generate_step(prompt, model, max_tokens=3, fill=session(ReferenceSource([], "verify"))))
+
+
+def test_max_tokens_is_any_whole_number_mlx_lm_counts_to():
+    """mlx-lm compares ``max_tokens`` with its count, so ``12.0`` stops after 12 tokens; the
+    loop with fill did too until a round sliced with it (a TypeError mid-decode). What is no
+    whole number (mlx-lm's loop never reaches it and decodes without end) is one TypeError."""
+    model = tiny_model("qwen3")
+    ref, _ = decode(model, n=12)
+    s = session(ReferenceSource(ref, "verify", every=1))
+    out, _ = decode(model, s, n=12.0)
+    assert out == ref and s.stats.injected > 0
+    for bad in (2.5, None, "12"):
+        with pytest.raises(TypeError, match=r"max_tokens: expected a whole number of tokens "
+                                            r"\(-1: no limit\), got"):
+            next(generate_step(mx.array(PROMPT), model, max_tokens=bad,
+                               fill=session(ReferenceSource(ref, "verify"))))

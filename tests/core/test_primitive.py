@@ -135,3 +135,49 @@ def test_plan_chunks_respect_max_chunk_and_boundaries():
     assert plan.chunks(296, 8) == [4, 4]
     assert DispatchPlan(key=None).chunks(10, 3) == [1, 1, 1]
     assert plan.with_mode("fast").chunks(250, 20) == [20]
+
+
+@pytest.mark.parametrize("ids,needle", [
+    ([1, 512], r"ids\[1\]: expected a token id from 0 to 511, got 512"),
+    ([-1], r"ids\[0\]: expected a token id from 0 to 511, got -1"),
+    ([3, 1.0], r"ids\[1\]: expected a token id from 0 to 511, got 1.0"),
+    ([True], r"ids\[0\]: expected a token id from 0 to 511, got True"),
+    (["7"], r"ids\[0\]: expected a token id from 0 to 511, got '7'")])
+def test_an_id_that_is_no_token_of_the_vocabulary_is_refused_before_any_forward(ids, needle):
+    """An id past the embedding's rows reads outside it (garbage logits, or the process ends)
+    and a fraction was truncated to an id the caller never gave: one ValueError naming the id,
+    the cache untouched."""
+    model = tiny_model("qwen3")
+    cache = fresh_cache(model, ids_of(4, 12))
+    before = [mx.array(a) for a in cache_content(cache)]
+    with pytest.raises(ValueError, match=needle):
+        append(model, cache, ids, plan=PLAN)
+    assert all(arrays_equal(a, b) for a, b in zip(before, cache_content(cache)))
+    assert append(model, cache, mx.array([0, 511]), plan=PLAN).shape == (1, 512)
+
+
+def test_a_bad_plan_or_logits_is_one_error_naming_it():
+    """Also at ``checkpoint``: a hybrid model's rewind restores the checkpoint and replays the
+    kept ids with its plan, so a bad plan found there lost them."""
+    model = tiny_model("qwen3")
+    cache = fresh_cache(model, ids_of(4, 13))
+    with pytest.raises(TypeError, match="plan: expected a DispatchPlan"):
+        append(model, cache, [1], plan=None)
+    with pytest.raises(TypeError, match="plan: expected a DispatchPlan"):
+        checkpoint(model, cache, None)
+    with pytest.raises(ValueError, match="logits: expected 'none', 'last' or 'all', got 'every'"):
+        append(model, cache, [1], plan=PLAN, logits="every")
+    assert cache[0].offset == 4
+
+
+@pytest.mark.parametrize("keep", [-1, 4, 1.5, "1", None, True])
+def test_rewind_to_no_count_of_the_appended_ids_is_one_value_error(keep):
+    """``keep`` is a whole number from 0 to the ids appended since the checkpoint; anything
+    else is refused before the cache changes."""
+    model = tiny_model("qwen3")
+    cache = fresh_cache(model, ids_of(4, 14))
+    cp = checkpoint(model, cache, PLAN)
+    append(model, cache, [1, 2, 3], plan=PLAN, record=cp)
+    with pytest.raises(ValueError, match=r"keep=.*: expected a whole number from 0 to 3"):
+        rewind(cp, keep)
+    assert cache[0].offset == 7 and cp.appended == [1, 2, 3]
