@@ -201,8 +201,9 @@ def sessions_from_events(events: list[dict]) -> list[tuple[int, dict]]:
     :func:`as_recording` reads.
 
     A conversation is the chain of ``parentUuid`` links from a message back to its root (an
-    event with no parent, or whose parent is not in the log): the log's last message gives the
-    conversation as it finally stood; an earlier message whose chain shares no event with a
+    event with no parent, or whose parent is not in the log; an event without the field
+    follows the line before it, so a log that keeps no links reads in file order): the log's
+    last message gives the conversation as it finally stood; an earlier message whose chain shares no event with a
     conversation already taken starts another (what a compaction or a subagent began; named
     ``SESSION#2`` and on after the first of its session, ``SESSION/AGENT`` for a subagent), and
     one whose chain does (a branch the user rewound) is dropped. Events that hold no message
@@ -210,18 +211,16 @@ def sessions_from_events(events: list[dict]) -> list[tuple[int, dict]]:
     (``isApiErrorMessage``, model ``<synthetic>``) is no reply. The events of one reply (one
     per content part, sharing the message ``id``) are its one message, where the first of
     them stands."""
-    by_uuid = {_uuid(e): e for e in events if _uuid(e) is not None}
-    taken: set[str] = set()
+    parents = _parents(events)
+    taken: set[int] = set()
     found: list[tuple[int, dict]] = []
     for index in range(len(events) - 1, -1, -1):
-        event = events[index]
-        if _message(event) is None or _uuid(event) in taken:
+        if _message(events[index]) is None or index in taken:
             continue
-        chain = _chain(event, by_uuid)
-        uuids = {_uuid(e) for e in chain} - {None}
-        if not uuids & taken:
-            found.append((index, _session(chain)))
-        taken |= uuids
+        chain = _chain(index, parents)
+        if not taken.intersection(chain):
+            found.append((index, _session([events[i] for i in chain])))
+        taken.update(chain)
     found.reverse()
     named: dict[str, int] = {}
     for _, session in found:  # a log's later conversations of one session id: "ID#2", "ID#3"
@@ -231,10 +230,16 @@ def sessions_from_events(events: list[dict]) -> list[tuple[int, dict]]:
     return found
 
 
-def _uuid(event: dict) -> str | None:
-    """The event's ``uuid``; None where it has none that is a string."""
-    uuid = event.get("uuid")
-    return uuid if isinstance(uuid, str) else None
+def _parents(events: list[dict]) -> list[int | None]:
+    """Each event's parent, as an index into ``events``: the event its ``parentUuid`` names
+    (the first with that ``uuid``), or for an event without the field the one before it; None
+    for a root."""
+    first: dict[str, int] = {}
+    for i, event in enumerate(events):
+        if isinstance(uuid := event.get("uuid"), str):
+            first.setdefault(uuid, i)
+    return [(first.get(e["parentUuid"]) if isinstance(e["parentUuid"], str) else None)
+            if "parentUuid" in e else (i - 1 if i else None) for i, e in enumerate(events)]
 
 
 def _message(event: dict) -> dict | None:
@@ -247,13 +252,12 @@ def _message(event: dict) -> dict | None:
     return message
 
 
-def _chain(event: dict, by_uuid: dict[str, dict]) -> list[dict]:
-    """``event`` and its ancestors, root first (a cycle ends the walk)."""
-    chain, seen = [event], {_uuid(event)}
-    while (isinstance(parent_id := chain[-1].get("parentUuid"), str) and parent_id not in seen
-           and parent_id in by_uuid):
-        seen.add(parent_id)
-        chain.append(by_uuid[parent_id])
+def _chain(index: int, parents: list[int | None]) -> list[int]:
+    """Event ``index`` and its ancestors, root first (a cycle ends the walk)."""
+    chain, seen = [index], {index}
+    while (parent := parents[chain[-1]]) is not None and parent not in seen:
+        chain.append(parent)
+        seen.add(parent)
     return chain[::-1]
 
 

@@ -265,6 +265,15 @@ def test_a_claude_code_conversation_that_cannot_be_read_is_skipped_under_its_las
         (3, "a tool_use content part in a message of role user"), (4, "invalid JSON")]
 
 
+def test_a_claude_code_log_without_links_reads_in_file_order(tmp_path):
+    """Lines without ``parentUuid`` (an older or trimmed log) follow the line before them."""
+    lines = [{k: v for k, v in e.items() if k not in ("uuid", "parentUuid")}
+             for e in _claude_code_log()[1:8]]
+    sessions, corrupt = replay.load_recordings(_write_lines(tmp_path / "s.jsonl", map(json.dumps, lines)))
+    assert corrupt == [] and [s["session_id"] for s in sessions] == ["S"]
+    assert [m["role"] for m in replay._render_history(sessions[0])] == ["user", "assistant", "tool", "tool"]
+
+
 def test_a_folder_is_read_as_every_transcripts_file_in_it(tmp_path):
     """A Claude Code project folder: one log per session, a subagent's log in a subfolder;
     files of other names are not read, and a skipped line names its file."""
