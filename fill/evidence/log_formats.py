@@ -192,7 +192,8 @@ def is_event(obj: Any) -> bool:
     """Whether ``obj`` is a line of a Claude Code session log (one event per line, chained by
     ``uuid`` and ``parentUuid``) rather than a session."""
     return (isinstance(obj, dict) and "messages" not in obj
-            and (isinstance(obj.get("sessionId"), str) or obj.get("type") in BOOKKEEPING_EVENTS))
+            and (isinstance(obj.get("sessionId"), str) or obj.get("type") in BOOKKEEPING_EVENTS
+                 or (obj.get("type") in ("user", "assistant") and isinstance(obj.get("message"), dict))))
 
 
 def sessions_from_events(events: list[dict]) -> list[tuple[int, dict]]:
