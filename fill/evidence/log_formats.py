@@ -193,7 +193,8 @@ def is_event(obj: Any) -> bool:
     ``uuid`` and ``parentUuid``) rather than a session."""
     return (isinstance(obj, dict) and "messages" not in obj
             and (isinstance(obj.get("sessionId"), str) or obj.get("type") in BOOKKEEPING_EVENTS
-                 or (obj.get("type") in ("user", "assistant") and isinstance(obj.get("message"), dict))))
+                 or (obj.get("type") in ("user", "assistant")
+                     and isinstance(obj.get("message"), dict))))
 
 
 def sessions_from_events(events: list[dict]) -> list[tuple[int, dict]]:
@@ -202,16 +203,16 @@ def sessions_from_events(events: list[dict]) -> list[tuple[int, dict]]:
     :func:`as_recording` reads.
 
     A conversation is the chain of ``parentUuid`` links from a message back to its root (an
-    event with no parent, or whose parent is not in the log; an event without the field
-    follows the line before it, so a log that keeps no links reads in file order): the log's
-    last message gives the conversation as it finally stood; an earlier message whose chain shares no event with a
-    conversation already taken starts another (what a compaction or a subagent began; named
-    ``SESSION#2`` and on after the first of its session, ``SESSION/AGENT`` for a subagent), and
-    one whose chain does (a branch the user rewound) is dropped. Events that hold no message
-    keep their place in a chain; an error Claude Code wrote in the assistant's place
-    (``isApiErrorMessage``, model ``<synthetic>``) is no reply. The events of one reply (one
-    per content part, sharing the message ``id``) are its one message, where the first of
-    them stands."""
+    event with no parent, or whose parent is not in the log; an event without the field follows
+    the line before it, so a log that keeps no links reads in file order): the log's last
+    message gives the conversation as it finally stood; an earlier message whose chain shares no
+    event with a conversation already taken starts another (what a compaction or a subagent
+    began; named ``SESSION#2`` and on after the first of its session, ``SESSION/AGENT`` for a
+    subagent), and one whose chain does (a branch the user rewound) is dropped. Events that hold
+    no message keep their place in a chain; an error Claude Code wrote in the assistant's place
+    (``isApiErrorMessage``, model ``<synthetic>``) is no reply. The events of one reply (one per
+    content part, sharing the message ``id``) are its one message, where the first of them
+    stands."""
     parents = _parents(events)
     taken: set[int] = set()
     found: list[tuple[int, dict]] = []
