@@ -19,10 +19,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_arguments(parser)
     parser.add_argument("--store-seed", type=Path, default=None,
                         help="with --fill all: a transcripts file (JSONL, gzip or plain; the "
-                             "repository's format, OpenAI chat, Anthropic Messages or Claude Code "
-                             "logs) or a folder of them, whose assistant replies, "
-                             "rendered through the model's template, fill the cross-request store "
-                             "at start, as if this server had served those sessions")
+                             "repository's format, OpenAI chat, Anthropic Messages, Claude Code "
+                             "logs or Codex CLI rollouts) or a folder of them, whose assistant "
+                             "replies, rendered through the model's template, fill the "
+                             "cross-request store at start, as if this server had served those "
+                             "sessions")
 
 
 def run(args: argparse.Namespace) -> int:

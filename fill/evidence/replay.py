@@ -22,7 +22,8 @@ Rendering contract for the recorded history:
 
 A turn is an assistant message that follows a non-assistant message. Corrupt transcript lines
 (unparsable JSON, no ``messages`` list) are skipped and reported. Sessions logged as OpenAI chat
-or Anthropic Messages are read too (:mod:`mlx_fill.evidence.log_formats`).
+or Anthropic Messages are read too, and Claude Code and Codex CLI session logs
+(:mod:`mlx_fill.evidence.log_formats`).
 
 Timing is client-side, from sending the request: ``wall_s`` to the end of the reply, ``ttft_s``
 to the first content or tool-call delta, ``first_tool_call_s`` to the first tool-call delta
@@ -45,7 +46,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from . import report
-from .log_formats import CALL_PARTS, as_recording, is_event, sessions_from_events
+from .log_formats import (CALL_PARTS, as_recording, is_event, is_rollout_line, rollout_line_problem,
+                          sessions_from_events, sessions_from_rollout)
 from mlx_fill.core.errors import NOT_REGULAR, UserError, float_in, int_up_to, output_dir, positive_int
 
 JSON_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
@@ -99,10 +101,13 @@ def load_recordings(path: str | Path) -> tuple[list[dict], list[CorruptLine]]:
     (:func:`~mlx_fill.evidence.log_formats.as_recording`); the lines of a Claude Code session
     log are read as its conversations
     (:func:`~mlx_fill.evidence.log_formats.sessions_from_events`), after the file's sessions,
-    a conversation that cannot be read reported under its last line. A line that is not a
-    JSON object with a ``messages`` list of role-bearing dicts, or that holds bytes that are
-    not UTF-8, is skipped and returned as a :class:`CorruptLine`; a truncated gzip stream ends
-    the file's read with one.
+    and then the lines of a Codex CLI rollout
+    (:func:`~mlx_fill.evidence.log_formats.sessions_from_rollout`), a conversation that cannot
+    be read reported under its last line. A line that is not a JSON object with a ``messages``
+    list of role-bearing dicts, a rollout line that cannot be read
+    (:func:`~mlx_fill.evidence.log_formats.rollout_line_problem`), or a line that holds bytes
+    that are not UTF-8, is skipped and returned as a :class:`CorruptLine`; a truncated gzip
+    stream ends the file's read with one.
     """
     path = Path(path)
     if not path.is_dir():
@@ -119,6 +124,7 @@ def _load_file(path: Path) -> tuple[list[dict], list[CorruptLine]]:
     """:func:`load_recordings` of one file."""
     sessions, corrupt = [], []
     events: list[tuple[int, dict]] = []  # (line, event) of a Claude Code session log
+    rollout: list[tuple[int, dict]] = []  # (line, item) of a Codex CLI rollout
     number = 0
     with _open_text(path) as fh:
         try:
@@ -143,12 +149,19 @@ def _load_file(path: Path) -> tuple[list[dict], list[CorruptLine]]:
                     continue
                 if is_event(obj):
                     events.append((number, obj))
+                elif is_rollout_line(obj):
+                    if problem := rollout_line_problem(obj):
+                        corrupt.append(CorruptLine(number, problem))
+                    else:
+                        rollout.append((number, obj))
                 else:
                     _keep(obj, number, sessions, corrupt)
         except (EOFError, gzip.BadGzipFile) as exc:
             corrupt.append(CorruptLine(number + 1, f"unreadable: {exc}"))
     for index, session in sessions_from_events([e for _, e in events]):
         _keep(session, events[index][0], sessions, corrupt)
+    for index, session in sessions_from_rollout([item for _, item in rollout]):
+        _keep(session, rollout[index][0], sessions, corrupt)
     corrupt.sort(key=lambda c: c.line)
     return sessions, corrupt
 

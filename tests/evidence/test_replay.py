@@ -299,6 +299,229 @@ def test_claude_code_events_with_ids_of_other_types_are_read_without_error(tmp_p
         ("S", 1), ("S#2", 1), ("S#3", 1)]
 
 
+def _rollout_item(payload: dict) -> dict:
+    return {"timestamp": "2025-12-28T12:21:44.491Z", "type": "response_item", "payload": payload}
+
+
+def _said(role: str, text: str) -> dict:
+    """A message item as Codex logs it (text as a Responses part)."""
+    part = "output_text" if role == "assistant" else "input_text"
+    return {"type": "message", "role": role, "content": [{"type": part, "text": text}]}
+
+
+def _codex_rollout(meta: dict | None = None) -> list[dict]:
+    """A Codex CLI rollout as 0.77 writes it (``{"timestamp", "type", "payload"}``; shapes from a
+    real one, simonw/claude-code-transcripts' ``tests/sample_codex_session.jsonl``): the user's
+    instructions in the meta and again as the first user message, context messages, reasoning,
+    text and two parallel calls, a call output as parts, an ``apply_patch`` custom call, two
+    texts in a row, a developer message, a ``local_shell_call``, a web search, events, turn
+    contexts, a fork's parent meta, and a compaction the session went on from."""
+    line = lambda kind, payload: {"timestamp": "2025-12-28T12:21:44.491Z", "type": kind,  # noqa: E731
+                                  "payload": payload}
+    context = line("turn_context", {"cwd": "/w", "approval_policy": "on-request", "model": "gpt-5.2-codex",
+                                    "sandbox_policy": {"type": "workspace-write"}, "summary": "auto"})
+    shell = lambda cid, command: _rollout_item({  # noqa: E731
+        "type": "function_call", "name": "shell_command", "call_id": cid,
+        "arguments": json.dumps({"command": command, "workdir": "/w"})})
+    meta = meta or {"instructions": "## Skills\n- be brief", "model_provider": "openai"}
+    return [
+        line("session_meta", {"id": "019b", "timestamp": "2025-12-28T12:18:30.522Z", "cwd": "/w",
+                              "originator": "codex_cli_rs", "cli_version": "0.77.0", "source": "cli", **meta}),
+        line("session_meta", {"id": "parent", "timestamp": "2025-12-28T12:00:00.000Z", "cwd": "/w"}),
+        _rollout_item(_said("user", "# AGENTS.md instructions for /w\n\n<INSTRUCTIONS>\n## Skills\n- be brief\n"
+                                    "</INSTRUCTIONS>")),
+        _rollout_item(_said("user", "<environment_context>\n  <cwd>/w</cwd>\n</environment_context>")),
+        _rollout_item(_said("user", "fix a.py")),
+        line("event_msg", {"type": "user_message", "message": "fix a.py", "images": []}),
+        context,
+        _rollout_item({"type": "reasoning", "summary": [{"type": "summary_text", "text": "**Testing**"}],
+                       "content": None, "encrypted_content": "gAAA"}),
+        _rollout_item(_said("assistant", "Testing.")),
+        shell("c1", "pytest -q"),
+        shell("c2", "cat a.py"),
+        line("event_msg", {"type": "token_count", "info": None}),
+        _rollout_item({"type": "function_call_output", "call_id": "c1", "output": "Exit code: 1"}),
+        _rollout_item({"type": "function_call_output", "call_id": "c2", "output": [
+            {"type": "input_text", "text": "return a - b"}, {"type": "input_image", "image_url": "data:"}]}),
+        _rollout_item({"type": "custom_tool_call", "status": "completed", "call_id": "c3", "name": "apply_patch",
+                       "input": "*** Begin Patch\n-a - b\n+a + b\n*** End Patch"}),
+        _rollout_item({"type": "custom_tool_call_output", "call_id": "c3", "output": "Success."}),
+        _rollout_item(_said("assistant", "Fixed.")),
+        _rollout_item(_said("assistant", "Tests pass.")),
+        line("event_msg", {"type": "agent_message", "message": "Tests pass."}),
+        _rollout_item(_said("developer", "<permissions instructions>ask first</permissions instructions>")),
+        _rollout_item(_said("user", "lint it")),
+        context,
+        _rollout_item({"type": "local_shell_call", "call_id": "c4", "status": "completed", "action": {
+            "type": "exec", "command": ["ruff", "check"], "timeout_ms": None, "working_directory": None}}),
+        _rollout_item({"type": "function_call_output", "call_id": "c4", "output": "All checks passed!"}),
+        _rollout_item({"type": "web_search_call", "status": "completed", "action": {"type": "search", "query": "ruff"}}),
+        _rollout_item(_said("assistant", "Clean.")),
+        line("compacted", {"message": "Fixed a.py; lint clean.", "replacement_history": [
+            _said("user", "fix a.py"), _said("user", "Summary: fixed a.py; lint clean.")]}),
+        context,
+        _rollout_item(_said("user", "commit")),
+        _rollout_item(_said("assistant", "Committed.")),
+    ]
+
+
+def test_a_codex_rollout_reads_as_its_conversations(tmp_path):
+    path = _write_lines(tmp_path / "rollout.jsonl", [json.dumps(line) for line in _codex_rollout()])
+    sessions, corrupt = replay.load_recordings(path)
+    assert corrupt == []
+    assert [(s["session_id"], s["source"], s["model"], s["tool_call_style"]) for s in sessions] == [
+        ("019b", "codex", "gpt-5.2-codex", "structured"), ("019b#2", "codex", "gpt-5.2-codex", "inline_text")]
+    call = lambda cid, name, arguments: {  # noqa: E731
+        "id": cid, "type": "function", "function": {"name": name, "arguments": arguments}}
+    assert replay._render_history(sessions[0]) == [
+        {"role": "user", "content": "# AGENTS.md instructions for /w\n\n<INSTRUCTIONS>\n## Skills\n- be brief\n"
+                                    "</INSTRUCTIONS>"},
+        {"role": "user", "content": "<environment_context>\n  <cwd>/w</cwd>\n</environment_context>"},
+        {"role": "user", "content": "fix a.py"},
+        {"role": "assistant", "content": "Testing.", "tool_calls": [
+            call("c1", "shell_command", '{"command": "pytest -q", "workdir": "/w"}'),
+            call("c2", "shell_command", '{"command": "cat a.py", "workdir": "/w"}')]},
+        {"role": "tool", "tool_call_id": "c1", "content": "Exit code: 1"},
+        {"role": "tool", "tool_call_id": "c2", "content": "return a - b"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            call("c3", "apply_patch", '{"input": "*** Begin Patch\\n-a - b\\n+a + b\\n*** End Patch"}')]},
+        {"role": "tool", "tool_call_id": "c3", "content": "Success."},
+        {"role": "assistant", "content": "Fixed.\n\nTests pass."},
+        {"role": "system", "content": "<permissions instructions>ask first</permissions instructions>"},
+        {"role": "user", "content": "lint it"},
+        {"role": "assistant", "content": "", "tool_calls": [call("c4", "local_shell", json.dumps(
+            {"type": "exec", "command": ["ruff", "check"], "timeout_ms": None, "working_directory": None}))]},
+        {"role": "tool", "tool_call_id": "c4", "content": "All checks passed!"},
+        {"role": "assistant", "content": "Clean."}]
+    turns, origin = replay.recording_turns(sessions[0])
+    assert origin == "synthesized" and [t.message_index for t in turns] == [3, 6, 8, 11, 13]
+    assert turns[0].expected["tool_calls"] == [
+        {"name": "shell_command", "arguments": {"command": "pytest -q", "workdir": "/w"}},
+        {"name": "shell_command", "arguments": {"command": "cat a.py", "workdir": "/w"}}]
+    assert replay._render_history(sessions[1]) == [
+        {"role": "user", "content": "fix a.py"}, {"role": "user", "content": "Summary: fixed a.py; lint clean."},
+        {"role": "user", "content": "commit"}, {"role": "assistant", "content": "Committed."}]
+
+
+def test_a_codex_rollout_logs_the_system_prompt_the_model_saw_where_its_meta_keeps_it(tmp_path):
+    """A 2026 meta's ``base_instructions``; instructions no message holds (the first versions
+    appended them to the system prompt) are a system message too."""
+    meta = {"base_instructions": {"text": "You are Codex."}, "instructions": "answer in French"}
+    path = _write_lines(tmp_path / "rollout.jsonl", [json.dumps(line) for line in _codex_rollout(meta)])
+    sessions, corrupt = replay.load_recordings(path)
+    system = [{"role": "system", "content": "You are Codex."}, {"role": "system", "content": "answer in French"}]
+    assert corrupt == [] and [s["messages"][:2] for s in sessions] == [system, system]
+    assert sessions[0]["messages"][2]["content"].startswith("# AGENTS.md instructions")
+
+
+def test_a_codex_rollout_written_before_the_envelope_reads_the_same_way(tmp_path):
+    """Codex CLI until September 2025: a bare session meta, items at the top level, state
+    lines; no model logged; the user's instructions went to the system prompt."""
+    lines = [{"id": "5973b6c0", "timestamp": "2025-08-18T01:16:13.522Z", "instructions": "be brief",
+              "git": {"commit_hash": "abc123", "branch": "main"}},
+             {"record_type": "state"},
+             {**_said("user", "<environment_context>\n  <cwd>/w</cwd>\n</environment_context>"), "id": None},
+             _said("user", "list the files"),
+             {"type": "reasoning", "summary": [], "encrypted_content": "gAAA"},
+             {"type": "function_call", "name": "shell", "arguments": '{"command":["bash","-lc","ls"]}',
+              "call_id": "call_1"},
+             {"record_type": "state"},
+             {"type": "function_call_output", "call_id": "call_1",
+              "output": '{"output":"a.py\\n","metadata":{"exit_code":0,"duration_seconds":0.1}}'},
+             _said("assistant", "One file: a.py.")]
+    sessions, corrupt = replay.load_recordings(_write_lines(tmp_path / "rollout.jsonl", map(json.dumps, lines)))
+    assert corrupt == [] and [(s["session_id"], s["model"]) for s in sessions] == [("5973b6c0", None)]
+    assert replay._render_history(sessions[0]) == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "<environment_context>\n  <cwd>/w</cwd>\n</environment_context>"},
+        {"role": "user", "content": "list the files"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "shell", "arguments": '{"command":["bash","-lc","ls"]}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": lines[7]["output"]},
+        {"role": "assistant", "content": "One file: a.py."}]
+    assert [t.message_index for t in replay.recording_turns(sessions[0])[0]] == [3, 5]
+
+
+def test_a_codex_compaction_without_its_history_goes_on_from_the_summary(tmp_path):
+    """Each conversation takes the model in effect when it starts (or the first it names)."""
+    line = lambda kind, payload: {"timestamp": "t", "type": kind, "payload": payload}  # noqa: E731
+    lines = [line("session_meta", {"id": "s1"}), _rollout_item(_said("user", "hi")),
+             line("turn_context", {"model": "o4-mini"}), _rollout_item(_said("assistant", "hello")),
+             line("turn_context", {"model": "gpt-5"}), line("compacted", {"message": "We said hello."}),
+             _rollout_item(_said("user", "bye")), _rollout_item(_said("assistant", "ciao"))]
+    sessions, corrupt = replay.load_recordings(_write_lines(tmp_path / "rollout.jsonl", map(json.dumps, lines)))
+    assert corrupt == [] and [(s["session_id"], s["model"]) for s in sessions] == [("s1", "o4-mini"), ("s1#2", "gpt-5")]
+    assert [(m["role"], m["content"]) for m in sessions[1]["messages"]] == [
+        ("user", "We said hello."), ("user", "bye"), ("assistant", "ciao")]
+
+
+def test_a_codex_line_that_cannot_be_read_is_skipped_saying_why_and_the_rollout_read(tmp_path):
+    rollout = [json.dumps(line) for line in _codex_rollout()]
+    bad = [_rollout_item({"type": "function_call", "arguments": "{}", "call_id": "c9"}),
+           _rollout_item({"type": "message", "role": "user", "content": 3}),
+           _rollout_item({"type": "function_call_output", "call_id": "c9", "output": {"content": "x"}}),
+           _rollout_item({"type": "custom_tool_call", "name": "apply_patch", "input": None}),
+           _rollout_item({"type": "local_shell_call", "action": "ls"}),
+           {"timestamp": "t", "type": "response_item", "payload": "message"},
+           {"timestamp": "t", "type": "session_meta", "payload": {"cwd": "/w"}},
+           {"timestamp": "t", "type": "compacted", "payload": {"message": "s", "replacement_history": [
+               {"type": "message", "content": []}]}}]
+    lines = rollout[:5] + [json.dumps(b) for b in bad] + ["{broken"] + rollout[5:]
+    sessions, corrupt = replay.load_recordings(_write_lines(tmp_path / "rollout.jsonl", lines))
+    assert [s["session_id"] for s in sessions] == ["019b", "019b#2"]
+    assert replay._render_history(sessions[0]) == replay._render_history(
+        replay.as_recording(log_formats.sessions_from_rollout(_codex_rollout())[0][1]))
+    assert [(c.line, c.reason.split(":")[0]) for c in corrupt] == [
+        (6, "a Codex function_call without a name"),
+        (7, "a Codex message whose content is neither text nor parts"),
+        (8, "a Codex function_call_output whose output is neither text nor parts"),
+        (9, "a Codex custom_tool_call whose input is not text"),
+        (10, "a Codex local_shell_call whose action is not an object"),
+        (11, "a Codex response_item line whose payload is not an object"),
+        (12, "a Codex session_meta without an id"),
+        (13, "a Codex message without a role"),
+        (14, "invalid JSON")]
+
+
+def test_a_codex_conversation_that_cannot_be_read_is_skipped_under_its_last_line(tmp_path):
+    lines = [_rollout_item(_said("user", "bad \ud800 half")), _rollout_item(_said("assistant", "ok")),
+             {"timestamp": "t", "type": "event_msg", "payload": {"type": "token_count"}}]
+    sessions, corrupt = replay.load_recordings(_write_lines(
+        tmp_path / "rollout.jsonl", [json.dumps(_structured()), *map(json.dumps, lines)]))
+    assert [s["session_id"] for s in sessions] == ["s-structured"]
+    assert [(c.line, c.reason.split(" (")[0]) for c in corrupt] == [(3, "text that is not Unicode")]
+
+
+def test_a_forked_rollout_is_one_session_named_by_its_own_meta(tmp_path):
+    """A fork logs its own meta, then its parent's lines, metas too (an ancestor's wherever the
+    parent logged it), as the history it went on from."""
+    rollout = _codex_rollout()
+    meta = {**rollout[0], "payload": {**rollout[0]["payload"], "id": "fork", "forked_from_id": "019b"}}
+    lines = [meta, *rollout[:10], rollout[1], *rollout[10:]]
+    sessions, corrupt = replay.load_recordings(_write_lines(tmp_path / "fork.jsonl", map(json.dumps, lines)))
+    parent, _ = replay.load_recordings(_write_lines(tmp_path / "parent.jsonl", map(json.dumps, rollout)))
+    assert corrupt == [] and [s["session_id"] for s in sessions] == ["fork", "fork#2"]
+    assert [s["messages"] for s in sessions] == [s["messages"] for s in parent]
+
+
+def test_one_file_mixing_every_format_reads_each_and_none_is_taken_for_another(tmp_path):
+    """A session in the repository's format, OpenAI chat and Anthropic Messages sessions, a
+    Claude Code log and a Codex rollout, interleaved: each line is read by its own reader."""
+    claude = _claude_code_log()
+    others = [_structured(), _openai_twin(_structured()), _anthropic_log(), _inline(), *claude]
+    assert not any(log_formats.is_rollout_line(o) for o in others)
+    assert all(log_formats.is_rollout_line(line) and not log_formats.is_event(line) for line in _codex_rollout())
+    lines = [others[0], *_codex_rollout()[:12], *others[1:4], *claude, *_codex_rollout()[12:]]
+    sessions, corrupt = replay.load_recordings(_write_lines(tmp_path / "mixed.jsonl", map(json.dumps, lines)))
+    assert corrupt == []
+    assert [(s["source"], s.get("session_id")) for s in sessions] == [
+        ("unit", "s-structured"), (log_formats.UNNAMED_SOURCE, "s-structured"), (log_formats.UNNAMED_SOURCE, None),
+        ("unit", "s-inline"), ("claude_code", "S"), ("claude_code", "S/ag1"), ("claude_code", "S#2"),
+        ("codex", "019b"), ("codex", "019b#2")]
+    alone, _ = replay.load_recordings(_write_lines(tmp_path / "r.jsonl", map(json.dumps, _codex_rollout())))
+    assert sessions[-2:] == alone
+
+
 def test_arguments_nested_as_deeply_as_json_reads_are_checked_without_recursion(tmp_path):
     deep = '{"a": ' * 600 + '"x"' + "}" * 600
     line = json.dumps({"messages": [{"role": "assistant", "tool_calls": [
