@@ -212,7 +212,8 @@ def sessions_from_events(events: list[dict]) -> list[tuple[int, dict]]:
     no message keep their place in a chain; an error Claude Code wrote in the assistant's place
     (``isApiErrorMessage``, model ``<synthetic>``) is no reply. The events of one reply (one per
     content part, sharing the message ``id``) are its one message, where the first of them
-    stands."""
+    stands; those a chain leaves off, and the results to their calls, are in its conversation
+    too, in file order (:func:`_conversation`)."""
     parents = _parents(events)
     taken: set[int] = set()
     found: list[tuple[int, dict]] = []
@@ -221,7 +222,9 @@ def sessions_from_events(events: list[dict]) -> list[tuple[int, dict]]:
             continue
         chain = _chain(index, parents)
         if not taken.intersection(chain):
-            found.append((index, _session([events[i] for i in chain])))
+            conversation = _conversation(chain, events)
+            found.append((conversation[-1], _session([events[i] for i in conversation])))
+            taken.update(conversation)
         taken.update(chain)
     found.reverse()
     named: dict[str, int] = {}
@@ -263,27 +266,66 @@ def _chain(index: int, parents: list[int | None]) -> list[int]:
     return chain[::-1]
 
 
-def _session(chain: list[dict]) -> dict:
-    """One conversation's chain of events as an Anthropic Messages session."""
+def _conversation(chain: list[int], events: list[dict]) -> list[int]:
+    """``chain`` and the events of its replies that Claude Code logged off it, in file order:
+    every event of a reply in the chain (its message ``id``) and the first result to each of
+    their calls that the chain does not answer. Claude Code 2.1 logs a reply's parallel calls
+    one line each, chained, and each result as the child of its own call's line: the next
+    reply goes on from one result, and the calls after that result's call, and the other
+    results, are off its chain."""
+    replies = {reply_id for i in chain if (reply_id := _reply_id(events[i])) is not None}
+    parts = [i for i, event in enumerate(events) if _reply_id(event) in replies]
+    calls = {p.get("id") for i in parts for p in _parts(events[i]) if p.get("type") == CALL_PART}
+    calls -= {p.get("tool_use_id") for i in chain for p in _parts(events[i])
+              if p.get("type") == RESULT_PART}
+    results: dict[Any, int] = {}
+    for i, event in enumerate(events):
+        for p in _parts(event) if event.get("type") == "user" else []:
+            if p.get("type") == RESULT_PART and p.get("tool_use_id") in calls:
+                results.setdefault(p["tool_use_id"], i)
+    return sorted({*chain, *parts, *results.values()})
+
+
+def _is_reply(event: dict) -> bool:
+    """Whether an event holds (a part of) a reply of the model."""
+    return event.get("type") == "assistant" and _message(event) is not None
+
+
+def _reply_id(event: dict) -> str | None:
+    """The message ``id`` of a reply's event; None for any other event, and for a reply
+    without one."""
+    reply_id = _message(event).get("id") if _is_reply(event) else None
+    return reply_id if isinstance(reply_id, str) else None
+
+
+def _parts(event: dict) -> list[dict]:
+    """The content parts of an event's message (none for a message whose content is text)."""
+    message = _message(event)
+    content = message.get("content") if message is not None else None
+    return [p for p in content if isinstance(p, dict)] if isinstance(content, list) else []
+
+
+def _session(conversation: list[dict]) -> dict:
+    """One conversation's events, in order, as an Anthropic Messages session."""
     messages: list[dict] = []
     replies: dict[str, dict] = {}  # message id -> its message, to gather the reply's parts
-    for event in chain:
+    for event in conversation:
         message = _message(event)
         if message is None:
             continue
-        reply_id = message.get("id") if event["type"] == "assistant" else None
+        reply_id = _reply_id(event)
         content = message.get("content")
-        if isinstance(reply_id, str) and reply_id in replies and isinstance(content, list):
+        if reply_id in replies and isinstance(content, list):
             replies[reply_id]["content"] += content
             continue
         out = {"role": event["type"], "content": list(content) if isinstance(content, list) else content}
-        if isinstance(reply_id, str) and isinstance(out["content"], list):
+        if reply_id is not None and isinstance(out["content"], list):
             replies[reply_id] = out
         messages.append(out)
-    last = chain[-1]
+    last = conversation[-1]
     name = str(last.get("sessionId", ""))
     if last.get("isSidechain") and isinstance(last.get("agentId"), str):
         name += f"/{last['agentId']}"
-    models = [m.get("model") for e in chain if e.get("type") == "assistant" and (m := _message(e))]
+    models = [m.get("model") for e in conversation if _is_reply(e) and (m := _message(e))]
     return {"source": CLAUDE_CODE_SOURCE, "session_id": name, "harness": "claude-code",
             "model": next((m for m in models if isinstance(m, str)), None), "messages": messages}

@@ -265,6 +265,33 @@ def test_a_claude_code_conversation_that_cannot_be_read_is_skipped_under_its_las
         (3, "a tool_use content part in a message of role user"), (4, "invalid JSON")]
 
 
+def test_a_claude_code_reply_with_parallel_calls_keeps_every_call_and_result(tmp_path):
+    """Claude Code 2.1 logs a reply's parallel calls one line each, chained, and each result
+    as the child of its own call's line; results written out of call order leave the later
+    calls and the other results off the chain the next reply continues."""
+    call = lambda tid, name: {"type": "tool_use", "id": tid, "name": name, "input": {"n": tid}}  # noqa: E731
+    result = lambda tid: {"role": "user", "content": [  # noqa: E731
+        {"type": "tool_result", "tool_use_id": tid, "content": f"out {tid}"}]}
+    lines = [_event("user", "u1", None, {"role": "user", "content": "run all three"}),
+             _event("assistant", "a1", "u1", _reply("m1", {"type": "text", "text": "Three at once."})),
+             _event("assistant", "a2", "a1", _reply("m1", call("t1", "Read"))),
+             _event("progress", "p1", "a2", data={"type": "hook_progress"}),
+             _event("assistant", "a3", "p1", _reply("m1", call("t2", "Bash"))),
+             _event("assistant", "a4", "a3", _reply("m1", call("t3", "Grep"))),
+             _event("user", "r3", "a4", result("t3"), sourceToolAssistantUUID="a4"),
+             _event("attachment", "h3", "r3", attachment={"type": "hook_success"}),
+             _event("user", "r2", "a3", result("t2"), sourceToolAssistantUUID="a3"),
+             _event("user", "r1", "a2", result("t1"), sourceToolAssistantUUID="a2"),
+             _event("assistant", "a5", "r1", _reply("m2", {"type": "text", "text": "Done."}))]
+    sessions, corrupt = replay.load_recordings(_write_lines(tmp_path / "s.jsonl", map(json.dumps, lines)))
+    assert corrupt == [] and [s["session_id"] for s in sessions] == ["S"]
+    history = replay._render_history(sessions[0])
+    assert [(m["role"], m.get("tool_call_id")) for m in history] == [
+        ("user", None), ("assistant", None), ("tool", "t3"), ("tool", "t2"), ("tool", "t1"), ("assistant", None)]
+    assert [c["id"] for c in history[1]["tool_calls"]] == ["t1", "t2", "t3"]
+    assert [m["content"] for m in history[2:5]] == ["out t3", "out t2", "out t1"]
+
+
 def test_a_claude_code_log_without_links_reads_in_file_order(tmp_path):
     """Lines without ``parentUuid`` (an older or trimmed log, without ``sessionId`` too)
     follow the line before them."""
