@@ -202,15 +202,17 @@ def sessions_from_events(events: list[dict]) -> list[tuple[int, dict]]:
     the event that ends it, session)``, the sessions in the Anthropic Messages form
     :func:`as_recording` reads.
 
-    A conversation is the chain of ``parentUuid`` links from a message back to its root (an
+    A conversation is the chain of ``parentUuid`` links from a reply back to its root (an
     event with no parent, or whose parent is not in the log; an event without the field follows
     the line before it, so a log that keeps no links reads in file order): the log's last
-    message gives the conversation as it finally stood; an earlier message whose chain shares no
+    reply gives the conversation as it finally stood; an earlier reply whose chain shares no
     event with a conversation already taken starts another (what a compaction or a subagent
     began; named ``SESSION#2`` and on after the first of its session, ``SESSION/AGENT`` for a
-    subagent), and one whose chain does (a branch the user rewound) is dropped. Events that hold
-    no message keep their place in a chain; an error Claude Code wrote in the assistant's place
-    (``isApiErrorMessage``, model ``<synthetic>``) is no reply. The events of one reply (one per
+    subagent), and one whose chain does (a branch the user rewound) is dropped. Messages that no
+    reply follows (a prompt never answered, local commands typed after the last reply) are in
+    no conversation: they hold no turn. Events that hold no message keep their place in a
+    chain; an error Claude Code wrote in the assistant's place (``isApiErrorMessage``, model
+    ``<synthetic>``) is no reply. The events of one reply (one per
     content part, sharing the message ``id``) are its one message, where the first of them
     stands; those a chain leaves off, and the results to their calls, are in its conversation
     too, in file order (:func:`_conversation`)."""
@@ -218,7 +220,7 @@ def sessions_from_events(events: list[dict]) -> list[tuple[int, dict]]:
     taken: set[int] = set()
     found: list[tuple[int, dict]] = []
     for index in range(len(events) - 1, -1, -1):
-        if _message(events[index]) is None or index in taken:
+        if not _is_reply(events[index]) or index in taken:
             continue
         chain = _chain(index, parents)
         if not taken.intersection(chain):

@@ -292,6 +292,23 @@ def test_a_claude_code_reply_with_parallel_calls_keeps_every_call_and_result(tmp
     assert [m["content"] for m in history[2:5]] == ["out t3", "out t2", "out t1"]
 
 
+def test_a_claude_code_branch_without_a_reply_leaves_the_conversation_before_it(tmp_path):
+    """Local commands typed after the last reply, logged as a branch off the log's first line
+    (Claude Code 1.0): the conversation is the last reply's, not the last line's."""
+    user = lambda t: {"role": "user", "content": t}  # noqa: E731
+    lines = [_event("user", "c0", None, user("Caveat: local commands below."), isMeta=True),
+             _event("user", "c1", "c0", user("<command-name>/clear</command-name>")),
+             _event("user", "c2", "c1", user("<local-command-stdout></local-command-stdout>")),
+             _event("user", "u1", "c2", user("fix the bug")),
+             _event("assistant", "a1", "u1", _reply("m1", {"type": "text", "text": "Fixed."})),
+             _event("user", "b1", "c0", user("<bash-input>pytest</bash-input>")),
+             _event("user", "b2", "b1", user("<bash-stdout>1 passed</bash-stdout>"))]
+    sessions, corrupt = replay.load_recordings(_write_lines(tmp_path / "s.jsonl", map(json.dumps, lines)))
+    assert corrupt == [] and [s["session_id"] for s in sessions] == ["S"]
+    assert [m["content"] for m in sessions[0]["messages"]][-2:] == ["fix the bug", "Fixed."]
+    assert len(replay.recording_turns(sessions[0])[0]) == 1
+
+
 def test_a_claude_code_log_without_links_reads_in_file_order(tmp_path):
     """Lines without ``parentUuid`` (an older or trimmed log, without ``sessionId`` too)
     follow the line before them."""
@@ -317,13 +334,14 @@ def test_a_folder_is_read_as_every_transcripts_file_in_it(tmp_path):
 
 
 def test_claude_code_events_with_ids_of_other_types_are_read_without_error(tmp_path):
-    """Ids that are lists or objects (no string to chain on) and a chain that loops."""
+    """Ids that are lists or objects (no string to chain on) and a chain that loops; the
+    prompt that no reply follows is in no conversation."""
     lines = [_event("user", ["x"], ["y"], {"role": "user", "content": "hi"}),
              _event("assistant", "a", {"k": 1}, _reply(["m"], {"type": "text", "text": "yo"})),
              _event("assistant", "b", "b", _reply("m2", {"type": "text", "text": "again"}))]
     sessions, corrupt = replay.load_recordings(_write_lines(tmp_path / "s.jsonl", map(json.dumps, lines)))
-    assert corrupt == [] and [(s["session_id"], len(s["messages"])) for s in sessions] == [
-        ("S", 1), ("S#2", 1), ("S#3", 1)]
+    assert corrupt == [] and [(s["session_id"], [m["content"] for m in s["messages"]]) for s in sessions] == [
+        ("S", ["yo"]), ("S#2", ["again"])]
 
 
 def test_arguments_nested_as_deeply_as_json_reads_are_checked_without_recursion(tmp_path):
