@@ -186,6 +186,9 @@ def _call_from_openai(call: dict) -> dict:
 CLAUDE_CODE_SOURCE = "claude_code"
 # lines of a Claude Code session log that hold no message and no place in a conversation
 BOOKKEEPING_EVENTS = ("summary", "file-history-snapshot", "queue-operation")
+UNROOTED = ("a conversation that goes on from an event this log does not hold (its first line's "
+            "parentUuid {} names no line of the file: a compaction summarizer's log, or a log cut "
+            "from its start)")
 
 
 def is_event(obj: Any) -> bool:
@@ -197,43 +200,50 @@ def is_event(obj: Any) -> bool:
                      and isinstance(obj.get("message"), dict))))
 
 
-def sessions_from_events(events: list[dict]) -> list[tuple[int, dict]]:
+def sessions_from_events(events: list[dict]) -> list[tuple[int, dict | str]]:
     """The conversations of a Claude Code session log's events (file order), as ``(index of
     the event that ends it, session)``, the sessions in the Anthropic Messages form
     :func:`as_recording` reads.
 
     A conversation is the chain of ``parentUuid`` links from a reply back to its root (an
-    event with no parent, or whose parent is not in the log; an event without the field follows
-    the line before it, so a log that keeps no links reads in file order): the log's last
-    reply gives the conversation as it finally stood; an earlier reply whose chain shares no
-    event with a conversation already taken starts another (what a compaction or a subagent
-    began; named ``SESSION#2`` and on after the first of its session, ``SESSION/AGENT`` for a
-    subagent), and one whose chain does (a branch the user rewound) is dropped. Messages that no
-    reply follows (a prompt never answered, local commands typed after the last reply) are in
-    no conversation: they hold no turn. Events that hold no message keep their place in a
-    chain; an error Claude Code wrote in the assistant's place (``isApiErrorMessage``, model
-    ``<synthetic>``) is no reply. The events of one reply (one per
-    content part, sharing the message ``id``) are its one message, where the first of them
-    stands; those a chain leaves off, and the results to their calls, are in its conversation
-    too, in file order (:func:`_conversation`)."""
+    event with no parent; an event without the field follows the line before it, so a log that
+    keeps no links reads in file order): the log's last reply gives the conversation as it
+    finally stood; an earlier reply whose chain shares no event with a conversation already
+    taken starts another (what a compaction or a subagent began; named ``SESSION#2`` and on
+    after the first of its session, ``SESSION/AGENT`` for a subagent), and one whose chain does
+    (a branch the user rewound) is dropped. Messages that no reply follows (a prompt never
+    answered, local commands typed after the last reply) are in no conversation: they hold no
+    turn. Events that hold no message keep their place in a chain; an error Claude Code wrote
+    in the assistant's place (``isApiErrorMessage``, model ``<synthetic>``) is no reply. The
+    events of one reply (one per content part, sharing the message ``id``) are its one message,
+    where the first of them stands; those a chain leaves off, and the results to their calls,
+    are in its conversation too, in file order (:func:`_conversation`).
+
+    A conversation whose root names a parent the log does not hold goes on from one held
+    elsewhere (the log of a compaction's summarizer, ``subagents/agent-acompact-*.jsonl``,
+    holds only what it added to the main session's conversation; a log cut from its start):
+    the model saw more than the log holds, so the session's place holds :data:`UNROOTED`, the
+    reason it is not read."""
     parents = _parents(events)
     taken: set[int] = set()
-    found: list[tuple[int, dict]] = []
+    found: list[tuple[int, dict | str]] = []
     for index in range(len(events) - 1, -1, -1):
         if not _is_reply(events[index]) or index in taken:
             continue
         chain = _chain(index, parents)
         if not taken.intersection(chain):
             conversation = _conversation(chain, events)
-            found.append((conversation[-1], _session([events[i] for i in conversation])))
+            why = _unrooted(chain[0], events, parents)
+            found.append((conversation[-1], why or _session([events[i] for i in conversation])))
             taken.update(conversation)
         taken.update(chain)
     found.reverse()
     named: dict[str, int] = {}
     for _, session in found:  # a log's later conversations of one session id: "ID#2", "ID#3"
-        named[session["session_id"]] = count = named.get(session["session_id"], 0) + 1
-        if count > 1:
-            session["session_id"] += f"#{count}"
+        if isinstance(session, dict):
+            named[session["session_id"]] = count = named.get(session["session_id"], 0) + 1
+            if count > 1:
+                session["session_id"] += f"#{count}"
     return found
 
 
@@ -257,6 +267,13 @@ def _message(event: dict) -> dict | None:
     if event.get("isApiErrorMessage") or message.get("model") == "<synthetic>":
         return None
     return message
+
+
+def _unrooted(root: int, events: list[dict], parents: list[int | None]) -> str | None:
+    """:data:`UNROOTED` for a conversation whose root event names a parent the log does not
+    hold; None for one whose root has no parent."""
+    named = events[root].get("parentUuid")
+    return UNROOTED.format(named) if isinstance(named, str) and parents[root] is None else None
 
 
 def _chain(index: int, parents: list[int | None]) -> list[int]:

@@ -309,6 +309,24 @@ def test_a_claude_code_branch_without_a_reply_leaves_the_conversation_before_it(
     assert len(replay.recording_turns(sessions[0])[0]) == 1
 
 
+def test_a_claude_code_conversation_that_goes_on_from_an_event_not_in_the_log_is_skipped(tmp_path):
+    """A compaction's summarizer (``subagents/agent-acompact-*.jsonl``): its lines hold only
+    what it added to the main session's conversation, their parents lines of that session's
+    log; the model saw the whole conversation, so the line of the reply reports it."""
+    user = lambda t: {"role": "user", "content": t}  # noqa: E731
+    agent = {"isSidechain": True, "agentId": "acompact-1"}
+    lines = [_event("user", "u1", None, user("hi")),
+             _event("assistant", "a1", "u1", _reply("m1", {"type": "text", "text": "hello"})),
+             _event("user", "h1", "main-7", user("<system-reminder>hook context</system-reminder>"),
+                    isMeta=True, **agent),
+             _event("user", "s1", "main-9", user("Your task is to create a detailed summary."), **agent),
+             _event("assistant", "s2", "s1", _reply("m2", {"type": "text", "text": "Summary: ..."}), **agent)]
+    sessions, corrupt = replay.load_recordings(_write_lines(tmp_path / "s.jsonl", map(json.dumps, lines)))
+    assert [s["session_id"] for s in sessions] == ["S"]
+    assert [(c.line, c.reason.split(" (")[0]) for c in corrupt] == [
+        (5, "a conversation that goes on from an event this log does not hold")]
+
+
 def test_a_claude_code_log_without_links_reads_in_file_order(tmp_path):
     """Lines without ``parentUuid`` (an older or trimmed log, without ``sessionId`` too)
     follow the line before them."""
