@@ -287,7 +287,8 @@ def test_a_claude_code_reply_with_parallel_calls_keeps_every_call_and_result(tmp
     assert corrupt == [] and [s["session_id"] for s in sessions] == ["S"]
     history = replay._render_history(sessions[0])
     assert [(m["role"], m.get("tool_call_id")) for m in history] == [
-        ("user", None), ("assistant", None), ("tool", "t3"), ("tool", "t2"), ("tool", "t1"), ("assistant", None)]
+        ("user", None), ("assistant", None), ("tool", "t3"), ("tool", "t2"), ("tool", "t1"),
+        ("assistant", None)]
     assert [c["id"] for c in history[1]["tool_calls"]] == ["t1", "t2", "t3"]
     assert [m["content"] for m in history[2:5]] == ["out t3", "out t2", "out t1"]
 
