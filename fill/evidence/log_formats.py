@@ -294,15 +294,22 @@ def _conversation(chain: list[int], events: list[dict]) -> list[int]:
     results, are off its chain."""
     replies = {reply_id for i in chain if (reply_id := _reply_id(events[i])) is not None}
     parts = [i for i, event in enumerate(events) if _reply_id(event) in replies]
-    calls = {p.get("id") for i in parts for p in _parts(events[i]) if p.get("type") == CALL_PART}
-    calls -= {p.get("tool_use_id") for i in chain for p in _parts(events[i])
-              if p.get("type") == RESULT_PART}
-    results: dict[Any, int] = {}
+    calls = {_part_id(p, CALL_PART, "id") for i in parts for p in _parts(events[i])}
+    answered = {_part_id(p, RESULT_PART, "tool_use_id") for i in chain for p in _parts(events[i])}
+    calls -= {None, *answered}
+    results: dict[str, int] = {}
     for i, event in enumerate(events):
         for p in _parts(event) if event.get("type") == "user" else []:
-            if p.get("type") == RESULT_PART and p.get("tool_use_id") in calls:
-                results.setdefault(p["tool_use_id"], i)
+            if (call_id := _part_id(p, RESULT_PART, "tool_use_id")) in calls:
+                results.setdefault(call_id, i)
     return sorted({*chain, *parts, *results.values()})
+
+
+def _part_id(part: dict, kind: str, key: str) -> str | None:
+    """The id a part of type ``kind`` holds under ``key`` (a call's ``id``, a result's
+    ``tool_use_id``); None for a part of another type or an id that is no string."""
+    value = part.get(key) if part.get("type") == kind else None
+    return value if isinstance(value, str) else None
 
 
 def _is_reply(event: dict) -> bool:

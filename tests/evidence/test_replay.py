@@ -353,14 +353,20 @@ def test_a_folder_is_read_as_every_transcripts_file_in_it(tmp_path):
 
 
 def test_claude_code_events_with_ids_of_other_types_are_read_without_error(tmp_path):
-    """Ids that are lists or objects (no string to chain on) and a chain that loops; the
-    prompt that no reply follows is in no conversation."""
+    """Ids that are lists or objects (no string to chain on or to bind a result by) and a chain
+    that loops; the prompt that no reply follows is in no conversation."""
+    call = {"type": "tool_use", "id": ["t"], "name": "f", "input": {}}
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": ["t"], "content": "ok"}]}
     lines = [_event("user", ["x"], ["y"], {"role": "user", "content": "hi"}),
              _event("assistant", "a", {"k": 1}, _reply(["m"], {"type": "text", "text": "yo"})),
-             _event("assistant", "b", "b", _reply("m2", {"type": "text", "text": "again"}))]
+             _event("assistant", "b", "b", _reply("m2", {"type": "text", "text": "again"})),
+             _event("assistant", "c", "b", _reply("m3", call)),
+             _event("user", "r", "c", result),
+             _event("user", "r2", "c", result),
+             _event("assistant", "d", "r", _reply("m4", {"type": "text", "text": "done"}))]
     sessions, corrupt = replay.load_recordings(_write_lines(tmp_path / "s.jsonl", map(json.dumps, lines)))
     assert corrupt == [] and [(s["session_id"], [m["content"] for m in s["messages"]]) for s in sessions] == [
-        ("S", ["yo"]), ("S#2", ["again"])]
+        ("S", ["yo"]), ("S#2", ["again", "", "ok", "done"])]
 
 
 def test_arguments_nested_as_deeply_as_json_reads_are_checked_without_recursion(tmp_path):
