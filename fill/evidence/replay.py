@@ -159,7 +159,10 @@ def _load_file(path: Path) -> tuple[list[dict], list[CorruptLine]]:
         except (EOFError, gzip.BadGzipFile) as exc:
             corrupt.append(CorruptLine(number + 1, f"unreadable: {exc}"))
     for index, session in sessions_from_events([e for _, e in events]):
-        _keep(session, events[index][0], sessions, corrupt)
+        if isinstance(session, str):  # why the conversation is not read
+            corrupt.append(CorruptLine(events[index][0], session))
+        else:
+            _keep(session, events[index][0], sessions, corrupt)
     for index, session in sessions_from_rollout([item for _, item in rollout]):
         _keep(session, rollout[index][0], sessions, corrupt)
     corrupt.sort(key=lambda c: c.line)

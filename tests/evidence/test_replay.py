@@ -265,6 +265,69 @@ def test_a_claude_code_conversation_that_cannot_be_read_is_skipped_under_its_las
         (3, "a tool_use content part in a message of role user"), (4, "invalid JSON")]
 
 
+def test_a_claude_code_reply_with_parallel_calls_keeps_every_call_and_result(tmp_path):
+    """Claude Code 2.1 logs a reply's parallel calls one line each, chained, and each result
+    as the child of its own call's line; results written out of call order leave the later
+    calls and the other results off the chain the next reply continues."""
+    call = lambda tid, name: {"type": "tool_use", "id": tid, "name": name, "input": {"n": tid}}  # noqa: E731
+    result = lambda tid: {"role": "user", "content": [  # noqa: E731
+        {"type": "tool_result", "tool_use_id": tid, "content": f"out {tid}"}]}
+    lines = [_event("user", "u1", None, {"role": "user", "content": "run all three"}),
+             _event("assistant", "a1", "u1", _reply("m1", {"type": "text", "text": "Three at once."})),
+             _event("assistant", "a2", "a1", _reply("m1", call("t1", "Read"))),
+             _event("progress", "p1", "a2", data={"type": "hook_progress"}),
+             _event("assistant", "a3", "p1", _reply("m1", call("t2", "Bash"))),
+             _event("assistant", "a4", "a3", _reply("m1", call("t3", "Grep"))),
+             _event("user", "r3", "a4", result("t3"), sourceToolAssistantUUID="a4"),
+             _event("attachment", "h3", "r3", attachment={"type": "hook_success"}),
+             _event("user", "r2", "a3", result("t2"), sourceToolAssistantUUID="a3"),
+             _event("user", "r1", "a2", result("t1"), sourceToolAssistantUUID="a2"),
+             _event("assistant", "a5", "r1", _reply("m2", {"type": "text", "text": "Done."}))]
+    sessions, corrupt = replay.load_recordings(_write_lines(tmp_path / "s.jsonl", map(json.dumps, lines)))
+    assert corrupt == [] and [s["session_id"] for s in sessions] == ["S"]
+    history = replay._render_history(sessions[0])
+    assert [(m["role"], m.get("tool_call_id")) for m in history] == [
+        ("user", None), ("assistant", None), ("tool", "t3"), ("tool", "t2"), ("tool", "t1"),
+        ("assistant", None)]
+    assert [c["id"] for c in history[1]["tool_calls"]] == ["t1", "t2", "t3"]
+    assert [m["content"] for m in history[2:5]] == ["out t3", "out t2", "out t1"]
+
+
+def test_a_claude_code_branch_without_a_reply_leaves_the_conversation_before_it(tmp_path):
+    """Local commands typed after the last reply, logged as a branch off the log's first line
+    (Claude Code 1.0): the conversation is the last reply's, not the last line's."""
+    user = lambda t: {"role": "user", "content": t}  # noqa: E731
+    lines = [_event("user", "c0", None, user("Caveat: local commands below."), isMeta=True),
+             _event("user", "c1", "c0", user("<command-name>/clear</command-name>")),
+             _event("user", "c2", "c1", user("<local-command-stdout></local-command-stdout>")),
+             _event("user", "u1", "c2", user("fix the bug")),
+             _event("assistant", "a1", "u1", _reply("m1", {"type": "text", "text": "Fixed."})),
+             _event("user", "b1", "c0", user("<bash-input>pytest</bash-input>")),
+             _event("user", "b2", "b1", user("<bash-stdout>1 passed</bash-stdout>"))]
+    sessions, corrupt = replay.load_recordings(_write_lines(tmp_path / "s.jsonl", map(json.dumps, lines)))
+    assert corrupt == [] and [s["session_id"] for s in sessions] == ["S"]
+    assert [m["content"] for m in sessions[0]["messages"]][-2:] == ["fix the bug", "Fixed."]
+    assert len(replay.recording_turns(sessions[0])[0]) == 1
+
+
+def test_a_claude_code_conversation_that_goes_on_from_an_event_not_in_the_log_is_skipped(tmp_path):
+    """A compaction's summarizer (``subagents/agent-acompact-*.jsonl``): its lines hold only
+    what it added to the main session's conversation, their parents lines of that session's
+    log; the model saw the whole conversation, so the line of the reply reports it."""
+    user = lambda t: {"role": "user", "content": t}  # noqa: E731
+    agent = {"isSidechain": True, "agentId": "acompact-1"}
+    lines = [_event("user", "u1", None, user("hi")),
+             _event("assistant", "a1", "u1", _reply("m1", {"type": "text", "text": "hello"})),
+             _event("user", "h1", "main-7", user("<system-reminder>hook context</system-reminder>"),
+                    isMeta=True, **agent),
+             _event("user", "s1", "main-9", user("Your task is to create a detailed summary."), **agent),
+             _event("assistant", "s2", "s1", _reply("m2", {"type": "text", "text": "Summary: ..."}), **agent)]
+    sessions, corrupt = replay.load_recordings(_write_lines(tmp_path / "s.jsonl", map(json.dumps, lines)))
+    assert [s["session_id"] for s in sessions] == ["S"]
+    assert [(c.line, c.reason.split(" (")[0]) for c in corrupt] == [
+        (5, "a conversation that goes on from an event this log does not hold")]
+
+
 def test_a_claude_code_log_without_links_reads_in_file_order(tmp_path):
     """Lines without ``parentUuid`` (an older or trimmed log, without ``sessionId`` too)
     follow the line before them."""
@@ -290,13 +353,20 @@ def test_a_folder_is_read_as_every_transcripts_file_in_it(tmp_path):
 
 
 def test_claude_code_events_with_ids_of_other_types_are_read_without_error(tmp_path):
-    """Ids that are lists or objects (no string to chain on) and a chain that loops."""
+    """Ids that are lists or objects (no string to chain on or to bind a result by) and a chain
+    that loops; the prompt that no reply follows is in no conversation."""
+    call = {"type": "tool_use", "id": ["t"], "name": "f", "input": {}}
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": ["t"], "content": "ok"}]}
     lines = [_event("user", ["x"], ["y"], {"role": "user", "content": "hi"}),
              _event("assistant", "a", {"k": 1}, _reply(["m"], {"type": "text", "text": "yo"})),
-             _event("assistant", "b", "b", _reply("m2", {"type": "text", "text": "again"}))]
+             _event("assistant", "b", "b", _reply("m2", {"type": "text", "text": "again"})),
+             _event("assistant", "c", "b", _reply("m3", call)),
+             _event("user", "r", "c", result),
+             _event("user", "r2", "c", result),
+             _event("assistant", "d", "r", _reply("m4", {"type": "text", "text": "done"}))]
     sessions, corrupt = replay.load_recordings(_write_lines(tmp_path / "s.jsonl", map(json.dumps, lines)))
-    assert corrupt == [] and [(s["session_id"], len(s["messages"])) for s in sessions] == [
-        ("S", 1), ("S#2", 1), ("S#3", 1)]
+    assert corrupt == [] and [(s["session_id"], [m["content"] for m in s["messages"]]) for s in sessions] == [
+        ("S", ["yo"]), ("S#2", ["again", "", "ok", "done"])]
 
 
 def _rollout_item(payload: dict) -> dict:
