@@ -22,8 +22,8 @@ Rendering contract for the recorded history:
 
 A turn is an assistant message that follows a non-assistant message. Corrupt transcript lines
 (unparsable JSON, no ``messages`` list) are skipped and reported. Sessions logged as OpenAI chat
-or Anthropic Messages are read too, and Claude Code and Codex CLI session logs
-(:mod:`mlx_fill.evidence.log_formats`).
+or Anthropic Messages are read too (:mod:`mlx_fill.evidence.log_formats`), and Claude Code and
+Codex CLI session logs (:mod:`mlx_fill.evidence.claude_code_log`, :mod:`mlx_fill.evidence.codex_log`).
 
 Timing is client-side, from sending the request: ``wall_s`` to the end of the reply, ``ttft_s``
 to the first content or tool-call delta, ``first_tool_call_s`` to the first tool-call delta
@@ -46,8 +46,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from . import report
-from .log_formats import (CALL_PARTS, as_recording, is_event, is_rollout_line, rollout_line_problem,
-                          sessions_from_events, sessions_from_rollout)
+from .claude_code_log import is_event, sessions_from_events
+from .codex_log import is_rollout_line, rollout_line_problem, sessions_from_rollout
+from .log_formats import CALL_PARTS, as_recording
 from mlx_fill.core.errors import NOT_REGULAR, UserError, float_in, int_up_to, output_dir, positive_int
 
 JSON_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
@@ -100,12 +101,12 @@ def load_recordings(path: str | Path) -> tuple[list[dict], list[CorruptLine]]:
     A session logged as OpenAI chat or Anthropic Messages is read in the recording format
     (:func:`~mlx_fill.evidence.log_formats.as_recording`); the lines of a Claude Code session
     log are read as its conversations
-    (:func:`~mlx_fill.evidence.log_formats.sessions_from_events`), after the file's sessions,
+    (:func:`~mlx_fill.evidence.claude_code_log.sessions_from_events`), after the file's sessions,
     and then the lines of a Codex CLI rollout
-    (:func:`~mlx_fill.evidence.log_formats.sessions_from_rollout`), a conversation that cannot
+    (:func:`~mlx_fill.evidence.codex_log.sessions_from_rollout`), a conversation that cannot
     be read reported under its last line. A line that is not a JSON object with a ``messages``
     list of role-bearing dicts, a rollout line that cannot be read
-    (:func:`~mlx_fill.evidence.log_formats.rollout_line_problem`), or a line that holds bytes
+    (:func:`~mlx_fill.evidence.codex_log.rollout_line_problem`), or a line that holds bytes
     that are not UTF-8, is skipped and returned as a :class:`CorruptLine`; a truncated gzip
     stream ends the file's read with one.
     """

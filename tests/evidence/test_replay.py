@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from adapter_models import free_port, running_server
 
-from mlx_fill.evidence import log_formats, replay
+from mlx_fill.evidence import claude_code_log, codex_log, log_formats, replay
 from mlx_fill.cli import main
 from mlx_fill.core.errors import UserError
 from mlx_fill.assets.checkout import TRANSCRIPTS
@@ -540,7 +540,7 @@ def test_a_codex_line_that_cannot_be_read_is_skipped_saying_why_and_the_rollout_
     sessions, corrupt = replay.load_recordings(_write_lines(tmp_path / "rollout.jsonl", lines))
     assert [s["session_id"] for s in sessions] == ["019b", "019b#2"]
     assert replay._render_history(sessions[0]) == replay._render_history(
-        replay.as_recording(log_formats.sessions_from_rollout(_codex_rollout())[0][1]))
+        replay.as_recording(codex_log.sessions_from_rollout(_codex_rollout())[0][1]))
     assert [(c.line, c.reason.split(":")[0]) for c in corrupt] == [
         (6, "a Codex function_call without a name"),
         (7, "a Codex message whose content is neither text nor parts"),
@@ -579,8 +579,8 @@ def test_one_file_mixing_every_format_reads_each_and_none_is_taken_for_another(t
     Claude Code log and a Codex rollout, interleaved: each line is read by its own reader."""
     claude = _claude_code_log()
     others = [_structured(), _openai_twin(_structured()), _anthropic_log(), _inline(), *claude]
-    assert not any(log_formats.is_rollout_line(o) for o in others)
-    assert all(log_formats.is_rollout_line(line) and not log_formats.is_event(line) for line in _codex_rollout())
+    assert not any(codex_log.is_rollout_line(o) for o in others)
+    assert all(codex_log.is_rollout_line(line) and not claude_code_log.is_event(line) for line in _codex_rollout())
     lines = [others[0], *_codex_rollout()[:12], *others[1:4], *claude, *_codex_rollout()[12:]]
     sessions, corrupt = replay.load_recordings(_write_lines(tmp_path / "mixed.jsonl", map(json.dumps, lines)))
     assert corrupt == []

@@ -1,0 +1,218 @@
+"""Codex CLI rollouts (``~/.codex/sessions/YYYY/MM/DD/rollout-*.jsonl``) read as sessions.
+
+A rollout holds one item per line: :func:`is_rollout_line` tells its lines,
+:func:`rollout_line_problem` the ones that cannot be read, :func:`sessions_from_rollout` makes
+the rollout's conversations of the others, in the OpenAI chat form
+:func:`~.log_formats.as_recording` reads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .log_formats import part_text
+
+__all__ = ["CODEX_SOURCE", "is_rollout_line", "rollout_line_problem", "sessions_from_rollout"]
+
+CODEX_SOURCE = "codex"
+CALL_ITEMS = ("function_call", "custom_tool_call", "local_shell_call")
+OUTPUT_ITEMS = ("function_call_output", "custom_tool_call_output")
+# the Responses API items Codex wrote at the top level of a line, before its lines had an
+# envelope (until September 2025), and the parts of their messages
+BARE_ITEMS = ("message", "reasoning", "web_search_call", *CALL_ITEMS, *OUTPUT_ITEMS)
+BARE_PARTS = ("input_text", "input_image", "output_text")
+BARE_META_KEYS = {"id", "timestamp", "instructions", "git"}
+LOCAL_SHELL = "local_shell"  # the Responses API's name for the shell tool its local_shell_call runs
+ROLES = {"developer": "system"}  # a Responses role as the chat form names it
+
+
+def is_rollout_line(obj: Any) -> bool:
+    """Whether ``obj`` is a line of a Codex CLI rollout (``~/.codex/sessions/.../rollout-*.jsonl``)
+    rather than a session: ``{"timestamp", "type", "payload"}``, or a line as Codex wrote them
+    before that envelope (the session meta ``{"id", "timestamp", "instructions"?, "git"?}``, a
+    Responses API item, a ``{"record_type": "state"}`` line). An item is only taken for Codex's
+    when it has a Responses type, a message only when its parts are Responses parts."""
+    if not isinstance(obj, dict) or "messages" in obj:
+        return False
+    kind = obj.get("type")
+    if _enveloped(obj) or obj.get("record_type") == "state":
+        return True
+    if kind == "message":
+        content = obj.get("content")
+        return isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") in BARE_PARTS for p in content)
+    if kind in BARE_ITEMS:
+        return True
+    return (kind is None and isinstance(obj.get("id"), str) and isinstance(obj.get("timestamp"), str)
+            and set(obj) <= BARE_META_KEYS)
+
+
+def rollout_line_problem(line: dict) -> str | None:
+    """Why a rollout line (:func:`is_rollout_line`) cannot be read, None when it can: a payload
+    that is not an object, a session meta without an id, an item (or an item of a compaction's
+    ``replacement_history``) without what its conversion needs."""
+    kind, payload = _unwrapped(line)
+    if not isinstance(payload, dict):
+        return f"a Codex {kind} line whose payload is not an object"
+    if kind == "session_meta" and not isinstance(payload.get("id"), str):
+        return "a Codex session_meta without an id"
+    if kind == "response_item":
+        return _item_problem(payload)
+    if kind == "compacted" and (history := payload.get("replacement_history")) is not None:
+        if not isinstance(history, list) or not all(isinstance(i, dict) for i in history):
+            return "a Codex compacted line whose replacement_history is not a list of items"
+        return next(filter(None, map(_item_problem, history)), None)
+    return None
+
+
+def sessions_from_rollout(lines: list[dict]) -> list[tuple[int, dict]]:
+    """The conversations of a Codex CLI rollout's lines (file order, lines
+    :func:`rollout_line_problem` passes), as ``(index of the line that ends it, session)``, the
+    sessions in the OpenAI chat form :func:`~.log_formats.as_recording` reads; source ``codex``, ``model`` the
+    one the ``turn_context`` in effect when the conversation starts names (else its first).
+
+    What the model saw: its system prompt, where the meta logs it (``base_instructions``), as a
+    system message; the user's instructions (AGENTS.md, the meta's ``instructions`` in logs up to
+    early 2026), which the first versions appended to that system prompt and later ones sent as
+    a user message, as a system message too, unless a message of the session holds them;
+    then its items: messages (a ``developer`` one, Codex's own instructions, as the chat form's
+    ``system``; text parts joined, images dropped), a ``function_call`` as a call (its
+    ``arguments`` string kept as written), a ``custom_tool_call`` (free text such as a patch) as
+    a call whose arguments are ``{"input": TEXT}``, a ``local_shell_call`` as a call of
+    ``local_shell`` whose arguments are its ``action`` as logged, an output as a ``tool`` message
+    bound by ``call_id``. Items the model gave with no input between are one assistant message:
+    its calls in order, its texts joined by a blank line (a text after a call starts another).
+    Reasoning, web searches and other items, and lines that hold no item (``event_msg``,
+    ``turn_context``, state lines), are dropped.
+
+    A rollout is one session, named by its first session meta: a fork logs its own meta, then
+    its parent's lines (their metas too) as the history it went on from. A ``compacted`` line
+    ends a conversation; the session's next one (``ID#2``, ...) starts from what the model went
+    on from: the line's ``replacement_history``, or without one its summary as a user message
+    (Codex sent the summary with the user's earlier messages, which such a log does not keep as
+    sent). A rollback (``thread_rolled_back``) is not applied: the turns it took back stay in
+    the conversation."""
+    meta, conversations = _rollout_conversations(lines)
+    conversations = [c for c in conversations if c["messages"]]
+    system = _system_messages(meta, [m for c in conversations for m in c["messages"]])
+    name = meta["id"] if isinstance(meta.get("id"), str) else ""
+    return [(c["last"], {"source": CODEX_SOURCE, "session_id": name + (f"#{part}" if part > 1 else ""),
+                         "harness": "codex", "model": c["model"],
+                         "messages": [*map(dict, system), *c["messages"]]})
+            for part, c in enumerate(conversations, 1)]
+
+
+def _rollout_conversations(lines: list[dict]) -> tuple[dict, list[dict]]:
+    """A rollout's first session meta (``{}`` if it has none) and its conversations, as
+    ``{"last": index of the line that ends it, "model", "messages"}`` (some maybe without
+    messages), as :func:`sessions_from_rollout` tells them apart."""
+    meta: dict | None = None
+    conversations: list[dict] = []
+    model: str | None = None  # the one in effect
+    for index, line in enumerate(lines):
+        kind, payload = _unwrapped(line)
+        if kind == "session_meta" and meta is None:
+            meta = payload
+        elif kind == "turn_context" and isinstance(payload.get("model"), str):
+            model = payload["model"]
+            if conversations and conversations[-1]["model"] is None:
+                conversations[-1]["model"] = model
+        elif kind in ("response_item", "compacted"):
+            if not conversations or kind == "compacted":
+                conversations.append({"last": index, "model": model, "messages": []})
+            for item in [payload] if kind == "response_item" else _compaction_seed(payload):
+                if _add_item(conversations[-1]["messages"], item):
+                    conversations[-1]["last"] = index
+    return meta or {}, conversations
+
+
+def _compaction_seed(compacted: dict) -> list[dict]:
+    """The items a ``compacted`` line says the model went on from: its ``replacement_history``,
+    or its summary as a user message."""
+    summary = compacted.get("message")
+    return compacted.get("replacement_history") or (
+        [{"type": "message", "role": "user", "content": summary}] if isinstance(summary, str) else [])
+
+
+def _system_messages(meta: dict, messages: list[dict]) -> list[dict]:
+    """The system messages a session meta gives (see :func:`sessions_from_rollout`);
+    ``messages`` are the session's, to tell whether they hold the user's instructions."""
+    base = meta.get("base_instructions")
+    prompt = base.get("text") if isinstance(base, dict) else None
+    user = meta.get("instructions")
+    user = user.strip() if isinstance(user, str) else ""
+    if user and any(isinstance(m["content"], str) and user in m["content"] for m in messages):
+        user = ""
+    return [{"role": "system", "content": text} for text in (prompt, user) if isinstance(text, str) and text]
+
+
+def _enveloped(line: dict) -> bool:
+    """Whether a line has the rollout envelope ``{"timestamp", "type", "payload"}``."""
+    return isinstance(line.get("timestamp"), str) and isinstance(line.get("type"), str) and "payload" in line
+
+
+def _unwrapped(line: dict) -> tuple[str, Any]:
+    """A rollout line as its kind (``session_meta``, ``response_item``, ...) and payload; a line
+    without the envelope is an item, a state line or a session meta as Codex wrote them before."""
+    if _enveloped(line):
+        return line["type"], line["payload"]
+    if line.get("type") in BARE_ITEMS:
+        return "response_item", line
+    return ("state", line) if line.get("record_type") == "state" else ("session_meta", line)
+
+
+def _item_problem(item: dict) -> str | None:
+    """Why a Responses item cannot be converted (:func:`_add_item`), None when it can."""
+    kind = item.get("type")
+    if kind == "message" and not isinstance(item.get("role"), str):
+        return "a Codex message without a role"
+    if kind == "message" and part_text(item.get("content")) is None:
+        return "a Codex message whose content is neither text nor parts"
+    if kind in ("function_call", "custom_tool_call") and not isinstance(item.get("name"), str):
+        return f"a Codex {kind} without a name"
+    if kind == "function_call" and not isinstance(item.get("arguments"), (str, dict)):
+        return "a Codex function_call whose arguments are neither a JSON string nor an object"
+    if kind == "custom_tool_call" and not isinstance(item.get("input"), str):
+        return "a Codex custom_tool_call whose input is not text"
+    if kind == "local_shell_call" and not isinstance(item.get("action"), dict):
+        return "a Codex local_shell_call whose action is not an object"
+    if kind in OUTPUT_ITEMS and part_text(item.get("output")) is None:
+        return f"a Codex {kind} whose output is neither text nor parts"
+    return None
+
+
+def _add_item(messages: list[dict], item: dict) -> bool:
+    """``item`` (one :func:`_item_problem` passes) added to a conversation's chat messages as
+    :func:`sessions_from_rollout` says; whether it added anything."""
+    kind, previous = item.get("type"), messages[-1] if messages else {}
+    if kind in CALL_ITEMS:
+        call = _rollout_call(item)
+        if previous.get("role") == "assistant":
+            previous["tool_calls"] = [*previous.get("tool_calls", []), call]
+        else:
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    elif kind in OUTPUT_ITEMS:
+        messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                         "content": part_text(item["output"])})
+    elif kind == "message":
+        role, text = ROLES.get(item["role"], item["role"]), part_text(item["content"])
+        if role == "assistant" and previous.get("role") == "assistant" and not previous.get("tool_calls"):
+            previous["content"] = "\n\n".join(t for t in (previous["content"], text) if t)
+        else:
+            messages.append({"role": role, "content": text})
+    else:
+        return False
+    return True
+
+
+def _rollout_call(item: dict) -> dict:
+    """A call item as an OpenAI chat tool call (see :func:`sessions_from_rollout`)."""
+    if item["type"] == "function_call":
+        name, arguments = item["name"], item["arguments"]
+    elif item["type"] == "custom_tool_call":
+        name, arguments = item["name"], {"input": item["input"]}
+    else:
+        name, arguments = LOCAL_SHELL, item["action"]
+    call_id = item.get("call_id") or item.get("id")
+    return {**({"id": call_id} if isinstance(call_id, str) else {}), "type": "function",
+            "function": {"name": name, "arguments": arguments}}
