@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.2.3"
+__version__ = "0.2.4"
 
 _EXPORTS = {
     # the mlx-lm drop-in
