@@ -174,7 +174,8 @@ def _session(conversation: list[dict]) -> dict:
         if reply_id in replies and isinstance(content, list):
             replies[reply_id]["content"] += content
             continue
-        out = {"role": event["type"], "content": list(content) if isinstance(content, list) else content}
+        out = {"role": event["type"],
+               "content": list(content) if isinstance(content, list) else content}
         if reply_id is not None and isinstance(out["content"], list):
             replies[reply_id] = out
         messages.append(out)

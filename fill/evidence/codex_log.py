@@ -43,7 +43,8 @@ def is_rollout_line(obj: Any) -> bool:
             isinstance(p, dict) and p.get("type") in BARE_PARTS for p in content)
     if kind in BARE_ITEMS:
         return True
-    return (kind is None and isinstance(obj.get("id"), str) and isinstance(obj.get("timestamp"), str)
+    return (kind is None and isinstance(obj.get("id"), str)
+            and isinstance(obj.get("timestamp"), str)
             and set(obj) <= BARE_META_KEYS)
 
 
@@ -68,8 +69,9 @@ def rollout_line_problem(line: dict) -> str | None:
 def sessions_from_rollout(lines: list[dict]) -> list[tuple[int, dict]]:
     """The conversations of a Codex CLI rollout's lines (file order, lines
     :func:`rollout_line_problem` passes), as ``(index of the line that ends it, session)``, the
-    sessions in the OpenAI chat form :func:`~.log_formats.as_recording` reads; source ``codex``, ``model`` the
-    one the ``turn_context`` in effect when the conversation starts names (else its first).
+    sessions in the OpenAI chat form :func:`~.log_formats.as_recording` reads; source
+    ``codex``, ``model`` the one the ``turn_context`` in effect when the conversation starts
+    names (else its first).
 
     What the model saw: its system prompt, where the meta logs it (``base_instructions``), as a
     system message; the user's instructions (AGENTS.md, the meta's ``instructions`` in logs up to
@@ -96,7 +98,8 @@ def sessions_from_rollout(lines: list[dict]) -> list[tuple[int, dict]]:
     conversations = [c for c in conversations if c["messages"]]
     system = _system_messages(meta, [m for c in conversations for m in c["messages"]])
     name = meta["id"] if isinstance(meta.get("id"), str) else ""
-    return [(c["last"], {"source": CODEX_SOURCE, "session_id": name + (f"#{part}" if part > 1 else ""),
+    return [(c["last"], {"source": CODEX_SOURCE,
+                         "session_id": name + (f"#{part}" if part > 1 else ""),
                          "harness": "codex", "model": c["model"],
                          "messages": [*map(dict, system), *c["messages"]]})
             for part, c in enumerate(conversations, 1)]
@@ -131,7 +134,8 @@ def _compaction_seed(compacted: dict) -> list[dict]:
     or its summary as a user message."""
     summary = compacted.get("message")
     return compacted.get("replacement_history") or (
-        [{"type": "message", "role": "user", "content": summary}] if isinstance(summary, str) else [])
+        [{"type": "message", "role": "user", "content": summary}]
+        if isinstance(summary, str) else [])
 
 
 def _system_messages(meta: dict, messages: list[dict]) -> list[dict]:
@@ -143,12 +147,14 @@ def _system_messages(meta: dict, messages: list[dict]) -> list[dict]:
     user = user.strip() if isinstance(user, str) else ""
     if user and any(isinstance(m["content"], str) and user in m["content"] for m in messages):
         user = ""
-    return [{"role": "system", "content": text} for text in (prompt, user) if isinstance(text, str) and text]
+    return [{"role": "system", "content": text} for text in (prompt, user)
+            if isinstance(text, str) and text]
 
 
 def _enveloped(line: dict) -> bool:
     """Whether a line has the rollout envelope ``{"timestamp", "type", "payload"}``."""
-    return isinstance(line.get("timestamp"), str) and isinstance(line.get("type"), str) and "payload" in line
+    return (isinstance(line.get("timestamp"), str) and isinstance(line.get("type"), str)
+            and "payload" in line)
 
 
 def _unwrapped(line: dict) -> tuple[str, Any]:
@@ -196,7 +202,8 @@ def _add_item(messages: list[dict], item: dict) -> bool:
                          "content": part_text(item["output"])})
     elif kind == "message":
         role, text = ROLES.get(item["role"], item["role"]), part_text(item["content"])
-        if role == "assistant" and previous.get("role") == "assistant" and not previous.get("tool_calls"):
+        joins = previous.get("role") == "assistant" and not previous.get("tool_calls")
+        if role == "assistant" and joins:
             previous["content"] = "\n\n".join(t for t in (previous["content"], text) if t)
         else:
             messages.append({"role": role, "content": text})

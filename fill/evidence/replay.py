@@ -23,7 +23,8 @@ Rendering contract for the recorded history:
 A turn is an assistant message that follows a non-assistant message. Corrupt transcript lines
 (unparsable JSON, no ``messages`` list) are skipped and reported. Sessions logged as OpenAI chat
 or Anthropic Messages are read too (:mod:`mlx_fill.evidence.log_formats`), and Claude Code and
-Codex CLI session logs (:mod:`mlx_fill.evidence.claude_code_log`, :mod:`mlx_fill.evidence.codex_log`).
+Codex CLI session logs (:mod:`mlx_fill.evidence.claude_code_log`,
+:mod:`mlx_fill.evidence.codex_log`).
 
 Timing is client-side, from sending the request: ``wall_s`` to the end of the reply, ``ttft_s``
 to the first content or tool-call delta, ``first_tool_call_s`` to the first tool-call delta
