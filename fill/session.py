@@ -45,11 +45,11 @@ from mlx_fill.core.errors import UserError, unwritable
 from mlx_fill.core.model_folder import vocab_size
 from mlx_fill.core.paths import user_cache_dir
 from mlx_fill.core.plan import env_plan_problem, unqualified
+from mlx_fill.core.primitive import token_ids
 from mlx_fill.modes import check_mode
 from mlx_fill.core.resolve import budget_problem, plan_for
 from mlx_fill.sources.prediction import ORIGIN as PREDICTION
-from mlx_fill.sources.prediction import (PredictionSource, checked_ids, prediction_text,
-                                         prediction_usage)
+from mlx_fill.sources.prediction import PredictionSource, prediction_text, prediction_usage
 from mlx_fill.core.cost import CostGate
 from mlx_fill.strict.schema import tool_schemas
 from mlx_fill.strict.source import lazy_strict_source
@@ -306,7 +306,8 @@ def build_session(
         tool_schemas(tools)  # ValueError naming the path of a malformed tool
         _check_messages(messages)
         if isinstance(prediction, (list, tuple)):  # the ids, from a caller that encoded them
-            predicted = checked_ids(prediction, vocab_size(model) or _tokenizer_size(tokenizer))
+            predicted = token_ids(prediction, vocab_size(model) or _tokenizer_size(tokenizer),
+                                  "prediction")
         elif prediction is not None and not isinstance(prediction, dict):
             raise ValueError(f"prediction: expected OpenAI's {{'type': 'content', 'content': ...}}"
                              f" or a list of token ids, got {type(prediction).__name__}")

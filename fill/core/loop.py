@@ -36,7 +36,7 @@ from mlx_lm.sample_utils import greedy_sampler
 from .acceptance import Sampler
 from .model_folder import vocab_size
 from .plan import DispatchPlan
-from .primitive import Checkpoint, Unsupported, cache_kinds, check_supported, rewind
+from .primitive import Checkpoint, Unsupported, cache_kinds, check_supported, id_range, rewind
 from .proposal import MEDIA_REFUSAL, FillSession, FillStats
 from .resolve import plan_for
 from .round import Asking, CacheView, Round, Sample, execute, settle
@@ -99,8 +99,8 @@ def _check_prompt(prompt: Any, model: nn.Module) -> None:
     outside = prompt < 0 if vocab is None else (prompt < 0) | (prompt >= vocab)
     if mx.any(outside).item():
         i = int(mx.argmax(outside).item())
-        bound = f"0 to {vocab - 1}" if vocab is not None else "0 or more"
-        raise ValueError(f"prompt[{i}]: expected a token id from {bound}, got {prompt[i].item()}")
+        raise ValueError(f"prompt[{i}]: expected a token id from {id_range(vocab)}, got "
+                         f"{prompt[i].item()}")
 
 
 def _refusal(prompt_cache: list, input_embeddings: Any) -> str | None:

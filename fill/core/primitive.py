@@ -175,17 +175,20 @@ def _whole(value: Any) -> int | None:
         return None
 
 
-def _token_ids(model: Any, ids: Sequence[Any]) -> list[int]:
-    """``ids`` as ints, each a token id of ``model``'s vocabulary (any id from 0 when the model
-    does not say its size). ValueError naming the first that is not: an id past the
-    embedding's rows reads outside it."""
-    vocab = vocab_size(model)
+def id_range(vocab: int | None) -> str:
+    """The token ids of a vocabulary of ``vocab`` ids, as a message says them (None: unknown)."""
+    return f"0 to {vocab - 1}" if vocab is not None else "0 or more"
+
+
+def token_ids(ids: Sequence[Any], vocab: int | None, name: str = "ids") -> list[int]:
+    """``ids`` as ints, each a whole number (:func:`_whole`) from 0 to ``vocab`` - 1 (None:
+    unknown, only negative ids are refused). ValueError naming the first that is not, as
+    ``NAME[i]``: an id past the embedding's rows reads outside it."""
     out: list[int] = []
     for i, t in enumerate(ids):
         value = _whole(t)
         if value is None or value < 0 or (vocab is not None and value >= vocab):
-            bound = f"0 to {vocab - 1}" if vocab is not None else "0 or more"
-            raise ValueError(f"ids[{i}]: expected a token id from {bound}, got {t!r}")
+            raise ValueError(f"{name}[{i}]: expected a token id from {id_range(vocab)}, got {t!r}")
         out.append(value)
     return out
 
@@ -266,7 +269,7 @@ def append(
     or a ``logits`` outside :data:`LOGIT_ROWS`; TypeError for a ``plan`` that is no
     :class:`DispatchPlan` (:func:`checkpoint`).
     """
-    ids = _token_ids(model, ids)
+    ids = token_ids(ids, vocab_size(model))
     if not ids:
         raise ValueError("append needs at least one id")
     if logits not in LOGIT_ROWS:

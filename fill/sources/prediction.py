@@ -15,7 +15,6 @@ has stopped matching costs lookups, not forwards.
 
 from __future__ import annotations
 
-import numbers
 from bisect import bisect_left
 from collections.abc import Sequence
 from typing import Any
@@ -56,20 +55,6 @@ def _unicode(text: str, where: str) -> str:
         raise ValueError(f"{where}: not valid Unicode (a lone surrogate at character "
                          f"{err.start})") from None
     return text
-
-
-def checked_ids(ids: Sequence[Any], vocab: int | None) -> list[int]:
-    """``ids`` (a prediction given as token ids) as ints, each a token id of a vocabulary of
-    ``vocab`` ids (None: unknown, only negative ids are refused). ValueError naming the first
-    that is not: an id outside the vocabulary would index past the embedding."""
-    out = []
-    for i, t in enumerate(ids):
-        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0 or (
-                vocab is not None and t >= vocab):
-            bound = f"0 to {vocab - 1}" if vocab is not None else "0 or more"
-            raise ValueError(f"prediction[{i}]: expected a token id from {bound}, got {t!r}")
-        out.append(int(t))
-    return out
 
 
 class PredictionSource:
