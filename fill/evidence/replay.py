@@ -76,9 +76,14 @@ class CorruptLine:
 TRANSCRIPT_FILES = (".jsonl", ".jsonl.gz")  # the names a folder's transcripts files end in
 
 
+def _transcript_paths(folder: Path) -> Iterator[Path]:
+    """The transcripts files in ``folder`` at any depth (:data:`TRANSCRIPT_FILES`), as found."""
+    return (p for p in folder.rglob("*") if p.name.endswith(TRANSCRIPT_FILES) and p.is_file())
+
+
 def transcript_files(folder: Path) -> list[Path]:
     """The transcripts files in ``folder`` at any depth (:data:`TRANSCRIPT_FILES`), by path."""
-    return sorted(p for p in folder.rglob("*") if p.name.endswith(TRANSCRIPT_FILES) and p.is_file())
+    return sorted(_transcript_paths(folder))
 
 
 # what a byte that is not UTF-8 reads as under ``errors="surrogateescape"`` (no UTF-8 text does)
@@ -196,7 +201,7 @@ def check_transcripts(path: Path) -> None:
         raise UserError(f"no such transcripts file or folder: {path}")
     if not path.is_file() and not path.is_dir():
         raise UserError(f"{path} {NOT_REGULAR}")
-    if path.is_dir() and not transcript_files(path):
+    if path.is_dir() and next(_transcript_paths(path), None) is None:  # stops at the first
         raise UserError(f"{path} is a folder without transcripts files (names ending in "
                         f"{' or '.join(TRANSCRIPT_FILES)})")
 
