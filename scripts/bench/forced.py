@@ -729,8 +729,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-cross-request", action="store_true",
                     help="no store of earlier replies: each turn as a freshly started server's first")
     ap.add_argument("--store-seed", type=Path, default=None,
-                    help="a transcripts file (or folder) whose replies fill the cross-request store before the "
-                         "first turn (a server that served those sessions)")
+                    help="a transcripts file (or folder) whose replies fill the cross-request "
+                         "store before the first turn (a server that served those sessions)")
     ap.add_argument("--store-tokens", type=positive_int, default=STORE_TOKENS,
                     help=f"the cross-request store's bound in ids (default {STORE_TOKENS:,})")
     ap.add_argument("--json", type=output_file, default=None)
