@@ -268,8 +268,8 @@ def build_session(
     request starts from the prior). The session carries the dispatch plan (:func:`~mlx_fill.core.resolve.plan_for`: looked up once
     per configuration and process, quick-qualified on the loaded model the first time no plan
     applies). Raises ValueError for a bad mode or ``max_span``, malformed messages, tools/schemas or
-    a malformed prediction; TypeError for ``prompt_ids`` that are no token ids, or no
-    ``tokenizer`` (a Hugging Face tokenizer is wrapped as mlx-lm's ``stream_generate`` wraps it).
+    a malformed prediction; TypeError for ``prompt_ids`` that are no token ids, an
+    ``acceptance`` that is no dict, or no ``tokenizer`` (a Hugging Face tokenizer is wrapped as mlx-lm's ``stream_generate`` wraps it).
     The caller ends it with :func:`end_session` when generation ends.
 
     ``group``: the ``mx.distributed`` group a sharded ``model`` spans (``sharded_load`` under
@@ -283,6 +283,9 @@ def build_session(
                                  or not 1 <= max_span <= MAX_SPAN_CEILING):
         raise ValueError(f"max_span: expected a whole number from 1 to {MAX_SPAN_CEILING}, "
                          f"got {max_span!r}")
+    if acceptance is not None and not isinstance(acceptance, dict):
+        raise TypeError(f"acceptance: expected a dict kept across requests (or None), got "
+                        f"{type(acceptance).__name__}")
     if mode == "off":
         return None
     from mlx_fill.core.shared import ranks_of

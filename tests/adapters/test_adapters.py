@@ -144,6 +144,19 @@ def test_a_max_span_outside_one_to_the_ceiling_is_one_value_error(lm):
                          max_span=MAX_SPAN_CEILING) is not None
 
 
+@pytest.mark.parametrize("bad", [[], (), "kept", 0])
+def test_an_acceptance_that_is_not_a_dict_is_one_type_error(lm, bad):
+    """``acceptance`` is the dict a server keeps across requests; a list failed inside a
+    source's gate with a message about list indices."""
+    model, tok, prompt = lm
+    with pytest.raises(TypeError, match="acceptance: expected a dict kept across requests"):
+        build_session("all", model=model, tokenizer=tok, prompt_ids=prompt, acceptance=bad)
+    kept: dict = {}
+    assert build_session("all", model=model, tokenizer=tok, prompt_ids=prompt,
+                         acceptance=kept) is not None
+    assert kept, "the gates' estimates are kept in the caller's dict"
+
+
 def test_fill_with_draft_model_is_rejected(lm):
     model, tok, prompt = lm
     session = build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt)
