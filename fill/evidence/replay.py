@@ -24,7 +24,7 @@ A turn is an assistant message that follows a non-assistant message. Corrupt tra
 (unparsable JSON, no ``messages`` list) are skipped and reported. Sessions logged as OpenAI chat
 or Anthropic Messages are read too (:mod:`mlx_fill.evidence.log_formats`), and Claude Code and
 Codex CLI session logs (:mod:`mlx_fill.evidence.claude_code_log`,
-:mod:`mlx_fill.evidence.codex_log`).
+:mod:`mlx_fill.evidence.codex_log`), and API-proxy logs (:mod:`mlx_fill.evidence.proxy_log`).
 
 Timing is client-side, from sending the request: ``wall_s`` to the end of the reply, ``ttft_s``
 to the first content or tool-call delta, ``first_tool_call_s`` to the first tool-call delta
@@ -50,6 +50,7 @@ from . import report
 from .claude_code_log import is_event, sessions_from_events
 from .codex_log import is_rollout_line, rollout_line_problem, sessions_from_rollout
 from .log_formats import CALL_PARTS, as_recording
+from .proxy_log import exchange_session, is_exchange, latest_conversations
 from mlx_fill.core.errors import NOT_REGULAR, UserError, float_in, int_up_to, output_dir, positive_int
 
 JSON_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
@@ -110,7 +111,10 @@ def load_recordings(path: str | Path) -> tuple[list[dict], list[CorruptLine]]:
     (:func:`~mlx_fill.evidence.claude_code_log.sessions_from_events`), after the file's sessions,
     and then the lines of a Codex CLI rollout
     (:func:`~mlx_fill.evidence.codex_log.sessions_from_rollout`), a conversation that cannot
-    be read reported under its last line. A line that is not a JSON object with a ``messages``
+    be read reported under its last line, and then the sessions of an API-proxy log's lines
+    (:func:`~mlx_fill.evidence.proxy_log.exchange_session`) that no later line goes on from
+    (:func:`~mlx_fill.evidence.proxy_log.latest_conversations`), a line without one skipped
+    saying why. A line that is not a JSON object with a ``messages``
     list of role-bearing dicts, a rollout line that cannot be read
     (:func:`~mlx_fill.evidence.codex_log.rollout_line_problem`), or a line that holds bytes
     that are not UTF-8, is skipped and returned as a :class:`CorruptLine`; a truncated gzip
@@ -132,6 +136,7 @@ def _load_file(path: Path) -> tuple[list[dict], list[CorruptLine]]:
     sessions, corrupt = [], []
     events: list[tuple[int, dict]] = []  # (line, event) of a Claude Code session log
     rollout: list[tuple[int, dict]] = []  # (line, item) of a Codex CLI rollout
+    exchanges: list[dict] = []  # the sessions of an API-proxy log's lines
     number = 0
     with _open_text(path) as fh:
         try:
@@ -154,7 +159,9 @@ def _load_file(path: Path) -> tuple[list[dict], list[CorruptLine]]:
                 except RecursionError:
                     corrupt.append(CorruptLine(number, "JSON nested too deeply to read"))
                     continue
-                if is_event(obj):
+                if is_exchange(obj):
+                    _keep(exchange_session(obj), number, exchanges, corrupt)
+                elif is_event(obj):
                     events.append((number, obj))
                 elif is_rollout_line(obj):
                     if problem := rollout_line_problem(obj):
@@ -172,15 +179,16 @@ def _load_file(path: Path) -> tuple[list[dict], list[CorruptLine]]:
             _keep(session, events[index][0], sessions, corrupt)
     for index, session in sessions_from_rollout([item for _, item in rollout]):
         _keep(session, rollout[index][0], sessions, corrupt)
+    sessions += latest_conversations(exchanges)
     corrupt.sort(key=lambda c: c.line)
     return sessions, corrupt
 
 
 def _keep(obj: Any, line: int, sessions: list[dict], corrupt: list[CorruptLine]) -> None:
     """``obj`` read as a recording into ``sessions``, or its problem into ``corrupt`` under
-    ``line``."""
+    ``line`` (``obj`` a string is the problem)."""
     obj = as_recording(obj)
-    problem = _session_problem(obj)
+    problem = obj if isinstance(obj, str) else _session_problem(obj)
     if problem:
         corrupt.append(CorruptLine(line, problem))
     else:
