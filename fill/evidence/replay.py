@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import re
 import sys
 import time
@@ -78,8 +79,38 @@ TRANSCRIPT_FILES = (".jsonl", ".jsonl.gz")  # the names a folder's transcripts f
 
 
 def _transcript_paths(folder: Path) -> Iterator[Path]:
-    """The transcripts files in ``folder`` at any depth (:data:`TRANSCRIPT_FILES`), as found."""
-    return (p for p in folder.rglob("*") if p.name.endswith(TRANSCRIPT_FILES) and p.is_file())
+    """The transcripts files in ``folder`` at any depth (:data:`TRANSCRIPT_FILES`), as found,
+    each real file once: a symlinked folder is walked as the folder it links to, each real
+    folder once (a link to one walked already, such as an ancestor, is not entered again);
+    folders that are no links are walked first, and symlinked files come last, so that a file
+    is named by a path without a link where it has one."""
+    seen: set[tuple[int, int]] = set()  # (device, inode) of the folders walked, files found
+    linked: list[Path] = []
+    for top, folders, names in os.walk(folder, followlinks=True):
+        if not _first_sight(Path(top), seen):
+            folders.clear()
+            continue
+        folders.sort(key=lambda name: (os.path.islink(os.path.join(top, name)), name))
+        for path in (Path(top, name) for name in sorted(names) if name.endswith(TRANSCRIPT_FILES)):
+            if path.is_symlink():
+                linked.append(path)
+            elif path.is_file() and _first_sight(path, seen):
+                yield path
+    yield from (path for path in linked if path.is_file() and _first_sight(path, seen))
+
+
+def _first_sight(path: Path, seen: set[tuple[int, int]]) -> bool:
+    """Whether the real file or folder ``path`` names (links followed) is not in ``seen``;
+    it is added. A path that cannot be looked at is no first sight."""
+    try:
+        status = path.stat()
+    except OSError:
+        return False
+    key = (status.st_dev, status.st_ino)
+    if key in seen:
+        return False
+    seen.add(key)
+    return True
 
 
 def transcript_files(folder: Path) -> list[Path]:

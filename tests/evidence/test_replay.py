@@ -352,6 +352,37 @@ def test_a_folder_is_read_as_every_transcripts_file_in_it(tmp_path):
     assert replay.skipped_lines(corrupt).startswith("skipped 1 corrupt lines (s1/agent.jsonl.gz line 2: ")
 
 
+def test_a_folder_walk_enters_symlinked_folders_and_reads_each_real_file_once(tmp_path):
+    """``~/.claude/projects`` holding links: a linked project folder is read, a link to an
+    ancestor ends no walk in a loop, and a file reached by two paths is read once, by the
+    path without a link where there is one."""
+    root, elsewhere = tmp_path / "projects", tmp_path / "elsewhere"
+    (root / "real").mkdir(parents=True)
+    elsewhere.mkdir()
+    _write_lines(root / "real" / "a.jsonl", [json.dumps(_structured())])
+    _write_lines(elsewhere / "b.jsonl", [json.dumps(_inline())])
+    (root / "linked").symlink_to(elsewhere, target_is_directory=True)
+    (root / "again").symlink_to(root / "real", target_is_directory=True)
+    (root / "real" / "loop").symlink_to(root, target_is_directory=True)
+    (root / "copy.jsonl").symlink_to(root / "real" / "a.jsonl")
+    assert [str(p.relative_to(root)) for p in replay.transcript_files(root)] == ["linked/b.jsonl", "real/a.jsonl"]
+    sessions, corrupt = replay.load_recordings(root)
+    assert corrupt == [] and sorted(s["session_id"] for s in sessions) == ["s-inline", "s-structured"]
+
+
+def test_a_folder_whose_transcripts_are_only_behind_a_link_is_no_error(tmp_path):
+    elsewhere, root = tmp_path / "elsewhere", tmp_path / "projects"
+    elsewhere.mkdir()
+    root.mkdir()
+    _write_lines(elsewhere / "a.jsonl", [json.dumps(_structured())])
+    (root / "p").symlink_to(elsewhere, target_is_directory=True)
+    replay.check_transcripts(root)
+    (root / "loop").symlink_to(root, target_is_directory=True)
+    (elsewhere / "a.jsonl").unlink()
+    with pytest.raises(UserError, match="folder without transcripts files"):
+        replay.check_transcripts(root)
+
+
 def test_claude_code_events_with_ids_of_other_types_are_read_without_error(tmp_path):
     """Ids that are lists or objects (no string to chain on or to bind a result by) and a chain
     that loops; the prompt that no reply follows is in no conversation."""
