@@ -125,9 +125,11 @@ def _user_turn(message: dict, content: list[dict]) -> list[dict]:
 
 def _with_system(messages: list, system: Any) -> list:
     """``messages`` with an Anthropic session's top-level ``system`` (a string or text parts)
-    as their first message, unless they hold a system message already."""
+    as their first message, unless their first message is a system message holding it
+    already."""
     text = part_text(system)
-    if not text or any(isinstance(m, dict) and m.get("role") == "system" for m in messages):
+    first = messages[0] if messages and isinstance(messages[0], dict) else {}
+    if not text or (first.get("role") == "system" and part_text(first.get("content")) == text):
         return messages
     return [{"role": "system", "content": text}, *messages]
 

@@ -169,6 +169,19 @@ def test_an_anthropic_messages_log_reads_as_its_recording(tmp_path):
     assert origin == "recorded" and [t.message_index for t in turns] == [2, 6]
 
 
+def test_an_anthropic_system_prompt_is_kept_beside_a_system_message_later_in_the_log():
+    """A log with ``system`` at the top level and a system message in the middle (an
+    instruction the harness added): the model saw both. One that repeats its top-level system
+    prompt as its first message holds it once."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                {"role": "system", "content": "be terse now"}, {"role": "user", "content": "again"}]
+    read = log_formats.as_recording({"system": "be brief", "messages": messages})
+    assert [(m["role"], m["content"]) for m in read["messages"]][:1] == [("system", "be brief")]
+    assert len(read["messages"]) == 5
+    repeated = [{"role": "system", "content": "be brief"}, *messages]
+    assert log_formats.as_recording({"system": "be brief", "messages": repeated})["messages"] == repeated
+
+
 def test_call_parts_anthropic_logs_cannot_hold_are_a_corrupt_line_not_dropped(tmp_path):
     """A call part in a user message, a result part in an assistant message, and a result
     whose content is neither text nor parts: read as text, the session would lose them."""
