@@ -83,12 +83,17 @@ def markers(tokenizer: Any) -> TemplateMarkers:
 
 def _render(tokenizer: Any, history: list[dict], tools: list[dict] | None) -> str:
     """The whole conversation through the template (non-thinking); a template that refuses it
-    (a Jinja error: roles out of its order, a field it requires) raises ValueError."""
+    (a Jinja error: roles out of its order, a field it requires; a value of a type its filters
+    do not take, such as arguments that are no JSON object where it writes them key by key)
+    raises ValueError."""
     try:
         return tokenizer.apply_chat_template(history, tools=tools, tokenize=False,
                                              add_generation_prompt=False, enable_thinking=False)
-    except jinja2.TemplateError as e:
-        raise ValueError(f"the chat template refuses the session ({e})") from e
+    except (jinja2.TemplateError, TypeError) as e:
+        odd = any(not isinstance(c["function"]["arguments"], dict)
+                  for m in history for c in m.get("tool_calls") or [])
+        hint = "; a call's arguments are no JSON object" if isinstance(e, TypeError) and odd else ""
+        raise ValueError(f"the chat template refuses the session ({e}{hint})") from e
 
 
 @dataclass(frozen=True)

@@ -145,6 +145,16 @@ def test_a_session_the_template_refuses_is_skipped_saying_why():
         render_recording(session, llama, markers(llama))
 
 
+def test_arguments_a_template_cannot_write_are_a_session_refused_saying_why():
+    """Qwen3-Coder's template writes a call's arguments as its parameters, one per key: an
+    array or a string that is no JSON has none, and the template fails on it."""
+    coder = load_tokenizer("qwen3-coder")
+    session = _sessions()[0]
+    session["messages"][2]["tool_calls"] = [dict(READ, arguments={}, arguments_raw="[1, 2]")]
+    with pytest.raises(ValueError, match=r"refuses the session \(.*a call's arguments are no JSON object"):
+        render_recording(session, coder, markers(coder))
+
+
 def test_sessions_without_a_turn_to_study_are_one_error_line(tmp_path, capsys):
     """No assistant reply, or none the template renders: one line saying so, no empty report."""
     path = tmp_path / "no_turn.jsonl"
