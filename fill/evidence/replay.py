@@ -42,6 +42,7 @@ import os
 import re
 import sys
 import time
+import zlib
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -148,8 +149,8 @@ def load_recordings(path: str | Path) -> tuple[list[dict], list[CorruptLine]]:
     saying why. A line that is not a JSON object with a ``messages``
     list of role-bearing dicts, a rollout line that cannot be read
     (:func:`~mlx_fill.evidence.codex_log.rollout_line_problem`), or a line that holds bytes
-    that are not UTF-8, is skipped and returned as a :class:`CorruptLine`; a truncated gzip
-    stream ends the file's read with one.
+    that are not UTF-8, is skipped and returned as a :class:`CorruptLine`; a truncated or
+    corrupt gzip stream ends the file's read with one.
     """
     path = Path(path)
     if not path.is_dir():
@@ -201,7 +202,7 @@ def _load_file(path: Path) -> tuple[list[dict], list[CorruptLine]]:
                         rollout.append((number, obj))
                 else:
                     _keep(obj, number, sessions, corrupt)
-        except (EOFError, gzip.BadGzipFile) as exc:
+        except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
             corrupt.append(CorruptLine(number + 1, f"unreadable: {exc}"))
     for index, session in sessions_from_events([e for _, e in events]):
         if isinstance(session, str):  # why the conversation is not read

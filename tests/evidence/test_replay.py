@@ -709,6 +709,17 @@ def test_truncated_gzip_keeps_what_was_read(tmp_path):
     assert len(corrupt) == 1 and corrupt[0].reason.startswith("unreadable")
 
 
+def test_a_gzip_stream_whose_data_is_corrupt_keeps_what_was_read(tmp_path):
+    """Compressed data zlib cannot inflate (a flipped byte, here a block of a reserved type)
+    ends the file's read with a skipped line, as a truncated stream does."""
+    good = gzip.compress((json.dumps(_structured()) + "\n").encode())
+    path = tmp_path / "bad.jsonl.gz"
+    path.write_bytes(good[:10] + b"\xff" * 40)
+    sessions, corrupt = replay.load_recordings(path)
+    assert sessions == [] and [(c.line, c.reason.split(":")[0]) for c in corrupt] == [(1, "unreadable")]
+    assert "invalid block type" in corrupt[0].reason
+
+
 # ----------------------------------------------------------------------------- tools
 
 def test_synthesized_tools_union_keys_and_require_common_ones():
