@@ -90,7 +90,7 @@ def _messages_from_parts(message: dict) -> list[dict]:
     content, role = message.get("content"), message.get("role")
     if not isinstance(content, list) or not all(isinstance(p, dict) for p in content):
         return [message]
-    kinds = {p.get("type") for p in content}
+    kinds = {kind for p in content if isinstance(kind := p.get("type"), str)}
     if role == "assistant" and RESULT_PART not in kinds and CALL_PART in kinds:
         calls = [{"id": p.get("id"), "name": p.get("name"), "arguments": p.get("input")}
                  for p in content if p.get("type") == CALL_PART]

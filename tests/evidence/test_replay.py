@@ -182,6 +182,14 @@ def test_an_anthropic_system_prompt_is_kept_beside_a_system_message_later_in_the
     assert log_formats.as_recording({"system": "be brief", "messages": repeated})["messages"] == repeated
 
 
+def test_a_part_whose_type_is_no_string_is_a_part_of_no_kind_read(tmp_path):
+    odd = [{"type": {"kind": "text"}, "text": "x"}, {"type": ["tool_use"]}, {"type": "text", "text": "hi"}]
+    lines = [json.dumps({"messages": [{"role": role, "content": odd}, {"role": "assistant", "content": "ok"}]})
+             for role in ("user", "assistant")]
+    sessions, corrupt = replay.load_recordings(_write_lines(tmp_path / "t.jsonl", lines))
+    assert corrupt == [] and [s["messages"][0]["content"] for s in sessions] == ["hi", "hi"]
+
+
 def test_call_parts_anthropic_logs_cannot_hold_are_a_corrupt_line_not_dropped(tmp_path):
     """A call part in a user message, a result part in an assistant message, and a result
     whose content is neither text nor parts: read as text, the session would lose them."""
