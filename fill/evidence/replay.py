@@ -192,7 +192,11 @@ def _load_file(path: Path) -> tuple[list[dict], list[CorruptLine]]:
                     corrupt.append(CorruptLine(number, "JSON nested too deeply to read"))
                     continue
                 if is_exchange(obj):
-                    _keep(exchange_session(obj), number, exchanges, corrupt)
+                    session = exchange_session(obj)
+                    if isinstance(session, str):  # why the line holds no session
+                        corrupt.append(CorruptLine(number, session))
+                    else:
+                        _keep(session, number, exchanges, corrupt)
                 elif is_event(obj):
                     events.append((number, obj))
                 elif is_rollout_line(obj):
@@ -218,9 +222,9 @@ def _load_file(path: Path) -> tuple[list[dict], list[CorruptLine]]:
 
 def _keep(obj: Any, line: int, sessions: list[dict], corrupt: list[CorruptLine]) -> None:
     """``obj`` read as a recording into ``sessions``, or its problem into ``corrupt`` under
-    ``line`` (``obj`` a string is the problem)."""
+    ``line``."""
     obj = as_recording(obj)
-    problem = obj if isinstance(obj, str) else _session_problem(obj)
+    problem = _session_problem(obj)
     if problem:
         corrupt.append(CorruptLine(line, problem))
     else:

@@ -78,14 +78,14 @@ def test_load_sessions_skips_and_reports_corrupt_lines(tmp_path, gz):
              json.dumps({"messages": [raw_not_text]}),
              '{"messages": [{"role": "user", "content": "bad \\ud800 half"}]}',
              '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}",
-             json.dumps(_inline())]
+             json.dumps(_inline()), '"a string"']
     sessions, corrupt = replay.load_recordings(_write_lines(tmp_path / "t.jsonl", lines, gz=gz))
     assert [s["session_id"] for s in sessions] == ["s-structured", "s-inline"]
     assert [(c.line, c.reason.split(":")[0].split(" (")[0]) for c in corrupt] == [
         (2, "invalid JSON"), (3, "not a JSON object"), (4, "no messages list"), (5, "a message without a role"),
         (7, "a message whose content is not a string"), (8, "a tool call without a name"),
         (9, "a tool call whose arguments_raw is not a string"), (10, "text that is not Unicode"),
-        (11, "JSON nested too deeply to read")]
+        (11, "JSON nested too deeply to read"), (13, "not a JSON object")]
 
 
 def test_a_byte_order_mark_is_not_a_corrupt_first_line(tmp_path):
