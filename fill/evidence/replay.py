@@ -186,7 +186,7 @@ def _load_file(path: Path) -> tuple[list[dict], list[CorruptLine]]:
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    corrupt.append(CorruptLine(number, f"invalid JSON: {exc.msg}"))
+                    corrupt.append(CorruptLine(number, _invalid_json(exc, line)))
                     continue
                 except RecursionError:
                     corrupt.append(CorruptLine(number, "JSON nested too deeply to read"))
@@ -218,6 +218,16 @@ def _load_file(path: Path) -> tuple[list[dict], list[CorruptLine]]:
     sessions += latest_conversations(exchanges)
     corrupt.sort(key=lambda c: c.line)
     return sessions, corrupt
+
+
+def _invalid_json(error: json.JSONDecodeError, line: str) -> str:
+    """Why ``line`` is no JSON: where the reading stopped, and, where it stopped at the line's
+    end or inside a string never closed, that the line looks cut off (a log still being
+    written, a file copied before its end)."""
+    text = line.rstrip("\r\n")
+    where = f"{error.msg.removesuffix(' at')} at character {error.pos + 1} of {len(text)}"
+    cut = error.pos >= len(text) or error.msg.startswith("Unterminated string")
+    return f"invalid JSON: {where}" + (" (the line ends before its JSON does: cut off?)" if cut else "")
 
 
 def _keep(obj: Any, line: int, sessions: list[dict], corrupt: list[CorruptLine]) -> None:

@@ -88,6 +88,20 @@ def test_load_sessions_skips_and_reports_corrupt_lines(tmp_path, gz):
         (11, "JSON nested too deeply to read"), (13, "not a JSON object")]
 
 
+@pytest.mark.parametrize("newline, end", [("\n", ""), ("\n", "\n"), ("\r\n", "\r\n")])
+def test_a_last_line_cut_off_is_skipped_saying_so_and_the_lines_before_read(tmp_path, newline, end):
+    """A log still being written (a Claude Code session in use) ends in a line cut off."""
+    whole = json.dumps(_structured())
+    path = tmp_path / "t.jsonl"
+    path.write_bytes((newline.join([whole, whole[:50], whole[:len(whole) // 2]]) + end).encode())
+    sessions, corrupt = replay.load_recordings(path)
+    assert len(sessions) == 1 and [c.line for c in corrupt] == [2, 3]
+    assert all(c.reason.startswith("invalid JSON: ") and c.reason.endswith("(the line ends before its JSON does: "
+                                                                            "cut off?)") for c in corrupt)
+    path.write_bytes((whole + newline + "{} x" + end).encode())
+    assert replay.load_recordings(path)[1][0].reason == "invalid JSON: Extra data at character 4 of 4"
+
+
 def test_a_byte_order_mark_is_not_a_corrupt_first_line(tmp_path):
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + (json.dumps(_structured()) + "\n").encode())
