@@ -224,10 +224,12 @@ def _invalid_json(error: json.JSONDecodeError, line: str) -> str:
     """Why ``line`` is no JSON: where the reading stopped, and, where it stopped at the line's
     end or inside a string never closed, that the line looks cut off (a log still being
     written, a file copied before its end)."""
-    text = line.rstrip("\r\n")
-    where = f"{error.msg.removesuffix(' at')} at character {error.pos + 1} of {len(text)}"
-    cut = error.pos >= len(text) or error.msg.startswith("Unterminated string")
-    return f"invalid JSON: {where}" + (" (the line ends before its JSON does: cut off?)" if cut else "")
+    text, said = line.rstrip("\r\n"), error.msg.removesuffix(" at")
+    at_end = error.pos >= len(text)
+    where = "at the line's end" if at_end else f"at character {error.pos + 1} of {len(text)}"
+    cut = at_end or said.startswith("Unterminated string")
+    return f"invalid JSON: {said} {where}" + (" (the line ends before its JSON does: cut off?)"
+                                              if cut else "")
 
 
 def _keep(obj: Any, line: int, sessions: list[dict], corrupt: list[CorruptLine]) -> None:
