@@ -48,7 +48,7 @@ from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.cost import CostGate, RoundCosts
 from mlx_fill.core.proposal import DecodeView, FillSession, Pace
 
-from .replay import check_transcripts
+from .replay import CorruptLine, check_transcripts
 from .transcripts import markers
 
 if TYPE_CHECKING:
@@ -379,7 +379,10 @@ def markdown_report(result: dict) -> str:
               "(non-thinking generation prompt, the session's tools or a synthesized tools array "
               "for structured harnesses, none for inline-text ones), so the tools block, system "
               "prompt and `<tool_call>` scaffolding are real tokens a source can predict.",
-              f"Corrupt lines: {len(result['corrupt_lines'])}; sessions skipped: "
+              f"Corrupt lines: {len(result['corrupt_lines'])}"
+              + (f" (the first: {CorruptLine(**result['corrupt_lines'][0]).where}: "
+                 f"{result['corrupt_lines'][0]['reason']})" if result["corrupt_lines"] else "")
+              + f"; sessions skipped: "
               f"{len(result['skipped_sessions'])}"
               + (f" (the first: {result['skipped_sessions'][0]})." if result["skipped_sessions"]
                  else ".")]

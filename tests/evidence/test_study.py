@@ -325,5 +325,6 @@ def test_cli_writes_json_report_and_plot(transcripts, tmp_path, capsys):
     data = json.loads((out / "study.json").read_text())
     assert set(data["rows"]) == {BASELINE, "ngram"}
     assert (out / "study.md").read_text().startswith("# mlx-fill study")
+    assert "Corrupt lines: 1 (the first: line 3: invalid JSON: " in capsys.readouterr().out
     assert (out / "tau_by_source.png").read_bytes()[:4] == b"\x89PNG"
     assert cli.main(["study", "--transcripts", str(transcripts), "--sources", "bogus"]) == 2
