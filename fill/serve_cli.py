@@ -20,10 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store-seed", type=Path, default=None,
                         help="with --fill all: a transcripts file (JSONL, gzip or plain; the "
                              "repository's format, OpenAI chat, Anthropic Messages, Claude Code "
-                             "logs or Codex CLI rollouts) or a folder of them, whose assistant "
-                             "replies, rendered through the model's template, fill the "
-                             "cross-request store at start, as if this server had served those "
-                             "sessions")
+                             "logs, Codex CLI rollouts or API-proxy logs) or a folder of them, "
+                             "whose assistant replies, rendered through the model's template, "
+                             "fill the cross-request store at start, as if this server had "
+                             "served those sessions")
 
 
 def run(args: argparse.Namespace) -> int:
