@@ -206,7 +206,8 @@ class ServerFill:
                      group: Any = None) -> FillSession | None:
         """The request's session; a request fill cannot serve (malformed tools or prediction) or
         must not compile (:meth:`budget_refusal`) gets a refused session, so it decodes exactly
-        as without fill and says why in ``usage.fill``."""
+        as without fill and says why in ``usage.fill`` (a malformed request: the refusal
+        ``invalid_request`` and, in ``fill_request.error``, the field it got wrong)."""
         body = fill_request.body
         tokenizer = kwargs["tokenizer"]
         prompt_ids = fill_request.prompt_ids or []

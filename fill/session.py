@@ -403,8 +403,10 @@ def end_session(session: FillSession | None, ledger: Any = None) -> None:
 
 def usage_extra(session: FillSession | None, *, prediction: Sequence[int] | None = None,
                 completion: Sequence[int] | None = None, error: str | None = None) -> dict[str, Any]:
-    """The ``usage`` additions every adapter reports: ``fill`` (the session's stats, or the
-    ``error`` that kept fill off) and, for a request with a prediction (its ids,
+    """The ``usage`` additions every adapter reports: ``fill`` (the session's stats, with
+    ``error`` beside them when given: what the request got wrong that its session refused as
+    ``invalid_request``; without a session, the ``error`` alone) and, for a request with a
+    prediction (its ids,
     :func:`prediction_ids`; None: no prediction),
     ``completion_tokens_details.{accepted,rejected}_prediction_tokens`` against the
     ``completion``'s ids (default: the ids the session's decode emitted; without either, the
@@ -412,6 +414,8 @@ def usage_extra(session: FillSession | None, *, prediction: Sequence[int] | None
     extra: dict[str, Any] = {}
     if session is not None:
         extra["fill"] = session.stats.as_dict()
+        if error is not None:
+            extra["fill"]["error"] = error
     elif error is not None:
         extra["fill"] = {"error": error}
     if completion is None and session is not None:

@@ -371,6 +371,25 @@ def test_hook_over_the_compile_budget_still_counts_a_prediction(engine):
         "accepted_prediction_tokens": len(request.prediction), "rejected_prediction_tokens": 0}
 
 
+@pytest.mark.parametrize(("prediction", "says"), [
+    ({"type": "content"}, "prediction.content: expected a string or a list of text parts"),
+    ("hello", "prediction: expected an object"),
+    ({"type": "content", "content": [{"type": "image_url"}]}, "prediction.content[0]: expected"),
+])
+def test_hook_says_what_a_malformed_prediction_got_wrong(engine, monkeypatch, prediction, says):
+    """The hook serves the request without fill; ``usage.fill`` names the field beside the
+    ``invalid_request`` refusal."""
+    request = server_patch.FillRequest("strict", {"messages": USER, "prediction": prediction},
+                                       prompt_ids=[1, 2, 3])
+    args = SimpleNamespace(sampling=SimpleNamespace(temperature=0.0), seed=None, logprobs=False,
+                           top_logprobs=-1)
+    request.session = server_patch.ServerFill("strict").open_session(
+        request, args, {"tokenizer": engine.tokenizer, "model": engine.model})
+    fill = request.usage()["fill"]
+    assert fill["refusals"] == {"invalid_request": 1}
+    assert fill["error"].startswith(says), fill["error"]
+
+
 def test_hook_never_renders_a_request_template(engine, monkeypatch):
     session = hook_session(engine, monkeypatch, {
         "messages": USER, "tools": TOOLS, "chat_template_kwargs": {"chat_template": "{{ 7*7 }}"}})
