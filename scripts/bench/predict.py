@@ -19,7 +19,9 @@ The prompt is prefilled once per task and every arm decodes from that cache, so 
 plain`` compares decoding alone (session build included); ``request x plain`` adds the one
 prefill's time to every arm (the whole request's wall). Per task and arm: output ids, identity
 to ``off``, the prediction's accepted/rejected tokens as ``usage.completion_tokens_details``
-reports them (and whether the trace's accepted ids of origin ``prediction`` sum to the same),
+reports them (the predicted ids in the reply, OpenAI's definition) and beside them the ids the
+prediction source itself filled (``trace_accepted``: the trace's accepted ids of origin
+``prediction``; fewer where another source or a plain step emitted a predicted id),
 target forwards per token, and whether the model made the requested edit (compared with the
 expected file; reported, not gated). ``coverage`` is the share of the output ids inside blocks
 shared with the prediction (``difflib`` on ids); ``bound`` is the decode ratio that coverage
@@ -40,7 +42,7 @@ path), ``"prediction"`` (the path of the text sent as the prediction; default ``
 they are (UTF-8, ``\\r\\n`` kept; the reply is checked line for line). Without ``replacements``
 or ``expected`` the edit itself is not checked (``edit ok`` reads None).
 
-Exits 1 when any arm's ids differ from ``off`` or the usage counts differ from the trace.
+Exits 1 when any arm's ids differ from ``off``.
 """
 
 from __future__ import annotations
