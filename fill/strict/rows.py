@@ -82,7 +82,7 @@ CERTAINTIES: tuple[str, ...] = get_args(Certainty)
 
 
 def certainty(kind: str, syntax: str, *, after_call: bool = False,
-              into_arguments: bool = False) -> Certainty:
+              into_arguments: bool = False, starts_other: bool = False) -> Certainty:
     """The certainty class of a row -- the one statement of the rule.
 
     * ``scaffold`` / ``name`` rows are ``determined``: they fire right after the call-start
@@ -93,7 +93,10 @@ def certainty(kind: str, syntax: str, *, after_call: bool = False,
       inside that call's last value (a value can hold the call's end marker and a new start
       marker); and a Hermes-JSON row that reaches into the ``arguments`` object
       (``into_arguments``), whose spacing is the model's own JSON (a template inserts string
-      arguments verbatim, so ``{ "k"`` is as valid as ``{"k"``).
+      arguments verbatim, so ``{ "k"`` is as valid as ``{"k"``). A ``name`` row whose text so
+      far also begins another tool's call (``starts_other``: ``read_file`` of ``read_files``)
+      is ``likely`` too: the model may write that tool's name through the row's trigger ids
+      and more (``_file`` then ``s``), which the row would overwrite.
     * ``key`` rows are ``likely``: a model may write an optional key first, or the keys in an
       order of its own, and in XML and GLM they fire where a raw value may go on.
     * ``close`` rows are ``likely`` in every supported syntax: in XML and GLM they fire after
@@ -111,7 +114,8 @@ def certainty(kind: str, syntax: str, *, after_call: bool = False,
     if kind not in ("scaffold", "name", "close", "header", "key"):
         raise ValueError(f"unknown row kind {kind!r}")
     raw_values = SYNTAXES[syntax].raw_values
-    if kind in ("close", "header", "key") or into_arguments or (after_call and raw_values):
+    if (kind in ("close", "header", "key") or into_arguments or starts_other
+            or (after_call and raw_values)):
         return "likely"
     return "determined"
 
@@ -513,10 +517,12 @@ def _head_rows(bodies: list[_Body], table, eos: set[int], syntax: str,
                 key = _decode(table, p)
                 span = _clean(child.chain(), eos, stops)
                 if key is not None and span is not None:
+                    tool = next(iter(child.tools))
                     into = _into_arguments(syntax, _decode(table, p + list(span)))
-                    rows[key] = Row("name", next(iter(child.tools)), key, (*trigger, *p), span,
+                    starts_other = any(b.tool != tool and b.text.startswith(key) for b in bodies)
+                    rows[key] = Row("name", tool, key, (*trigger, *p), span,
                                     certainty("name", syntax, after_call=after_call,
-                                              into_arguments=into))
+                                              into_arguments=into, starts_other=starts_other))
             else:
                 walk(child, p)
 

@@ -228,3 +228,32 @@ def test_json_close_fires_once_after_a_string_holding_the_end_marker():
     fires = teacher_force(source, ids, frozenset(tok.eos_token_ids))
     assert contained(ids, fires) and source.stats.parse_fallbacks == 0
     assert [o for _, _, o in fires].count("strict:close") == 1
+
+
+@pytest.mark.parametrize("family", ["qwen3-coder", "qwen3.5", "glm4.x"])
+def test_a_name_whose_text_starts_another_tools_name_is_likely(family):
+    """``read_file``'s name row fires once ``read_file`` is written, and ``read_files`` begins
+    with that text: a model writing ``read_files`` through the ids of ``read_file`` and ``s``
+    calls a tool of the request whose call that row would overwrite. Its row is ``likely``
+    (never asserted, however much evidence it has); ``read_files``'s, whose text begins no
+    other tool's call, stays ``determined``."""
+    from mlx_fill.sources.ledger import Ledger
+
+    tok, tool_list = tokenizer(family), _tool_set("read_file", "read_files")
+    table = compile_table(tok, USER, tool_list)
+    names = {r.detail: r for r in table.head.values() if r.kind == "name"}
+    assert names["read_file"].certainty == "likely"
+    assert names["read_files"].certainty == "determined"
+    ledger = Ledger("m", "t", promote_after=1, eligible=frozenset({"strict:"}))
+    canonical = reply_ids(tok, USER, tool_list, _reply(call("read_file", {"command": "ls"})))
+    for _ in range(2):
+        _policies(tok, tool_list, canonical, ledger)
+    name = names["read_file"]
+    cut = next(i for i in range(len(canonical)) if tuple(canonical[i - len(name.trigger):i])
+               == name.trigger)
+    text = tok.decode(canonical[cut:])
+    other = [*canonical[:cut], *tok.encode("s" + text, add_special_tokens=False)]
+    assert tok.decode(other) == tok.decode(canonical[:cut]) + "s" + text
+    fires, _ = _policies(tok, tool_list, other, ledger)
+    assert ("strict:name:read_file", "likely", "verify") in fires
+    assert all(pol == "verify" for o, _, pol in fires if o == "strict:name:read_file")
