@@ -126,6 +126,23 @@ def _check_schema(params: dict) -> tuple[tuple, str] | None:
     return tuple(error.path), message
 
 
+def _non_string_key(value: object, path: tuple = ()) -> tuple[tuple, str] | None:
+    """(path, message) of the first object key in ``value`` that is not a string (JSON has
+    none; a schema built in Python can), or None. ``value`` is at most
+    :data:`~mlx_fill.limits.SCHEMA_DEPTH_CAP` deep."""
+    if isinstance(value, dict):
+        for key, sub in value.items():
+            if not isinstance(key, str):
+                return path, f"key {key!r} is not a string"
+            if (found := _non_string_key(sub, (*path, key))) is not None:
+                return found
+    elif isinstance(value, list):
+        for i, sub in enumerate(value):
+            if (found := _non_string_key(sub, (*path, i))) is not None:
+                return found
+    return None
+
+
 class _Memo:
     """Check results keyed by the SHA-256 of a schema's canonical JSON, least recently used
     evicted first. Invariant: at most ``max_entries`` entries and ``max_bytes`` bytes of keys
@@ -162,6 +179,8 @@ def _schema_error(params: dict) -> tuple[tuple, str] | None:
     set-up cost."""
     if value_depth(params) > SCHEMA_DEPTH_CAP:
         return _check_schema(params)
+    if (where := _non_string_key(params)) is not None:  # before the memo: JSON makes 1 "1"
+        return where
     try:
         canonical = json.dumps(params, sort_keys=True, allow_nan=False)
     except (TypeError, ValueError):  # not plain JSON: check it as is, uncached

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -331,3 +332,20 @@ def test_other_template_revisions_compile_through_the_same_diff(family, template
     ids = reply_ids(tok, USER, tools(), reply, kwargs)
     fires = teacher_force(source, ids, frozenset(tok.eos_token_ids))
     assert len(fires) >= 2 and contained(ids, fires)
+
+
+@pytest.mark.parametrize("params,where", [
+    ({"type": "object", "properties": {1: {"type": "string"}}}, "properties"),
+    ({"type": "object", "properties": {"a": {"type": "object", "properties": {None: {}}}}},
+     "properties.a.properties"),
+])
+def test_a_key_that_is_no_string_is_one_line_naming_its_path(params, where):
+    """A schema built in Python can hold a key JSON cannot (an int): the error names where it
+    is, before any template renders the tools with it, also after the same schema with string
+    keys was checked (their JSON is the same)."""
+    as_json = json.loads(json.dumps(params))
+    tool_schemas([{"type": "function", "function": {"name": "t", "parameters": as_json}}])
+    with pytest.raises(ValueError) as err:
+        tool_schemas([{"type": "function", "function": {"name": "t", "parameters": params}}])
+    assert str(err.value).startswith(f"tools[0].function.parameters.{where}: "), str(err.value)
+    assert "string" in str(err.value) and "\n" not in str(err.value)
