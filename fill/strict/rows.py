@@ -13,9 +13,9 @@ diff (the syntax is only detected, for the guard, by which grammar reads the ren
 Rows:
 
 * ``scaffold`` -- right after the model's own call-start token: the template text up to where
-  the tool's name begins (the model begins it: it may call a tool it was not given).
-* ``name`` -- after a tool name's first distinguishing token (with one tool, or tools whose
-  names start alike, the first token the model writes of it): the rest of the name, the
+  the real tool names diverge (with one tool: through the name, and through the sole key when
+  the schema makes it certain).
+* ``name`` -- after a tool name's first distinguishing token: the rest of the name, the
   name-to-arguments punctuation, and the sole key when certain.
 * ``close`` -- after a complete value delimiter, when the guard says no further argument can
   legally follow: the rest of the call through its end marker (and, under the tool's own
@@ -86,9 +86,8 @@ def certainty(kind: str, syntax: str, *, after_call: bool = False,
     """The certainty class of a row -- the one statement of the rule.
 
     * ``scaffold`` / ``name`` rows are ``determined``: they fire right after the call-start
-      token (the scaffold, up to the tool's name) or after the name's first distinguishing
-      token the model wrote (``name``), where the template writes the rest of the name and
-      the schema forces the sole key. The exceptions are
+      token (``name``: after the tool name's distinguishing token too), where the template
+      writes the rest of the name and the schema forces the sole key. Two exceptions are
       ``likely``: in a raw-text syntax (``CallSyntax.raw_values``: XML, GLM), a call that
       opens after an earlier call of the same turn has ended (``after_call``) may be text
       inside that call's last value (a value can hold the call's end marker and a new start
@@ -488,20 +487,6 @@ def _split_forced(rows: dict[str, Row], table, syntax: CallSyntax, eos: set[int]
     return out
 
 
-def _before_name(ids: list[int], bodies: list[_Body], table) -> list[int]:
-    """``ids`` (a prefix every body starts with) through the last token boundary before any
-    body's tool name begins (all of them where a name is not written verbatim): which tool a
-    call names is the model's to begin, even where every tool's name, or the only one, starts
-    the same way (a model may call a tool it was not given)."""
-    at = min((b.text.find(b.tool) for b in bodies), default=0)
-    cut = 0
-    for i in range(1, len(ids) + 1):
-        part = _decode(table, ids[:i])
-        if part is not None and len(part) <= at:
-            cut = i
-    return ids[:cut]
-
-
 def _head_rows(bodies: list[_Body], table, eos: set[int], syntax: str,
                after_call: bool, stops: set[int] | None = None) -> dict[str, Row]:
     """Scaffold and name rows, classed for a turn's first call or (``after_call``) a later one."""
@@ -514,11 +499,12 @@ def _head_rows(bodies: list[_Body], table, eos: set[int], syntax: str,
     if len(triggers) != 1 or not _letters(trigger_text):
         return rows
     trigger = bodies[0].trigger
-    scaffold = _before_name(root.chain(), bodies, table)
+    scaffold = root.chain()
+    only = next(iter(root.tools)) if len(root.tools) == 1 else ""
     span = _clean(scaffold, eos, stops)
     if span is not None:
         into = _into_arguments(syntax, _decode(table, span))
-        rows[""] = Row("scaffold", "", "", trigger, span,
+        rows[""] = Row("scaffold", only, "", trigger, span,
                        certainty("scaffold", syntax, after_call=after_call, into_arguments=into))
     node = root
     for t in scaffold:
@@ -540,7 +526,8 @@ def _head_rows(bodies: list[_Body], table, eos: set[int], syntax: str,
             else:
                 walk(child, p)
 
-    walk(node, list(scaffold))
+    if len(node.tools) > 1:
+        walk(node, list(scaffold))
     forced = SYNTAXES[syntax]
     return _split_forced(rows, table, forced, eos) if forced.forced is not None else rows
 

@@ -51,7 +51,7 @@ parser state that cannot be entered from inside an argument value force its ids:
   only outside strings, so no row fires inside a value (``"}}`` or ``</tool_call>`` in a string
   is text). Determined: the scaffold ``\\n{"name": "`` and the head rows of later calls.
   Likely: rows that reach into the ``arguments`` object (the name rows' ``{"key":``, a
-  sole key among them, the close row's ``}}``): a template inserts string
+  single-tool scaffold through the key, the close row's ``}}``): a template inserts string
   arguments verbatim, so their spacing is the model's own JSON (recorded SWE-agent calls use
   ``{ "key"``).
 
@@ -169,7 +169,7 @@ class StrictSource:
         if len(g.body) <= self._max_head_key and g.body in head:
             row = head[g.body]
             if not self._call_keyed and row.detail in self.table.tools:
-                self._key_tool(row.detail)  # a name row's tool
+                self._key_tool(row.detail)  # a name (or a lone tool's scaffold) row's tool
             if _ends_with(emitted, row.trigger):
                 return row
             return None

@@ -67,8 +67,7 @@ def test_a_fire_where_no_fill_may_happen_fails_the_audit(tmp_path, family, after
 
 
 def test_a_span_that_is_not_the_real_stream_fails_the_audit(tmp_path):
-    raw = ("<tool_call>\n<function=bash>\n<parameter=cmd>\nls\n</parameter>\n</function>\n"
-           "</tool_call><|im_end|>")
+    raw = "<tool_call>\n<function=other>\n</function>\n</tool_call><|im_end|>"
     root = _corpus(tmp_path, "qwen3-coder", {"id": "z", "tools": "single.json", "messages": USER,
                                              "raw_reply": raw, "expect": "fill"})
     assert _run(root, "qwen3-coder") == 1

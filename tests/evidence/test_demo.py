@@ -24,8 +24,8 @@ def test_demo_in_a_fresh_cache_fetches_its_assets_and_runs_identical(tmp_path):
     assert "token ids identical (fill off vs strict): True" in out
     assert "all turns identical: True" in out
     if fixture_emits_calls("qwen3-json", share=0.5):
-        # a fixture that calls tools gets its tool's name row filled (verified) on the default exchange
-        assert "tool call: bash(" in out and "'strict:name:bash'" in out, out
+        # a fixture that calls tools gets its call scaffold filled (verified) on the default exchange
+        assert "tool call: bash(" in out and "'strict:scaffold:bash'" in out, out
 
 
 def test_demo_predict_runs_one_edit_identical_with_the_counts():
