@@ -82,21 +82,23 @@ CERTAINTIES: tuple[str, ...] = get_args(Certainty)
 
 
 def certainty(kind: str, syntax: str, *, after_call: bool = False,
-              into_arguments: bool = False, starts_other: bool = False) -> Certainty:
+              into_arguments: bool = False, unsettled_name: bool = False) -> Certainty:
     """The certainty class of a row -- the one statement of the rule.
 
     * ``scaffold`` / ``name`` rows are ``determined``: they fire right after the call-start
       token (``name``: after the tool name's distinguishing token too), where the template
-      writes the rest of the name and the schema forces the sole key. Two exceptions are
+      writes the rest of the name and the schema forces the sole key. The exceptions are
       ``likely``: in a raw-text syntax (``CallSyntax.raw_values``: XML, GLM), a call that
       opens after an earlier call of the same turn has ended (``after_call``) may be text
       inside that call's last value (a value can hold the call's end marker and a new start
       marker); and a Hermes-JSON row that reaches into the ``arguments`` object
       (``into_arguments``), whose spacing is the model's own JSON (a template inserts string
-      arguments verbatim, so ``{ "k"`` is as valid as ``{"k"``). A ``name`` row whose text so
-      far also begins another tool's call (``starts_other``: ``read_file`` of ``read_files``)
-      is ``likely`` too: the model may write that tool's name through the row's trigger ids
-      and more (``_file`` then ``s``), which the row would overwrite.
+      arguments verbatim, so ``{ "k"`` is as valid as ``{"k"``); and a row that writes name
+      text the model's own ids have not settled (``unsettled_name``): a scaffold that runs into
+      the name (one tool offered, or tools whose names start alike: which tool a call names is
+      the model's to begin, and it may call one it was not given), a ``name`` row whose text so
+      far also begins another tool's call (``read_file`` beside ``read_files``: the model may
+      write that tool's name through the row's trigger, ``_file`` then ``s``).
     * ``key`` rows are ``likely``: a model may write an optional key first, or the keys in an
       order of its own, and in XML and GLM they fire where a raw value may go on.
     * ``close`` rows are ``likely`` in every supported syntax: in XML and GLM they fire after
@@ -114,7 +116,7 @@ def certainty(kind: str, syntax: str, *, after_call: bool = False,
     if kind not in ("scaffold", "name", "close", "header", "key"):
         raise ValueError(f"unknown row kind {kind!r}")
     raw_values = SYNTAXES[syntax].raw_values
-    if (kind in ("close", "header", "key") or into_arguments or starts_other
+    if (kind in ("close", "header", "key") or into_arguments or unsettled_name
             or (after_call and raw_values)):
         return "likely"
     return "determined"
@@ -487,6 +489,15 @@ def _split_forced(rows: dict[str, Row], table, syntax: CallSyntax, eos: set[int]
     return out
 
 
+def _into_name(span: Sequence[int], bodies: list[_Body], table) -> bool:
+    """Whether the scaffold ``span`` (every body's first ids) writes text of a tool's name:
+    past where the earliest body's name begins, or anywhere where a body's name is not in its
+    text as written (where it begins cannot be told)."""
+    starts = [b.text.find(b.tool) for b in bodies]
+    text = _decode(table, list(span))
+    return min(starts) < 0 or text is None or len(text) > min(starts)
+
+
 def _head_rows(bodies: list[_Body], table, eos: set[int], syntax: str,
                after_call: bool, stops: set[int] | None = None) -> dict[str, Row]:
     """Scaffold and name rows, classed for a turn's first call or (``after_call``) a later one."""
@@ -505,7 +516,8 @@ def _head_rows(bodies: list[_Body], table, eos: set[int], syntax: str,
     if span is not None:
         into = _into_arguments(syntax, _decode(table, span))
         rows[""] = Row("scaffold", only, "", trigger, span,
-                       certainty("scaffold", syntax, after_call=after_call, into_arguments=into))
+                       certainty("scaffold", syntax, after_call=after_call, into_arguments=into,
+                                 unsettled_name=_into_name(span, bodies, table)))
     node = root
     for t in scaffold:
         node = node.children[t]
@@ -522,7 +534,7 @@ def _head_rows(bodies: list[_Body], table, eos: set[int], syntax: str,
                     starts_other = any(b.tool != tool and b.text.startswith(key) for b in bodies)
                     rows[key] = Row("name", tool, key, (*trigger, *p), span,
                                     certainty("name", syntax, after_call=after_call,
-                                              into_arguments=into, starts_other=starts_other))
+                                              into_arguments=into, unsettled_name=starts_other))
             else:
                 walk(child, p)
 

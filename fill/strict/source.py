@@ -43,9 +43,10 @@ parser state that cannot be entered from inside an argument value force its ids:
 * Qwen3-Coder / Qwen3.5 XML and GLM ``arg_key/arg_value``: values are raw text, so a value can
   hold ``</parameter>``, ``</function>``, ``</arg_value>``, ``</tool_call>`` and a new
   ``<tool_call>`` (a heredoc writing XML, ``echo '</arg_value>' > f``). Determined: the
-  scaffold after the turn's first call-start token and the rest of a tool name once it is
-  unambiguous (its text so far begins no other tool's call), with the sole key the schema
-  forces. Likely: every ``close`` row, and the head
+  scaffold after the turn's first call-start token up to a tool's name and the rest of a tool
+  name once it is unambiguous (its text so far begins no other tool's call), with the sole key
+  the schema forces. Likely: a scaffold that runs into a name (one tool offered, or names that
+  start alike: the model may call a tool it was not given), every ``close`` row, and the head
   rows of any later call in the turn (it opens after an end marker a value can contain).
 * Qwen3 Hermes JSON: a string cannot hold an unescaped quote, and the guard reads call markers
   only outside strings, so no row fires inside a value (``"}}`` or ``</tool_call>`` in a string

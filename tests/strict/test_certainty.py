@@ -257,3 +257,29 @@ def test_a_name_whose_text_starts_another_tools_name_is_likely(family):
     fires, _ = _policies(tok, tool_list, other, ledger)
     assert ("strict:name:read_file", "likely", "verify") in fires
     assert all(pol == "verify" for o, _, pol in fires if o == "strict:name:read_file")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("tool_set", [("bash",), ("read", "read_file")])
+def test_no_determined_row_writes_the_start_of_a_name(family, tool_set):
+    """Which tool a call names is the model's to begin, also where the request offers one tool,
+    or tools whose names all start alike: a model may call a tool it was not given (a small one
+    copies the template's ``example_function_name``). Once every row has agreed under the tool
+    set, a call of another tool is not overwritten: a scaffold that writes into the name is
+    ``likely``, checked by the model's own samples."""
+    from mlx_fill.sources.ledger import Ledger
+
+    tok, tool_list = tokenizer(family), _tool_set(*tool_set)
+    ledger = Ledger("m", "t", promote_after=1, eligible=frozenset({"strict:"}))
+    given = reply_ids(tok, USER, tool_list, _reply(call(tool_set[-1], {"command": "ls"})))
+    for _ in range(2):
+        _policies(tok, tool_list, given, ledger)
+    other = reply_ids(tok, USER, tool_list, _reply(call("example_function_name",
+                                                        {"command": "ls"})))
+    session = FillSession([strict_source(tok, USER, tool_list, ledger=ledger)])
+    for pos in range(len(other)):
+        p = session.propose(DecodeView([], other[:pos], frozenset(tok.eos_token_ids)))
+        if p is not None:
+            assert p.policy == "verify" or tuple(other[pos:pos + len(p.ids)]) == p.ids, \
+                (p.origin, tok.decode(list(p.ids)))
+            session.feedback(p, 0, pos)
