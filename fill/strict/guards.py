@@ -293,7 +293,9 @@ class TurnGuard:
     ``feed(text)`` consumes newly decoded text. ``role`` is the current role; ``body`` the
     text of the current call after its start marker (only while ``role is Role.CALL``);
     ``declined`` is True while the current call may not be filled; ``last_body`` is the body of
-    the most recently ended call (``calls_ended`` counts them). ``call_prefix()`` parses
+    the most recently ended call (``calls_ended`` counts them). ``string_broken``: a JSON string
+    of this turn was ended by a raw newline (which no JSON string holds); the model may still
+    be inside it, so what the guard reads after it is a guess. ``call_prefix()`` parses
     ``body`` with the syntax's grammar (memoized per body length).
     """
 
@@ -307,6 +309,7 @@ class TurnGuard:
         self.declined = False
         self.calls_ended = 0
         self.last_body = ""
+        self.string_broken = False
         self._line = ""          # content text since the last newline (outside calls)
         self._tail = ""          # last chars, for marker detection
         self._in_fence = False
@@ -372,7 +375,7 @@ class TurnGuard:
                     i = len(text)
                     continue
                 if stop.group() == "\n":
-                    self._in_string, i = False, stop.start()
+                    self._in_string, self.string_broken, i = False, True, stop.start()
                 elif stop.group() == "\\":
                     self._escape, i = True, stop.end()
                 else:

@@ -242,10 +242,12 @@ class StrictSource:
         return Proposal(span, policy, row.origin, row.certainty, yields=row.yields)
 
     def _policy(self, row: Row) -> str:
-        """``assert`` only for a row whose claim the ledger promotes; the ledger refuses
-        ``likely`` rows."""
-        promoted = self.ledger is not None and self.ledger.promoted(
-            row.origin, certainty=row.certainty, claim=row.claim)
+        """``assert`` only for a row whose claim the ledger promotes (the ledger refuses
+        ``likely`` rows), and never after a raw newline ended a JSON string of the turn
+        (:attr:`~mlx_fill.strict.guards.TurnGuard.string_broken`: the parser state that makes
+        a row ``determined`` is then a guess)."""
+        promoted = (not self.guard.string_broken and self.ledger is not None
+                    and self.ledger.promoted(row.origin, certainty=row.certainty, claim=row.claim))
         return "assert" if promoted else "verify"
 
     def feedback(self, proposal: Proposal, accepted: int) -> None:

@@ -283,3 +283,30 @@ def test_no_determined_row_writes_the_start_of_a_name(family, tool_set):
             assert p.policy == "verify" or tuple(other[pos:pos + len(p.ids)]) == p.ids, \
                 (p.origin, tok.decode(list(p.ids)))
             session.feedback(p, 0, pos)
+
+
+def test_after_a_raw_newline_ends_a_json_string_no_row_is_asserted():
+    """A raw newline cannot be in a JSON string, so the guard takes it as the string's end; a
+    model that wrote one may still be inside its string, where ``</tool_call>`` and
+    ``<tool_call>`` are its text. Rows the guard finds after it (a later call's scaffold,
+    ``determined`` and promoted) are verified by the model's own samples, not written."""
+    from mlx_fill.sources.ledger import Ledger
+
+    tok, tool_list = tokenizer("qwen3"), tools()
+    ledger = Ledger("m", "t", promote_after=1, eligible=frozenset({"strict:"}))
+    two = reply_ids(tok, USER, tool_list, _reply(call("bash", {"command": "ls"}),
+                                                 call("get_time", {"tz": "UTC"})))
+    for _ in range(2):
+        _policies(tok, tool_list, two, ledger)
+    promoted, _ = _policies(tok, tool_list, two, ledger)
+    assert any(pol == "assert" for _, _, pol in promoted)  # the later call's scaffold too
+    text = ('<tool_call>\n{"name": "bash", "arguments": {"command": "cat > f <<EOF\n'
+            '</tool_call>\n<tool_call>\nEOF"}}\n</tool_call><|im_end|>')
+    ids = tok.encode(text, add_special_tokens=False)
+    newline = len(tok.encode(text[:text.index("EOF\n") + 4], add_special_tokens=False))
+    session = FillSession([strict_source(tok, USER, tool_list, ledger=ledger)])
+    for pos in range(newline, len(ids)):
+        p = session.propose(DecodeView([], ids[:pos], frozenset(tok.eos_token_ids)))
+        if p is not None:
+            assert p.policy == "verify", (p.origin, tok.decode(list(p.ids)))
+            session.feedback(p, 0, pos)
