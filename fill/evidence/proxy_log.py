@@ -54,10 +54,12 @@ def exchange_session(line: dict) -> dict | str:
     if line.get("response") is None:
         error = line.get("error")
         return "an exchange without a response" + (f" ({_detail(error)})" if error else "")
-    reply = _reply(line["response"], line.get("status_code"))
+    envelope, response = line["response"], _body(line["response"])
+    status = envelope.get("status_code") if isinstance(envelope, dict) else None
+    reply = _reply(response, status if isinstance(status, int) else line.get("status_code"))
     if isinstance(reply, str):
         return reply
-    request, response = _body(line.get("request")), _body(line["response"])
+    request = _body(line.get("request"))
     if not isinstance(request, dict) or not isinstance(request.get("messages"), list):
         return NO_REQUEST
     session = {key: request[key] for key in ("system", "tools") if key in request}
@@ -96,11 +98,9 @@ def _body(value: Any) -> Any:
     return value
 
 
-def _reply(envelope: Any, line_status: Any) -> dict | str:
-    """The assistant message a response holds, or why it holds none."""
-    response = _body(envelope)
-    status = envelope.get("status_code") if isinstance(envelope, dict) else None
-    status = status if isinstance(status, int) else line_status
+def _reply(response: Any, status: Any) -> dict | str:
+    """The assistant message a response body (out of its envelope, :func:`_body`) holds, or
+    why it holds none; ``status`` the HTTP status logged with it."""
     if isinstance(response, dict) and (response.get("type") == "error" or response.get("error")):
         return f"an error response ({_detail(response.get('error'))})"
     if isinstance(status, int) and status >= ERROR_STATUS:
