@@ -269,7 +269,8 @@ def build_session(
     per configuration and process, quick-qualified on the loaded model the first time no plan
     applies). Raises ValueError for a bad mode or ``max_span``, malformed messages, tools/schemas or
     a malformed prediction; TypeError for ``prompt_ids`` that are no token ids, an
-    ``acceptance`` that is no dict, or no ``tokenizer`` (a Hugging Face tokenizer is wrapped as mlx-lm's ``stream_generate`` wraps it).
+    ``acceptance`` that is no dict, or no ``tokenizer`` (a Hugging Face tokenizer is wrapped
+    as mlx-lm's ``stream_generate`` wraps it).
     The caller ends it with :func:`end_session` when generation ends.
 
     ``group``: the ``mx.distributed`` group a sharded ``model`` spans (``sharded_load`` under
