@@ -489,13 +489,13 @@ def _split_forced(rows: dict[str, Row], table, syntax: CallSyntax, eos: set[int]
     return out
 
 
-def _into_name(span: Sequence[int], bodies: list[_Body], table) -> bool:
-    """Whether the scaffold ``span`` (every body's first ids) writes text of a tool's name:
-    past where the earliest body's name begins, or anywhere where a body's name is not in its
-    text as written (where it begins cannot be told)."""
-    starts = [b.text.find(b.tool) for b in bodies]
-    text = _decode(table, list(span))
-    return min(starts) < 0 or text is None or len(text) > min(starts)
+def _into_name(text: str | None, bodies: list[_Body]) -> bool:
+    """Whether a scaffold whose span decodes to ``text`` (every body's first ids; None: not
+    text) writes text of a tool's name: past where the earliest body's name begins, or
+    anywhere where a body's name is not in its text as written (where it begins cannot be
+    told)."""
+    start = min(b.text.find(b.tool) for b in bodies)
+    return start < 0 or text is None or len(text) > start
 
 
 def _head_rows(bodies: list[_Body], table, eos: set[int], syntax: str,
@@ -514,10 +514,11 @@ def _head_rows(bodies: list[_Body], table, eos: set[int], syntax: str,
     only = next(iter(root.tools)) if len(root.tools) == 1 else ""
     span = _clean(scaffold, eos, stops)
     if span is not None:
-        into = _into_arguments(syntax, _decode(table, span))
+        text = _decode(table, span)
         rows[""] = Row("scaffold", only, "", trigger, span,
-                       certainty("scaffold", syntax, after_call=after_call, into_arguments=into,
-                                 unsettled_name=_into_name(span, bodies, table)))
+                       certainty("scaffold", syntax, after_call=after_call,
+                                 into_arguments=_into_arguments(syntax, text),
+                                 unsettled_name=_into_name(text, bodies)))
     node = root
     for t in scaffold:
         node = node.children[t]
