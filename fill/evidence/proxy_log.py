@@ -4,7 +4,9 @@ A line ``{"request": REQUEST, "response": RESPONSE, ...}`` (:func:`is_exchange`)
 a chat API: REQUEST an OpenAI chat-completions or Anthropic Messages request body (``messages``,
 ``tools``, ``model``; Anthropic's ``system``), RESPONSE the completion or message it got: an
 OpenAI chat completion (its ``choices[0].message``) or an Anthropic message (``{"role":
-"assistant", "content": [parts]}``). Either may be held in an HTTP envelope, ``{"body": BODY,
+"assistant", "content": [parts]}``), or either streamed (server-sent-events text, a list of its
+chunks or events, or one alone), joined into the whole response it streams
+(:func:`~.streamed.whole_body`). Either may be held in an HTTP envelope, ``{"body": BODY,
 ...}`` (a gateway's ``{"method", "path", "headers", "body"}``, the ``{"status_code",
 "request_id", "body"}`` of OpenAI's batch output), and a body may be logged as JSON text.
 :func:`exchange_session` makes a session of the line, in the forms
@@ -12,11 +14,16 @@ OpenAI chat completion (its ``choices[0].message``) or an Anthropic message (``{
 assistant message, the request's ``system`` and ``tools``, ``model`` the request's (else the
 response's), ``session_id`` the response's ``id``; a line has no ``source``.
 
-What is not read, each a reason the line is skipped for: a streamed response (server-sent
-events, or a list of chunks: they are not joined into a message), an error response (an
-``error``, Anthropic's ``type: error``, an HTTP status of 400 or more), a response without an
-assistant message (no ``choices``, a token count), a request without a ``messages`` list (a
-Responses API or embeddings request), a line without a response.
+What is not read, each a reason the line is skipped for: an error response (an ``error``,
+Anthropic's ``type: error``, an HTTP status of 400 or more, an error a stream carries); a
+stream cut off before its end (an OpenAI stream with neither a ``finish_reason`` for choice 0
+nor ``[DONE]``, an Anthropic stream with neither ``message_stop`` nor a ``stop_reason``: a
+recording stands for what the agent wrote, and the stream's last call may be short of arguments
+it was still writing), or one that cannot be joined; a response without an assistant message
+(no ``choices``, a token count); a request without a ``messages`` list (a Responses API or
+embeddings request); a line without a response. A stream that ended is what the model wrote,
+however it ended (a token limit included): a call's arguments that are no JSON are read as a
+whole response's would be.
 
 An agent sends its whole history with every request, so a file's lines repeat each other:
 :func:`latest_conversations` keeps a line's session only where no later line of the file holds
@@ -30,14 +37,13 @@ import hashlib
 import json
 from typing import Any
 
+from .streamed import is_stream, whole_body
+
 __all__ = ["exchange_session", "is_exchange", "latest_conversations"]
 
-STREAMED = ("a streamed response ({}), which is not joined into a message; log the "
-            "response whole (stream: false) to read it")
 NO_REPLY = "a response without an assistant message (neither choices[0].message nor an Anthropic message)"
 NO_REQUEST = ("a request without a messages list (neither a chat completions nor an Anthropic "
               "Messages request)")
-SSE_FIELDS = ("data:", "event:", ":")  # how a server-sent event's lines start
 ERROR_STATUS = 400
 ERROR_DETAIL_CHARS = 200  # of an error response's message, in the reason a line is skipped for
 
@@ -54,11 +60,12 @@ def exchange_session(line: dict) -> dict | str:
     if line.get("response") is None:
         error = line.get("error")
         return "an exchange without a response" + (f" ({_detail(error)})" if error else "")
-    envelope, response = line["response"], _body(line["response"])
+    envelope = line["response"]
     status = envelope.get("status_code") if isinstance(envelope, dict) else None
-    reply = _reply(response, status if isinstance(status, int) else line.get("status_code"))
+    reply = _reply(_body(envelope), status if isinstance(status, int) else line.get("status_code"))
     if isinstance(reply, str):
         return reply
+    response, message = reply
     request = _body(line.get("request"))
     if not isinstance(request, dict) or not isinstance(request.get("messages"), list):
         return NO_REQUEST
@@ -68,7 +75,7 @@ def exchange_session(line: dict) -> dict | str:
         session["model"] = model
     if isinstance(response.get("id"), str):
         session["session_id"] = response["id"]
-    return {**session, "messages": [*request["messages"], reply]}
+    return {**session, "messages": [*request["messages"], message]}
 
 
 def latest_conversations(sessions: list[dict]) -> list[dict]:
@@ -98,26 +105,27 @@ def _body(value: Any) -> Any:
     return value
 
 
-def _reply(response: Any, status: Any) -> dict | str:
-    """The assistant message a response body (out of its envelope, :func:`_body`) holds, or
-    why it holds none; ``status`` the HTTP status logged with it."""
+def _reply(response: Any, status: Any) -> tuple[dict, dict] | str:
+    """The whole response a response body (out of its envelope, :func:`_body`) is or streams
+    (:func:`~.streamed.whole_body`) and the assistant message it holds, or why it holds none;
+    ``status`` the HTTP status logged with it."""
+    failed = isinstance(status, int) and status >= ERROR_STATUS
+    if is_stream(response) and not failed:
+        response = whole_body(response)
+        if isinstance(response, str):
+            return response
     if isinstance(response, dict) and (response.get("type") == "error" or response.get("error")):
         return f"an error response ({_detail(response.get('error'))})"
-    if isinstance(status, int) and status >= ERROR_STATUS:
+    if failed:
         return f"an error response (HTTP status {status}: {_detail(response)})"
-    if isinstance(response, str) and response.lstrip().startswith(SSE_FIELDS):
-        return STREAMED.format("server-sent events")
-    if isinstance(response, list) or (isinstance(response, dict) and (
-            response.get("object") == "chat.completion.chunk" or response.get("type") == "message_start")):
-        return STREAMED.format("its chunks")
     if not isinstance(response, dict):
         return NO_REPLY
     choices = response.get("choices")
     if isinstance(choices, list):
         message = choices[0].get("message") if choices and isinstance(choices[0], dict) else None
-        return {**message, "role": "assistant"} if isinstance(message, dict) else NO_REPLY
+        return (response, {**message, "role": "assistant"}) if isinstance(message, dict) else NO_REPLY
     if response.get("role") == "assistant" and isinstance(response.get("content"), list):
-        return {"role": "assistant", "content": response["content"]}
+        return response, {"role": "assistant", "content": response["content"]}
     return NO_REPLY
 
 

@@ -138,7 +138,8 @@ def test_an_exchange_without_a_reply_is_a_skipped_line_saying_why(tmp_path):
     sessions, corrupt = replay.load_recordings(_write(tmp_path / "p.jsonl", lines))
     assert [s["session_id"] for s in sessions] == ["r3"]
     assert [(c.line, c.reason.split(" (")[0]) for c in corrupt] == [
-        (1, "a streamed response"), (2, "a streamed response"), (3, "an error response"),
+        (1, "a response without an assistant message"), (2, "a streamed response cut off before its end"),
+        (3, "an error response"),
         (4, "an error response"), (5, "an error response"), (6, "a response without an assistant message"),
         (7, "a response without an assistant message"), (8, "a request without a messages list"),
         (9, "an exchange without a response")]
