@@ -109,7 +109,8 @@ def _payloads(stream: Any) -> list | str:
 
 
 def _openai_completion(chunks: list[dict], done: bool) -> dict | str:
-    """The chat completion OpenAI ``chunks`` stream (``done``: ``[DONE]`` ended them)."""
+    """The chat completion OpenAI ``chunks`` stream (``done``: ``[DONE]`` ended them), or why
+    none; each chunk holds a ``choices`` list (:func:`whole_body` takes no others for OpenAI's)."""
     deltas, finish = [], None
     for chunk in chunks:
         for choice in chunk["choices"]:
@@ -133,7 +134,8 @@ def _openai_completion(chunks: list[dict], done: bool) -> dict | str:
 
 def _openai_message(deltas: list[dict]) -> dict | str:
     """The message choice 0's ``deltas`` join into (see the module contract), or why none."""
-    message = {"role": next((d["role"] for d in deltas if isinstance(d.get("role"), str)), "assistant")}
+    message: dict[str, Any] = {
+        "role": next((d["role"] for d in deltas if isinstance(d.get("role"), str)), "assistant")}
     for field in MESSAGE_TEXT:
         text = "".join(d[field] for d in deltas if isinstance(d.get(field), str))
         if text or field == "content":
@@ -154,7 +156,7 @@ def _openai_message(deltas: list[dict]) -> dict | str:
 
 def _openai_call(pieces: list[dict]) -> dict:
     """The call a tool call's ``pieces`` (one ``index``) join into."""
-    call = {}
+    call: dict[str, Any] = {}
     for key in ("id", "type"):
         given = next((piece[key] for piece in pieces if isinstance(piece.get(key), str)), None)
         if given is not None:
@@ -175,7 +177,9 @@ def _anthropic_message(events: list[dict]) -> dict | str:
     start = next((e.get("message") for e in events if e.get("type") == "message_start"), None)
     if not isinstance(start, dict):
         return UNJOINABLE.format("no message_start with its message")
-    message, blocks, inputs = dict(start), {}, {}
+    message = dict(start)
+    blocks: dict[int, dict] = {}  # by index: each started block, its deltas joined in
+    inputs: dict[int, list[str]] = {}  # by index: a block's partial JSON pieces
     for event in events:
         kind, index = event.get("type"), event.get("index")
         if kind == "content_block_start":
