@@ -10,20 +10,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from .log_formats import part_text
+from .responses_items import CALL_ITEMS, OUTPUT_ITEMS, add_item, item_problem
 
 __all__ = ["CODEX_SOURCE", "is_rollout_line", "rollout_line_problem", "sessions_from_rollout"]
 
 CODEX_SOURCE = "codex"
-CALL_ITEMS = ("function_call", "custom_tool_call", "local_shell_call")
-OUTPUT_ITEMS = ("function_call_output", "custom_tool_call_output")
 # the Responses API items Codex wrote at the top level of a line, before its lines had an
 # envelope (until September 2025), and the parts of their messages
 BARE_ITEMS = ("message", "reasoning", "web_search_call", *CALL_ITEMS, *OUTPUT_ITEMS)
 BARE_PARTS = ("input_text", "input_image", "output_text")
 BARE_META_KEYS = {"id", "timestamp", "instructions", "git"}
-LOCAL_SHELL = "local_shell"  # the Responses API's name for the shell tool its local_shell_call runs
-ROLES = {"developer": "system"}  # a Responses role as the chat form names it
 
 
 def is_rollout_line(obj: Any) -> bool:
@@ -77,15 +73,15 @@ def sessions_from_rollout(lines: list[dict]) -> list[tuple[int, dict]]:
     system message; the user's instructions (AGENTS.md, the meta's ``instructions`` in logs up to
     early 2026), which the first versions appended to that system prompt and later ones sent as
     a user message, as a system message too, unless a message of the session holds them;
-    then its items: messages (a ``developer`` one, Codex's own instructions, as the chat form's
-    ``system``; text parts joined, images dropped), a ``function_call`` as a call (its
-    ``arguments`` string kept as written), a ``custom_tool_call`` (free text such as a patch) as
-    a call whose arguments are ``{"input": TEXT}``, a ``local_shell_call`` as a call of
-    ``local_shell`` whose arguments are its ``action`` as logged, an output as a ``tool`` message
-    bound by ``call_id``. Items the model gave with no input between are one assistant message:
-    its calls in order, its texts joined by a blank line (a text after a call starts another).
-    Reasoning, web searches and other items, and lines that hold no item (``event_msg``,
-    ``turn_context``, state lines), are dropped.
+    then its items, as :mod:`.responses_items` makes chat messages of them: messages (a
+    ``developer`` one, Codex's own instructions, as the chat form's ``system``), a
+    ``function_call`` as a call (its ``arguments`` string kept as written), a
+    ``custom_tool_call`` (free text such as a patch) as a call whose arguments are ``{"input":
+    TEXT}``, a ``local_shell_call`` as a call of ``local_shell`` whose arguments are its
+    ``action`` as logged, an output as a ``tool`` message bound to its call; the items the
+    model gave with no input between are one assistant message. Reasoning, web searches and
+    other items, and lines that hold no item (``event_msg``, ``turn_context``, state lines),
+    are dropped.
 
     A rollout is one session, named by its first session meta: a fork logs its own meta, then
     its parent's lines (their metas too) as the history it went on from. A ``compacted`` line
@@ -124,7 +120,7 @@ def _rollout_conversations(lines: list[dict]) -> tuple[dict, list[dict]]:
             if not conversations or kind == "compacted":
                 conversations.append({"last": index, "model": model, "messages": []})
             for item in [payload] if kind == "response_item" else _compaction_seed(payload):
-                if _add_item(conversations[-1]["messages"], item):
+                if add_item(conversations[-1]["messages"], item):
                     conversations[-1]["last"] = index
     return meta or {}, conversations
 
@@ -168,58 +164,7 @@ def _unwrapped(line: dict) -> tuple[str, Any]:
 
 
 def _item_problem(item: dict) -> str | None:
-    """Why a Responses item cannot be converted (:func:`_add_item`), None when it can."""
-    kind = item.get("type")
-    if kind == "message" and not isinstance(item.get("role"), str):
-        return "a Codex message without a role"
-    if kind == "message" and part_text(item.get("content")) is None:
-        return "a Codex message whose content is neither text nor parts"
-    if kind in ("function_call", "custom_tool_call") and not isinstance(item.get("name"), str):
-        return f"a Codex {kind} without a name"
-    if kind == "function_call" and not isinstance(item.get("arguments"), (str, dict)):
-        return "a Codex function_call whose arguments are neither a JSON string nor an object"
-    if kind == "custom_tool_call" and not isinstance(item.get("input"), str):
-        return "a Codex custom_tool_call whose input is not text"
-    if kind == "local_shell_call" and not isinstance(item.get("action"), dict):
-        return "a Codex local_shell_call whose action is not an object"
-    if kind in OUTPUT_ITEMS and part_text(item.get("output")) is None:
-        return f"a Codex {kind} whose output is neither text nor parts"
-    return None
-
-
-def _add_item(messages: list[dict], item: dict) -> bool:
-    """``item`` (one :func:`_item_problem` passes) added to a conversation's chat messages as
-    :func:`sessions_from_rollout` says; whether it added anything."""
-    kind, previous = item.get("type"), messages[-1] if messages else {}
-    if kind in CALL_ITEMS:
-        call = _rollout_call(item)
-        if previous.get("role") == "assistant":
-            previous["tool_calls"] = [*previous.get("tool_calls", []), call]
-        else:
-            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-    elif kind in OUTPUT_ITEMS:
-        messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                         "content": part_text(item["output"])})
-    elif kind == "message":
-        role, text = ROLES.get(item["role"], item["role"]), part_text(item["content"])
-        joins = previous.get("role") == "assistant" and not previous.get("tool_calls")
-        if role == "assistant" and joins:
-            previous["content"] = "\n\n".join(t for t in (previous["content"], text) if t)
-        else:
-            messages.append({"role": role, "content": text})
-    else:
-        return False
-    return True
-
-
-def _rollout_call(item: dict) -> dict:
-    """A call item as an OpenAI chat tool call (see :func:`sessions_from_rollout`)."""
-    if item["type"] == "function_call":
-        name, arguments = item["name"], item["arguments"]
-    elif item["type"] == "custom_tool_call":
-        name, arguments = item["name"], {"input": item["input"]}
-    else:
-        name, arguments = LOCAL_SHELL, item["action"]
-    call_id = item.get("call_id") or item.get("id")
-    return {**({"id": call_id} if isinstance(call_id, str) else {}), "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+    """Why a Codex item cannot be converted (:func:`~.responses_items.item_problem`), None
+    when it can."""
+    problem = item_problem(item)
+    return f"a Codex {problem}" if problem else None
