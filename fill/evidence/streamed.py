@@ -1,5 +1,5 @@
-"""Streamed chat responses, as an API proxy logs them, joined into the whole response each
-streams.
+"""Streamed chat and Responses API responses, as an API proxy logs them, joined into the whole
+response each streams.
 
 A stream (:func:`is_stream`) is logged as its server-sent-events text (read by
 :func:`~.sse.event_data`, each event's data JSON or ``[DONE]``), as a list of its payloads, or
@@ -29,16 +29,27 @@ as one payload alone. :func:`whole_body` joins it into the body the same call ma
   :func:`~.log_formats.as_recording` reads as an arguments string that is no JSON, as it reads
   an OpenAI call's. Events not named here are passed over (the API's versioning policy may
   add some, and asks a reader to pass them over gracefully), and so are delta types.
+* OpenAI Responses API (events typed ``response.…``: ``response.created``, per output item
+  its ``response.output_item.added``, its deltas and its ``response.output_item.done``, then
+  the event that ends the stream: ``response.completed``, ``response.failed`` or
+  ``response.incomplete``): the response the ending event carries, whole as the API returns
+  it unstreamed, its ``status`` saying how it ended; where that response holds no output
+  items (a server that gives them only in ``response.output_item.done`` events, from which
+  Codex CLI takes its items), the items of those events in their order. Deltas are not
+  joined: the ending response and the ``done`` events give every item whole.
 
 A stream is not joined where :func:`whole_body` returns instead: the error payload it carries
-(OpenAI's ``{"error"}``, Anthropic's ``error`` event), the body of a whole error response; why
-it stands for no whole response: it was cut off before its end (:data:`CUT_OFF`: an OpenAI
-stream with neither a ``finish_reason`` for choice 0 nor ``[DONE]``, an Anthropic stream with
-neither ``message_stop`` nor a ``message_delta`` with a ``stop_reason``; its last call may be
-short of arguments the model was still writing), or it cannot be joined (:data:`UNJOINABLE`:
-event data that is no JSON object, payloads of neither API, a ``tool_calls`` piece without an
-``index``, no ``message_start``, a ``content_block_start`` without its ``index`` and block, a
-delta for a block never started).
+(OpenAI's ``{"error"}``, Anthropic's ``error`` event, the Responses API's ``{"type": "error",
+"code", "message"}`` event), the body of a whole error response; why it stands for no whole
+response: it was cut off before its end (:data:`CUT_OFF`: an OpenAI stream with neither a
+``finish_reason`` for choice 0 nor ``[DONE]``, an Anthropic stream with neither
+``message_stop`` nor a ``message_delta`` with a ``stop_reason``, a Responses API stream
+without the event that ends it; its last call may be short of arguments the model was still
+writing), or it cannot be joined (:data:`UNJOINABLE`: event data that is no JSON object,
+payloads of no API read here, a ``tool_calls`` piece without an ``index``, no
+``message_start``, a ``content_block_start`` without its ``index`` and block, a delta for a
+block never started, a Responses API ending event without its response or a
+``response.output_item.done`` without its item).
 """
 
 from __future__ import annotations
@@ -59,15 +70,18 @@ EVENTS = ("message_start", "content_block_start", "content_block_delta", "conten
           "message_delta", "message_stop", "ping")  # Anthropic's, less ``error``
 MESSAGE_TEXT = ("content", "refusal", "reasoning_content", "reasoning")  # joined delta fields
 BLOCK_TEXT = {"text_delta": "text", "thinking_delta": "thinking"}  # delta type: field appended
+RESPONSE_EVENT = "response."  # how the type of every Responses API event but ``error`` starts
+RESPONSE_ENDS = ("response.completed", "response.failed", "response.incomplete")
+ITEM_DONE = "response.output_item.done"
 
 
 def is_stream(body: Any) -> bool:
     """Whether a response body (out of its envelope) is a stream: server-sent-events text, a
-    list (of payloads), or one OpenAI chunk or Anthropic stream event."""
+    list (of payloads), or one OpenAI chunk, Anthropic stream event or Responses API event."""
     if isinstance(body, str):
         return body.removeprefix("\ufeff").lstrip().startswith(SSE_FIELDS)
     return isinstance(body, list) or (isinstance(body, dict) and (
-        body.get("object") == CHUNK or body.get("type") in EVENTS))
+        body.get("object") == CHUNK or body.get("type") in EVENTS or _is_response_event(body)))
 
 
 def whole_body(stream: Any) -> dict | str:
@@ -82,9 +96,18 @@ def whole_body(stream: Any) -> dict | str:
         return error
     if any(p.get("type") in EVENTS for p in objects):
         return _anthropic_message(objects)
+    if any(_is_response_event(p) for p in objects):
+        return _responses_response(objects)
     if all(isinstance(p.get("choices"), list) for p in objects):
         return _openai_completion(objects, DONE in payloads)
-    return UNJOINABLE.format("neither chat.completion.chunk objects nor Anthropic Messages events")
+    return UNJOINABLE.format("neither chat.completion.chunk objects, Anthropic Messages events nor "
+                             "Responses API events")
+
+
+def _is_response_event(payload: dict) -> bool:
+    """Whether ``payload`` is an event of a Responses API stream other than ``error``."""
+    kind = payload.get("type")
+    return isinstance(kind, str) and kind.startswith(RESPONSE_EVENT)
 
 
 def _payloads(stream: Any) -> list | str:
@@ -222,3 +245,20 @@ def _input(text: str) -> Any:
         return json.loads(text)
     except (ValueError, RecursionError):
         return text
+
+
+def _responses_response(events: list[dict]) -> dict | str:
+    """The response a Responses API stream's ``events`` end with (see the module contract), or
+    why none."""
+    end = next((event for event in events if event.get("type") in RESPONSE_ENDS), None)
+    if end is None:
+        return CUT_OFF.format(f"{len(events)} events: none of {', '.join(RESPONSE_ENDS)}")
+    response = end.get("response")
+    if not isinstance(response, dict):
+        return UNJOINABLE.format(f"a {end['type']} event without its response")
+    if response.get("output"):
+        return response
+    items = [event.get("item") for event in events if event.get("type") == ITEM_DONE]
+    if not all(isinstance(item, dict) for item in items):
+        return UNJOINABLE.format(f"a {ITEM_DONE} event without its item")
+    return {**response, "output": items}

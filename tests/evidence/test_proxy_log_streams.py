@@ -353,7 +353,8 @@ def test_a_stream_that_cannot_be_joined_is_a_skipped_line_saying_why():
     del unindexed[1]["choices"][0]["delta"]["tool_calls"][0]["index"]
     lines = {"event data that is no JSON": _openai_line("data: {\"id\": \n\ndata: [DONE]\n\n"),
              "a tool_calls piece without an index": _openai_line(unindexed),
-             "neither chat.completion.chunk objects nor Anthropic Messages events": _openai_line([{"x": 1}]),
+             "neither chat.completion.chunk objects, Anthropic Messages events nor Responses API events":
+                 _openai_line([{"x": 1}]),
              "no message_start": _anthropic_line(_events(*ANTHROPIC_REPLIES["text"][::2])[1:]),
              "a content_block_delta for a block never started": _anthropic_line(
                  [e for e in _events(*ANTHROPIC_REPLIES["text"][::2]) if e["type"] != "content_block_start"])}
