@@ -26,7 +26,7 @@ import json
 from typing import Any
 
 __all__ = ["CALL_PART", "CALL_PARTS", "RESULT_PART", "TEXT_PARTS", "TOOL_CALL_STYLES",
-           "UNNAMED_SOURCE", "arguments_object", "as_recording", "part_text"]
+           "UNNAMED_SOURCE", "arguments_object", "as_recording", "function_tool", "part_text"]
 
 TEXT_PARTS = ("text", "input_text", "output_text")
 CALL_PART, RESULT_PART = "tool_use", "tool_result"
@@ -134,18 +134,23 @@ def _with_system(messages: list, system: Any) -> list:
     return [{"role": "system", "content": text}, *messages]
 
 
+def function_tool(name: str, description: Any, parameters: Any) -> dict:
+    """An OpenAI function tool: its ``description`` where that is text, its ``parameters``
+    where they are a schema object, else an open object schema (``{"type": "object"}``)."""
+    function = {"name": name}  # keys in OpenAI's order: templates write them as given
+    if isinstance(description, str):
+        function["description"] = description
+    function["parameters"] = parameters if isinstance(parameters, dict) else {"type": "object"}
+    return {"type": "function", "function": function}
+
+
 def _tool_from_anthropic(tool: Any) -> Any:
     """An Anthropic tool (``{"name", "description"?, "input_schema"}``) as an OpenAI function
     tool; one without a schema (a server-defined tool such as ``bash_20250124``) takes an open
     object schema. Any other value is returned as it is."""
     if not isinstance(tool, dict) or "function" in tool or not isinstance(tool.get("name"), str):
         return tool
-    function = {"name": tool["name"]}  # keys in OpenAI's order: templates write them as given
-    if isinstance(tool.get("description"), str):
-        function["description"] = tool["description"]
-    schema = tool.get("input_schema")
-    function["parameters"] = schema if isinstance(schema, dict) else {"type": "object"}
-    return {"type": "function", "function": function}
+    return function_tool(tool["name"], tool.get("description"), tool.get("input_schema"))
 
 
 def _message_from_openai(message: dict) -> dict:

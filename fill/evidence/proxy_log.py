@@ -1,31 +1,51 @@
 """API-proxy and gateway logs (one request and its response per line) read as sessions.
 
 A line ``{"request": REQUEST, "response": RESPONSE, ...}`` (:func:`is_exchange`) is one call of
-a chat API: REQUEST an OpenAI chat-completions or Anthropic Messages request body (``messages``,
-``tools``, ``model``; Anthropic's ``system``), RESPONSE the completion or message it got: an
-OpenAI chat completion (its ``choices[0].message``) or an Anthropic message (``{"role":
-"assistant", "content": [parts]}``), or either streamed (server-sent-events text, a list of its
-chunks or events, or one alone), joined into the whole response it streams
-(:func:`~.streamed.whole_body`). Either may be held in an HTTP envelope, ``{"body": BODY,
-...}`` (a gateway's ``{"method", "path", "headers", "body"}``, the ``{"status_code",
-"request_id", "body"}`` of OpenAI's batch output), and a body may be logged as JSON text.
-:func:`exchange_session` makes a session of the line, in the forms
-:func:`~.log_formats.as_recording` reads: the request's conversation followed by the response's
-assistant message, the request's ``system`` and ``tools``, ``model`` the request's (else the
-response's), ``session_id`` the response's ``id``; a line has no ``source``.
+an LLM API: REQUEST an OpenAI chat-completions, Anthropic Messages or OpenAI Responses API
+request body, RESPONSE what it got: an OpenAI chat completion (its ``choices[0].message``), an
+Anthropic message (``{"role": "assistant", "content": [parts]}``) or a Responses API response
+(``{"object": "response", "status", "output": [items]}``), or any of them streamed
+(server-sent-events text, a list of its chunks or events, or one alone), joined into the whole
+response it streams (:func:`~.streamed.whole_body`). Either may be held in an HTTP envelope,
+``{"body": BODY, ...}`` (a gateway's ``{"method", "path", "headers", "body"}``, the
+``{"status_code", "request_id", "body"}`` of OpenAI's batch output), and a body may be logged
+as JSON text. :func:`exchange_session` makes a session of the line, in the forms
+:func:`~.log_formats.as_recording` reads, ``model`` the request's (else the response's),
+``session_id`` the response's ``id``; a line has no ``source``:
+
+* a chat-completions or Anthropic Messages line: the request's conversation (``messages``)
+  followed by the response's assistant message, the request's ``system`` and ``tools``;
+* a Responses API line (a request with an ``input``, answered by a response object): the
+  request's ``instructions`` as a system message, then the chat messages of its ``input``
+  (text: one user message; items, a message's ``type`` optional) and of the response's
+  ``output`` items, as :mod:`.responses_items` makes them (the Codex reader's mapping: the
+  items the model gave are its assistant message, reasoning dropped); its ``tools`` as
+  :func:`~.responses_items.chat_tools` gives them. A request that goes on from an earlier
+  response (``previous_response_id``) sends only what it adds, the server holding the rest:
+  where an earlier line of the file holds that response, the line's conversation is the items
+  of that line's followed by its own, its instructions its own (the API does not carry a
+  previous response's instructions over).
 
 What is not read, each a reason the line is skipped for: an error response (an ``error``,
 Anthropic's ``type: error``, an HTTP status of 400 or more, an error a stream carries); a
+Responses API response the model did not complete (a ``status`` other than ``completed``:
+``incomplete`` for a token limit or a content filter, ``in_progress``, ``cancelled``: the API
+says it did not finish, unlike a chat completion whose ``finish_reason`` is a token limit); a
 stream cut off before its end (an OpenAI stream with neither a ``finish_reason`` for choice 0
-nor ``[DONE]``, an Anthropic stream with neither ``message_stop`` nor a ``stop_reason``: a
-recording stands for what the agent wrote, and the stream's last call may be short of arguments
-it was still writing), or one that cannot be joined; a response without an assistant message
-(no ``choices``, a token count); a request without a ``messages`` list (a Responses API or
-embeddings request); a line without a response. A stream that ended is what the model wrote,
-however it ended (a token limit included): a call's arguments that are no JSON are read as a
-whole response's would be.
+nor ``[DONE]``, an Anthropic stream with neither ``message_stop`` nor a ``stop_reason``, a
+Responses API stream without the event that ends it: a recording stands for what the agent
+wrote, and the stream's last call may be short of arguments it was still writing), or one that
+cannot be joined; a response without an assistant message (no ``choices``, a token count, a
+Responses API output without a message or call); a Responses API request that goes on from
+what the server holds, not the file (a ``previous_response_id`` no earlier line of the file
+answered, a stored ``conversation`` or ``prompt``, an ``item_reference``), or whose input or
+items cannot be read (:func:`~.responses_items.item_problem`); a request of no API read here
+(an embeddings request); a line without a response. A stream that ended is what the model
+wrote, however it ended (a token limit included): a call's arguments that are no JSON are read
+as a whole response's would be.
 
-An agent sends its whole history with every request, so a file's lines repeat each other:
+An agent sends its whole history with every request (a Responses API agent too, unless it lets
+the server keep it: then its lines chain, as above), so a file's lines repeat each other:
 :func:`latest_conversations` keeps a line's session only where no later line of the file holds
 its whole conversation (the same system prompt and tools, its messages the start of the later
 one's); of lines that hold the same conversation the last is kept.
@@ -37,13 +57,21 @@ import hashlib
 import json
 from typing import Any
 
+from .responses_items import add_item, chat_tools, item_problem
 from .streamed import is_stream, whole_body
 
 __all__ = ["exchange_session", "is_exchange", "latest_conversations"]
 
 NO_REPLY = "a response without an assistant message (neither choices[0].message nor an Anthropic message)"
-NO_REQUEST = ("a request without a messages list (neither a chat completions nor an Anthropic "
-              "Messages request)")
+NO_OUTPUT = "a response without an assistant message (no output item of a message or a call)"
+NO_REQUEST = ("a request of no API read here (neither a messages list nor a Responses API input "
+              "answered by a response object: an embeddings request, a call of another API)")
+UNREAD_INPUT = "a Responses API request whose input is neither text nor a list of items"
+UNFINISHED = "a response that did not complete (status {})"
+SERVER_HELD = "a Responses API request that goes on from what the server holds ({}), not the file"
+FINISHED = "completed"  # the status of a Responses API response the model completed
+STORED = ("conversation", "prompt")  # Responses API request keys naming what the server stores
+REFERENCE = "item_reference"  # a Responses API input item naming one the server holds
 ERROR_STATUS = 400
 ERROR_DETAIL_CHARS = 200  # of an error response's message, in the reason a line is skipped for
 
@@ -54,28 +82,30 @@ def is_exchange(obj: Any) -> bool:
     return isinstance(obj, dict) and "messages" not in obj and ("request" in obj or "response" in obj)
 
 
-def exchange_session(line: dict) -> dict | str:
+def exchange_session(line: dict, responses: dict[str, list[dict]] | None = None) -> dict | str:
     """The session a proxy log's line (:func:`is_exchange`) holds, or why it holds none (see
-    the module contract)."""
+    the module contract). ``responses``: the conversations of the file's earlier Responses API
+    lines, as items by their response's ``id``, for a ``previous_response_id`` to go on from;
+    the line's own is added to it (none given: the line is read alone)."""
     if line.get("response") is None:
         error = line.get("error")
         return "an exchange without a response" + (f" ({_detail(error)})" if error else "")
     envelope = line["response"]
     status = envelope.get("status_code") if isinstance(envelope, dict) else None
-    reply = _reply(_body(envelope), status if isinstance(status, int) else line.get("status_code"))
-    if isinstance(reply, str):
-        return reply
-    response, message = reply
+    status = status if isinstance(status, int) else line.get("status_code")
+    response = _whole_response(_body(envelope), status)
+    if isinstance(response, str):
+        return response
     request = _body(line.get("request"))
+    if _is_responses_exchange(request, response):
+        return _responses_session(request, response, {} if responses is None else responses)
+    message = _assistant_message(response)
+    if isinstance(message, str):
+        return message
     if not isinstance(request, dict) or not isinstance(request.get("messages"), list):
         return NO_REQUEST
     session = {key: request[key] for key in ("system", "tools") if key in request}
-    model = request.get("model") or response.get("model")
-    if isinstance(model, str):
-        session["model"] = model
-    if isinstance(response.get("id"), str):
-        session["session_id"] = response["id"]
-    return {**session, "messages": [*request["messages"], message]}
+    return {**session, **_names(request, response), "messages": [*request["messages"], message]}
 
 
 def latest_conversations(sessions: list[dict]) -> list[dict]:
@@ -105,28 +135,143 @@ def _body(value: Any) -> Any:
     return value
 
 
-def _reply(response: Any, status: Any) -> tuple[dict, dict] | str:
+def _whole_response(response: Any, status: Any) -> dict | str:
     """The whole response a response body (out of its envelope, :func:`_body`) is or streams
-    (:func:`~.streamed.whole_body`) and the assistant message it holds, or why it holds none;
-    ``status`` the HTTP status logged with it."""
+    (:func:`~.streamed.whole_body`), or why it stands for none to read (an error response, a
+    stream not joined, a body that is no object); ``status`` the HTTP status logged with it."""
     failed = isinstance(status, int) and status >= ERROR_STATUS
     if is_stream(response) and not failed:
         response = whole_body(response)
         if isinstance(response, str):
             return response
     if isinstance(response, dict) and (response.get("type") == "error" or response.get("error")):
-        return f"an error response ({_detail(response.get('error'))})"
+        return f"an error response ({_detail(_error_of(response))})"
     if failed:
         return f"an error response (HTTP status {status}: {_detail(response)})"
-    if not isinstance(response, dict):
-        return NO_REPLY
+    return response if isinstance(response, dict) else NO_REPLY
+
+
+def _error_of(response: dict) -> Any:
+    """The error an error response carries: its ``error`` (OpenAI's, Anthropic's, a failed
+    Responses API response's), else its own ``code`` and ``message`` (the Responses API's
+    ``error`` event)."""
+    return response.get("error") or {key: response.get(key) for key in ("code", "message")}
+
+
+def _assistant_message(response: dict) -> dict | str:
+    """The assistant message a whole chat completion or Anthropic message holds, or why none."""
     choices = response.get("choices")
     if isinstance(choices, list):
         message = choices[0].get("message") if choices and isinstance(choices[0], dict) else None
-        return (response, {**message, "role": "assistant"}) if isinstance(message, dict) else NO_REPLY
+        return {**message, "role": "assistant"} if isinstance(message, dict) else NO_REPLY
     if response.get("role") == "assistant" and isinstance(response.get("content"), list):
-        return response, {"role": "assistant", "content": response["content"]}
+        return {"role": "assistant", "content": response["content"]}
     return NO_REPLY
+
+
+def _names(request: dict, response: dict) -> dict:
+    """A line's ``model`` (the request's, else the response's) and ``session_id`` (the
+    response's ``id``), where they are text."""
+    names = {}
+    model = request.get("model") or response.get("model")
+    if isinstance(model, str):
+        names["model"] = model
+    if isinstance(response.get("id"), str):
+        names["session_id"] = response["id"]
+    return names
+
+
+def _is_responses_exchange(request: Any, response: dict) -> bool:
+    """Whether a line is a Responses API call: a request with an ``input`` and no
+    ``messages``, answered by a response object (``object: "response"``, or its ``output``)."""
+    return (isinstance(request, dict) and "input" in request and "messages" not in request
+            and (response.get("object") == "response" or isinstance(response.get("output"), list)))
+
+
+def _responses_session(request: dict, response: dict, responses: dict[str, list[dict]]) -> dict | str:
+    """The session of a Responses API line (see the module contract), or why it holds none;
+    its conversation's items are added to ``responses`` under its response's ``id``."""
+    output = _output_items(response)
+    if isinstance(output, str):
+        return output
+    given = _input_items(request)
+    if isinstance(given, str):
+        return given
+    history = _history(request, given, responses)
+    if isinstance(history, str):
+        return history
+    instructions = request.get("instructions")
+    messages = ([{"role": "system", "content": instructions}]
+                if isinstance(instructions, str) and instructions else [])
+    _add_items(messages, [*history, *given])
+    if not _add_items(messages, output):
+        return NO_OUTPUT
+    if isinstance(response.get("id"), str):
+        responses[response["id"]] = [*history, *given, *output]
+    session = {"tools": chat_tools(request["tools"])} if isinstance(request.get("tools"), list) else {}
+    return {**session, **_names(request, response), "messages": messages}
+
+
+def _output_items(response: dict) -> list[dict] | str:
+    """The output items of a Responses API response the model completed (a response without a
+    ``status`` taken for one), or why it holds none to read."""
+    status = response.get("status") or FINISHED
+    if status != FINISHED:
+        details = response.get("incomplete_details")
+        reason = details.get("reason") if isinstance(details, dict) else None
+        return UNFINISHED.format(f"{status}: {reason}" if isinstance(reason, str) else status)
+    output = response.get("output")
+    if not isinstance(output, list) or not all(isinstance(item, dict) for item in output):
+        return NO_OUTPUT
+    return _items_problem(output) or output
+
+
+def _input_items(request: dict) -> list[dict] | str:
+    """A Responses API request's ``input`` as items, or why it cannot be read: text is one
+    user message; an item without a ``type`` is a message where it has a ``role``, else an
+    ``item_reference`` (as the API reads them)."""
+    given = request["input"]
+    if isinstance(given, str):
+        return [{"type": "message", "role": "user", "content": given}]
+    if not isinstance(given, list) or not all(isinstance(item, dict) for item in given):
+        return UNREAD_INPUT
+    items = [item if "type" in item else {**item, "type": "message" if "role" in item else REFERENCE}
+             for item in given]
+    return _items_problem(items) or items
+
+
+def _history(request: dict, given: list[dict], responses: dict[str, list[dict]]) -> list[dict] | str:
+    """The items a Responses API request goes on from: those of the earlier line (in
+    ``responses``) whose response its ``previous_response_id`` names, none where it names
+    none; why none where it goes on from what the server holds (see the module contract)."""
+    held = [f"{key} {_id(request[key])}" for key in STORED if request.get(key)]
+    held += [f"{REFERENCE} {_id(item)}" for item in given if item.get("type") == REFERENCE]
+    previous = request.get("previous_response_id")
+    if previous is not None and not (isinstance(previous, str) and previous in responses):
+        held.append(f"previous_response_id {previous}, a response no earlier line of the file holds")
+    if held:
+        return SERVER_HELD.format("; ".join(held))
+    return [] if previous is None else responses[previous]
+
+
+def _id(stored: Any) -> Any:
+    """What names a thing the server stores: its ``id`` where it is an object."""
+    return stored.get("id") if isinstance(stored, dict) else stored
+
+
+def _items_problem(items: list[dict]) -> str | None:
+    """Why one of a Responses API line's ``items`` cannot be read, None when all can."""
+    problem = next(filter(None, map(item_problem, items)), None)
+    return f"a Responses API {problem}" if problem else None
+
+
+def _add_items(messages: list[dict], items: list[dict]) -> bool:
+    """``items`` added to the chat ``messages`` in order (:func:`~.responses_items.add_item`);
+    whether any of them added anything."""
+    added = False
+    for item in items:
+        added = add_item(messages, item) or added
+    return added
 
 
 def _detail(error: Any) -> str:

@@ -169,6 +169,7 @@ def _load_file(path: Path) -> tuple[list[dict], list[CorruptLine]]:
     events: list[tuple[int, dict]] = []  # (line, event) of a Claude Code session log
     rollout: list[tuple[int, dict]] = []  # (line, item) of a Codex CLI rollout
     exchanges: list[dict] = []  # the sessions of an API-proxy log's lines
+    responses: dict[str, list[dict]] = {}  # its Responses API conversations, by response id
     number = 0
     with _open_text(path) as fh:
         try:
@@ -192,7 +193,7 @@ def _load_file(path: Path) -> tuple[list[dict], list[CorruptLine]]:
                     corrupt.append(CorruptLine(number, "JSON nested too deeply to read"))
                     continue
                 if is_exchange(obj):
-                    session = exchange_session(obj)
+                    session = exchange_session(obj, responses)
                     if isinstance(session, str):  # why the line holds no session
                         corrupt.append(CorruptLine(number, session))
                     else:

@@ -1,7 +1,9 @@
-"""OpenAI Responses API items in the OpenAI chat form :func:`~.log_formats.as_recording` reads.
+"""OpenAI Responses API items and tools in the OpenAI chat form
+:func:`~.log_formats.as_recording` reads.
 
-The one mapping of an item to chat messages, for every reader of Responses items (a Codex CLI
-rollout's: :mod:`.codex_log`). :func:`item_problem` tells an item that cannot be converted;
+The one mapping of an item to chat messages, read by both readers of Responses items: a Codex
+CLI rollout's (:mod:`.codex_log`) and an API-proxy log's Responses API lines
+(:mod:`.proxy_log`). :func:`item_problem` tells an item that cannot be converted;
 :func:`add_item` adds one to a conversation's chat messages:
 
 * a ``message`` keeps its role (``developer`` is the chat form's ``system``), its text parts
@@ -16,19 +18,23 @@ rollout's: :mod:`.codex_log`). :func:`item_problem` tells an item that cannot be
 * the items the model gave with no input between are one assistant message: its calls in
   order, its texts joined by a blank line (a text after a call starts another);
 * any other item (reasoning, the calls of built-in tools such as web searches) adds nothing.
+
+:func:`chat_tools` gives a request's tools as the chat form's function tools, the ones its
+calls are read as calls of.
 """
 
 from __future__ import annotations
 
-from .log_formats import part_text
+from .log_formats import function_tool, part_text
 
-__all__ = ["CALL_ITEMS", "OUTPUT_ITEMS", "add_item", "item_problem"]
+__all__ = ["CALL_ITEMS", "OUTPUT_ITEMS", "add_item", "chat_tools", "item_problem"]
 
 CALL_ITEMS = ("function_call", "custom_tool_call", "local_shell_call")
 OUTPUT_ITEMS = ("function_call_output", "custom_tool_call_output", "local_shell_call_output")
 CALL_NAMED_BY = {"local_shell_call_output": "id"}  # an output's key naming its call, else call_id
 LOCAL_SHELL = "local_shell"  # the Responses API's name for the shell tool its local_shell_call runs
 ROLES = {"developer": "system"}  # a Responses role as the chat form names it
+CUSTOM_SCHEMA = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
 
 
 def item_problem(item: dict) -> str | None:
@@ -75,6 +81,24 @@ def add_item(messages: list[dict], item: dict) -> bool:
     else:
         return False
     return True
+
+
+def chat_tools(tools: list) -> list[dict]:
+    """A Responses request's ``tools`` as chat function tools, in their order: a ``function``
+    tool as ``{"type": "function", "function": {"name", "description"?, "parameters"}}`` (an
+    open object schema where it gives none); a ``custom`` tool as a function taking the
+    ``{"input": TEXT}`` its calls are read as; ``local_shell`` as the function ``local_shell``
+    taking an open object (its calls' ``action``). The other built-in tools (web search, file
+    search, ...), whose calls are read as no calls, and tools without a name, are dropped."""
+    out = []
+    for tool in tools:
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == LOCAL_SHELL:
+            out.append(function_tool(LOCAL_SHELL, None, None))
+        elif kind in ("function", "custom") and isinstance(tool.get("name"), str):
+            parameters = tool.get("parameters") if kind == "function" else CUSTOM_SCHEMA
+            out.append(function_tool(tool["name"], tool.get("description"), parameters))
+    return out
 
 
 def _chat_call(item: dict) -> dict:

@@ -141,7 +141,7 @@ def test_an_exchange_without_a_reply_is_a_skipped_line_saying_why(tmp_path):
         (1, "a response without an assistant message"), (2, "a streamed response cut off before its end"),
         (3, "an error response"),
         (4, "an error response"), (5, "an error response"), (6, "a response without an assistant message"),
-        (7, "a response without an assistant message"), (8, "a request without a messages list"),
+        (7, "a response without an assistant message"), (8, "a request of no API read here"),
         (9, "an exchange without a response")]
     assert "Overloaded" in corrupt[3].reason and "529" in corrupt[4].reason
 

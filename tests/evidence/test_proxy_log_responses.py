@@ -1,0 +1,355 @@
+"""OpenAI Responses API lines of API-proxy logs (``POST /v1/responses``) read as sessions: the
+request's items and the response's output items are the chat messages the Codex reader makes
+of the same items, ``instructions`` a system message, function tools in the chat form; a
+line that goes on from an earlier line's response (``previous_response_id``) holds that line's
+conversation; a streamed response reads as the response logged whole; a response that did
+not complete, a stream cut off before its end, and a conversation the server holds are
+skipped lines saying why.
+
+Shapes as the API gives them. The request (``model``, ``instructions``, ``input`` text or
+items, ``tools``, ``previous_response_id``, ``prompt``; a previous response's instructions are
+not carried over) and its items (an input message with or without ``type``, ``function_call``
+and its ``function_call_output``, ``local_shell_call`` with its ``action`` and the
+``local_shell_call_output`` naming the call by ``id``, ``item_reference`` with ``type``
+optional): openai/openai-python ``src/openai/types/responses/response_create_params.py`` and
+``response_input_item_param.py``. The response (``object: "response"``, ``status``: completed,
+failed, in_progress, cancelled, queued or incomplete, ``incomplete_details.reason``,
+``error``): its ``response.py``. The stream: ``response.completed`` carries the whole response
+(https://docs.rs/crate/openai-client-base/latest/source/docs/ResponseCompletedEvent.md),
+``response.output_item.done`` an output item whole
+(https://v03.api.js.langchain.com/interfaces/_langchain_openai.OpenAIClient.Responses.ResponseOutputItemDoneEvent.html),
+the ``error`` event its ``code`` and ``message`` at the top level
+(https://rubydoc.info/github/openai/openai-ruby/OpenAI/Models/Responses/ResponseErrorEvent);
+a server may end a stream with a ``response.completed`` whose ``output`` is empty, the items
+given by ``response.output_item.done`` alone, as Codex CLI's own test stream does (openai/codex
+``codex-rs/core/tests/cli_responses_fixture.sse``: Codex takes its items from those events).
+Codex's items (reasoning with ``encrypted_content``, ``custom_tool_call`` ``apply_patch``) are
+those of the rollout in ``test_replay.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mlx_fill.evidence import codex_log, log_formats, proxy_log, replay
+
+SYSTEM = "You are a coding agent."
+SCHEMA = {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}
+TOOLS = [{"type": "function", "name": "shell", "description": "run a command", "parameters": SCHEMA,
+          "strict": False},
+         {"type": "custom", "name": "apply_patch", "description": "edit files",
+          "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}},
+         {"type": "local_shell"},
+         {"type": "web_search"}]
+CHAT_TOOLS = [
+    {"type": "function", "function": {"name": "shell", "description": "run a command", "parameters": SCHEMA}},
+    {"type": "function", "function": {"name": "apply_patch", "description": "edit files", "parameters": {
+        "type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}}},
+    {"type": "function", "function": {"name": "local_shell", "parameters": {"type": "object"}}}]
+REASONING = {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "**Listing**"}],
+             "encrypted_content": "gAAA"}
+CUT_OFF = "a streamed response cut off before its end"
+
+
+def _write(path: Path, lines: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def _said(role: str, text: str) -> dict:
+    """A message item: the model's as the API returns it, any other as an input item."""
+    if role == "assistant":
+        return {"type": "message", "id": f"msg_{len(text)}", "status": "completed", "role": role,
+                "content": [{"type": "output_text", "text": text, "annotations": []}]}
+    return {"type": "message", "role": role, "content": [{"type": "input_text", "text": text}]}
+
+
+def _call(cid: str, command: str) -> dict:
+    return {"type": "function_call", "id": f"fc_{cid}", "call_id": cid, "name": "shell",
+            "arguments": json.dumps({"command": command}), "status": "completed"}
+
+
+def _output(cid: str, text: str) -> dict:
+    return {"type": "function_call_output", "call_id": cid, "output": text}
+
+
+def _response(rid: str, output: list[dict], status: str = "completed", **fields) -> dict:
+    return {"id": rid, "object": "response", "created_at": 1, "status": status, "error": None,
+            "incomplete_details": None, "model": "gpt-5-2025-08-07", "output": output,
+            "usage": {"input_tokens": 9, "output_tokens": 5, "total_tokens": 14}, **fields}
+
+
+def _line(given, output: list[dict], rid: str, **request) -> dict:
+    """A Responses API request and its response as a proxy logs them."""
+    return {"request": {"model": "gpt-5", "instructions": SYSTEM, "input": given, "tools": TOOLS,
+                        "store": False, **request},
+            "response": _response(rid, output)}
+
+
+TURNS = [  # (what the agent adds to the input, what the model gives)
+    ([_said("user", "list files")], [REASONING, _call("c1", "ls")]),
+    ([_output("c1", "a.py")], [_said("assistant", "Reading."), _call("c2", "cat a.py")]),
+    ([_output("c2", "x = 1")], [_said("assistant", "a.py sets x.")]),
+]
+HISTORY = [  # the conversation the agent's last line holds, as chat messages
+    {"role": "system", "content": SYSTEM}, {"role": "user", "content": "list files"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "shell", "arguments": '{"command": "ls"}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "a.py"},
+    {"role": "assistant", "content": "Reading.", "tool_calls": [
+        {"id": "c2", "type": "function", "function": {"name": "shell", "arguments": '{"command": "cat a.py"}'}}]},
+    {"role": "tool", "tool_call_id": "c2", "content": "x = 1"},
+    {"role": "assistant", "content": "a.py sets x."}]
+
+
+def _resending_agent() -> list[dict]:
+    """A stateless agent's lines (``store: false``): each input holds the whole history, the
+    model's items (reasoning too) sent back as it gave them."""
+    lines, history = [], []
+    for number, (added, output) in enumerate(TURNS, 1):
+        history = [*history, *added]
+        lines.append(_line(history, output, f"resp_{number}"))
+        history = [*history, *output]
+    return lines
+
+
+def _chaining_agent() -> list[dict]:
+    """The same agent letting the server keep the history: each line after the first sends only
+    what it adds, naming the response it goes on from."""
+    return [_line(added, output, f"resp_{number}",
+                  **({"previous_response_id": f"resp_{number - 1}"} if number > 1 else {}))
+            for number, (added, output) in enumerate(TURNS, 1)]
+
+
+def test_a_responses_line_reads_as_its_conversation_and_the_items_the_model_gave(tmp_path):
+    line = _resending_agent()[2]
+    sessions, corrupt = replay.load_recordings(_write(tmp_path / "p.jsonl", [line]))
+    assert corrupt == [] and len(sessions) == 1
+    read = sessions[0]
+    assert (read["session_id"], read["model"], read["tools"]) == ("resp_3", "gpt-5", CHAT_TOOLS)
+    assert read["source"] == log_formats.UNNAMED_SOURCE and read["tool_call_style"] == "structured"
+    assert replay._render_history(read) == HISTORY
+    turns, origin = replay.recording_turns(read)
+    assert origin == "recorded" and [t.message_index for t in turns] == [2, 4, 6]
+    assert proxy_log.is_exchange(line) and not codex_log.is_rollout_line(line)
+
+
+def test_the_items_read_as_the_codex_reader_reads_them(tmp_path):
+    """Every item kind either reader meets, in a request and its output and in a rollout: the
+    same chat messages (reasoning and web searches dropped, calls in the assistant message
+    the model's items between two inputs make, an output as parts read as its text, a
+    ``local_shell_call_output`` bound to the call its ``id`` names)."""
+    patch = {"type": "custom_tool_call", "call_id": "c3", "name": "apply_patch",
+             "input": "*** Begin Patch\n-a - b\n+a + b\n*** End Patch"}
+    shell = {"type": "local_shell_call", "id": "lsh_1", "call_id": "c4", "status": "completed",
+             "action": {"type": "exec", "command": ["ruff", "check"], "env": {}}}
+    given = [_said("developer", "ask first"), _said("user", "fix a.py"), REASONING, _said("assistant", "Fixing."),
+             patch, {"type": "custom_tool_call_output", "call_id": "c3", "output": [
+                 {"type": "input_text", "text": "Succ"}, {"type": "input_text", "text": "ess."}]},
+             {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"type": "search"}},
+             _said("assistant", "Fixed."), _said("assistant", "Linting."), shell,
+             {"type": "local_shell_call_output", "id": "c4", "output": "All checks passed!"}]
+    output = [REASONING, _said("assistant", "Clean."), _call("c5", "git status")]
+    sessions, corrupt = replay.load_recordings(_write(tmp_path / "p.jsonl", [_line(given, output, "resp_1")]))
+    rollout = [{"timestamp": "t", "type": "session_meta", "payload": {"id": "s"}},
+               *({"timestamp": "t", "type": "response_item", "payload": item} for item in [*given, *output])]
+    codex, _ = replay.load_recordings(_write(tmp_path / "rollout.jsonl", rollout))
+    assert corrupt == [] and sessions[0]["messages"][0] == {"role": "system", "content": SYSTEM}
+    assert sessions[0]["messages"][1:] == codex[0]["messages"]
+    assert [(m["role"], m["content"]) for m in replay._render_history(sessions[0])] == [
+        ("system", SYSTEM), ("system", "ask first"), ("user", "fix a.py"), ("assistant", "Fixing."),
+        ("tool", "Success."), ("assistant", "Fixed.\n\nLinting."), ("tool", "All checks passed!"),
+        ("assistant", "Clean.")]
+    assert [c["function"]["name"] for m in replay._render_history(sessions[0]) for c in m.get("tool_calls", [])] == [
+        "apply_patch", "local_shell", "shell"]
+
+
+def test_text_input_and_input_messages_without_a_type_read_as_messages(tmp_path):
+    """``input`` as text is one user message; an input message may leave out ``type`` and give
+    its content as text; a ``system`` message stays one, after the instructions."""
+    lines = [_line("hi", [_said("assistant", "hello")], "resp_1", instructions=None),
+             _line([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+                   [_said("assistant", "hello")], "resp_2", tools=[])]
+    sessions, corrupt = replay.load_recordings(_write(tmp_path / "p.jsonl", lines))
+    assert corrupt == [] and [replay._render_history(s) for s in sessions] == [
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+        [{"role": "system", "content": SYSTEM}, {"role": "system", "content": "be brief"},
+         {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]]
+    assert [s["tool_call_style"] for s in sessions] == ["structured", "inline_text"]
+
+
+def test_an_agent_resending_its_history_is_one_conversation(tmp_path):
+    sessions, corrupt = replay.load_recordings(_write(tmp_path / "p.jsonl", _resending_agent()))
+    assert corrupt == [] and [s["session_id"] for s in sessions] == ["resp_3"]
+    assert replay._render_history(sessions[0]) == HISTORY
+
+
+def test_a_line_going_on_from_an_earlier_response_holds_its_conversation(tmp_path):
+    """``previous_response_id`` names an earlier line's response: the line's conversation is
+    that one's and its own input and output, so the earlier lines, which it holds whole, are
+    dropped; it reads as the agent that resends its history."""
+    sessions, corrupt = replay.load_recordings(_write(tmp_path / "p.jsonl", _chaining_agent()))
+    resent, _ = replay.load_recordings(_write(tmp_path / "q.jsonl", _resending_agent()))
+    assert corrupt == [] and sessions == resent
+
+
+def test_the_last_requests_instructions_are_the_system_prompt_of_a_chained_line(tmp_path):
+    """A previous response's instructions are not carried over: a line that changes them holds
+    another conversation than the line it goes on from, and both are kept; two lines going on
+    from one response are two branches."""
+    first, second, third = _chaining_agent()
+    second["request"]["instructions"] = "be thorough"
+    branch = json.loads(json.dumps(third))
+    branch["request"]["previous_response_id"] = "resp_1"
+    branch["response"]["id"] = "resp_4"
+    branch["request"]["input"] = [_output("c1", "b.py")]
+    sessions, corrupt = replay.load_recordings(_write(tmp_path / "p.jsonl", [first, second, third, branch]))
+    assert corrupt == [] and [s["session_id"] for s in sessions] == ["resp_2", "resp_3", "resp_4"]
+    assert [m["content"] for m in sessions[0]["messages"][:2]] == ["be thorough", "list files"]
+    assert replay._render_history(sessions[1]) == HISTORY
+    assert [m["content"] for m in replay._render_history(sessions[2])] == [
+        SYSTEM, "list files", "", "b.py", "a.py sets x."]
+
+
+def test_a_conversation_the_server_holds_is_a_skipped_line_saying_so(tmp_path):
+    """A response no earlier line of the file holds (a log that starts mid-conversation, a
+    response on another file), a stored conversation or prompt, or an item named by reference."""
+    first, second, _ = _chaining_agent()
+    lines = [second, first,
+             _line("hi", [_said("assistant", "hello")], "resp_5", conversation="conv_1"),
+             _line("hi", [_said("assistant", "hello")], "resp_6", prompt={"id": "pmpt_1", "version": "2"}),
+             _line([{"type": "item_reference", "id": "msg_1"}, _said("user", "hi")], [_said("assistant", "yo")], "r7"),
+             _line([{"id": "msg_1"}, _said("user", "hi")], [_said("assistant", "yo")], "resp_8")]
+    sessions, corrupt = replay.load_recordings(_write(tmp_path / "p.jsonl", lines))
+    assert [s["session_id"] for s in sessions] == ["resp_1"]
+    assert [c.line for c in corrupt] == [1, 3, 4, 5, 6]
+    assert all(c.reason.startswith("a Responses API request that goes on from what the server holds")
+               for c in corrupt)
+    assert [c.reason.split(" (")[1].split(":")[0].split(" ")[0] for c in corrupt] == [
+        "previous_response_id", "conversation", "prompt", "item_reference", "item_reference"]
+
+
+# ----------------------------------------------------------------------------- streamed
+
+def _events(response: dict) -> list[dict]:
+    """The events the API streams ``response`` in: created, in progress, per output item its
+    ``added``, its deltas and its ``done``, then ``response.completed`` with it whole."""
+    events = [{"type": "response.created", "response": {**response, "status": "in_progress", "output": []}},
+              {"type": "response.in_progress", "response": {**response, "status": "in_progress", "output": []}}]
+    for index, item in enumerate(response["output"]):
+        at = {"output_index": index, "item_id": item.get("id")}
+        if item["type"] == "message":
+            text = item["content"][0]["text"]
+            events += [{"type": "response.output_item.added", "output_index": index, "item": {**item, "content": []}},
+                       {"type": "response.content_part.added", **at, "content_index": 0,
+                        "part": {"type": "output_text", "text": "", "annotations": []}},
+                       *({"type": "response.output_text.delta", **at, "content_index": 0, "delta": text[i:i + 3]}
+                         for i in range(0, len(text), 3)),
+                       {"type": "response.output_text.done", **at, "content_index": 0, "text": text}]
+        elif item["type"] == "function_call":
+            events += [{"type": "response.output_item.added", "output_index": index, "item": {**item, "arguments": ""}},
+                       *({"type": "response.function_call_arguments.delta", **at, "delta": item["arguments"][i:i + 4]}
+                         for i in range(0, len(item["arguments"]), 4)),
+                       {"type": "response.function_call_arguments.done", **at, "arguments": item["arguments"]}]
+        events.append({"type": "response.output_item.done", "output_index": index, "item": item})
+    events.append({"type": "response.completed", "response": response})
+    return [{**event, "sequence_number": number} for number, event in enumerate(events)]
+
+
+def _sse(events: list[dict]) -> str:
+    return "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events)
+
+
+def _ended_without_output(events: list[dict]) -> list[dict]:
+    """As a server that gives the items only in their ``output_item.done`` events."""
+    return [*events[:-1], {**events[-1], "response": {**events[-1]["response"], "output": []}}]
+
+
+FORMS = {  # how a proxy logs a stream's events
+    "server-sent events": _sse,
+    "a list of events": lambda events: events,
+    "a list of events as JSON text": json.dumps,
+    "events in an HTTP envelope": lambda events: {"status_code": 200, "headers": {
+        "content-type": "text/event-stream"}, "body": _sse(events)},
+    "a response.completed without its output": lambda events: _sse(_ended_without_output(events)),
+}
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("turn", [0, 1, 2])
+def test_a_streamed_responses_line_reads_as_the_line_logged_whole(tmp_path, turn, form):
+    whole = _resending_agent()[turn]
+    streamed = {**whole, "response": FORMS[form](_events(whole["response"]))}
+    assert proxy_log.exchange_session(streamed) == proxy_log.exchange_session(whole)
+    read = replay.load_recordings(_write(tmp_path / "s.jsonl", [streamed]))
+    assert read == replay.load_recordings(_write(tmp_path / "w.jsonl", [whole])) and read[1] == []
+
+
+def test_a_streamed_responses_agent_chains_and_drops_as_a_whole_one(tmp_path):
+    lines = [{**line, "response": _sse(_events(line["response"]))} for line in _chaining_agent()]
+    sessions, corrupt = replay.load_recordings(_write(tmp_path / "p.jsonl", lines))
+    assert corrupt == [] and replay._render_history(sessions[0]) == HISTORY and len(sessions) == 1
+
+
+# ----------------------------------------------------------------------------- not read
+
+def test_a_response_that_did_not_complete_or_a_stream_cut_off_is_a_skipped_line_saying_why(tmp_path):
+    """Failed (whole, a ``response.failed`` event, an ``error`` event, an HTTP error), not
+    finished (``incomplete`` for a token limit, whole or streamed; still ``in_progress``), or
+    cut off before its end (no ``response.completed``, ``response.failed`` or
+    ``response.incomplete``, the log ending at an event or inside one)."""
+    line = _resending_agent()[1]
+    events = _events(line["response"])
+    failed = _response("resp_2", [], "failed", error={"code": "server_error", "message": "The server had an error"})
+    incomplete = _response("resp_2", line["response"]["output"][:1], "incomplete",
+                           incomplete_details={"reason": "max_output_tokens"})
+    responses = [failed,
+                 [*events[:4], {"type": "response.failed", "response": failed}],
+                 _sse([*events[:4], {"type": "error", "code": "rate_limit_exceeded", "message": "Slow down",
+                                     "param": None, "sequence_number": 4}]),
+                 {"status_code": 429, "body": {"error": {"message": "Rate limit reached", "type": "requests"}}},
+                 incomplete,
+                 [*events[:4], {"type": "response.incomplete", "response": incomplete}],
+                 _response("resp_2", [], "in_progress"),
+                 events[:-1],
+                 _sse(events)[:_sse(events).index('"type": "response.completed"') + 20]]
+    reasons = [proxy_log.exchange_session({**line, "response": response}) for response in responses]
+    assert reasons[:4] == ["an error response (server_error: The server had an error)"] * 2 + [
+        "an error response (rate_limit_exceeded: Slow down)",
+        "an error response (requests: Rate limit reached)"]
+    assert reasons[4:7] == ["a response that did not complete (status incomplete: max_output_tokens)"] * 2 + [
+        "a response that did not complete (status in_progress)"]
+    assert [r.split(" (")[0] for r in reasons[7:]] == [CUT_OFF] * 2
+    sessions, corrupt = replay.load_recordings(_write(
+        tmp_path / "p.jsonl", [{**line, "response": response} for response in responses]))
+    assert sessions == [] and [c.reason for c in corrupt] == reasons
+
+
+def test_a_responses_stream_that_cannot_be_joined_is_a_skipped_line_saying_why():
+    line = _resending_agent()[1]
+    events = _events(line["response"])
+    lines = {"a response.completed event without its response": [*events[:-1], {"type": "response.completed"}],
+             "a response.output_item.done event without its item": _ended_without_output(
+                 [{**event, "item": None} if event["type"] == "response.output_item.done" else event
+                  for event in events])}
+    for why, response in lines.items():
+        reason = proxy_log.exchange_session({**line, "response": response})
+        assert reason.startswith("a streamed response that cannot be joined into a message") and why in reason
+
+
+def test_a_line_whose_items_cannot_be_read_is_skipped_saying_why():
+    """As a Codex rollout's line is, the items named as the API's."""
+    lines = [_line([{"type": "function_call", "call_id": "c9", "arguments": "{}"}], [_said("assistant", "ok")], "r1"),
+             _line([_said("user", "hi")], [{"type": "message", "role": "assistant", "content": 3}], "r2"),
+             _line(3, [_said("assistant", "ok")], "r3"),
+             _line("hi", [REASONING], "r4"),
+             _line("hi", "ok", "r5")]
+    assert [proxy_log.exchange_session(line) for line in lines] == [
+        "a Responses API function_call without a name",
+        "a Responses API message whose content is neither text nor parts",
+        "a Responses API request whose input is neither text nor a list of items",
+        "a response without an assistant message (no output item of a message or a call)",
+        "a response without an assistant message (no output item of a message or a call)"]
