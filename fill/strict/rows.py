@@ -35,7 +35,9 @@ Every row carries a certainty class (:data:`Certainty`), decided here by :func:`
 nowhere else: ``determined`` rows are ids that the template, the schema and a parser state
 that cannot be entered from inside an argument value force; ``likely`` rows are what the
 template suggests, and may only ever be verified (``mlx_fill.strict.source`` states the rule for each
-supported syntax and for the other call syntaxes in the assets).
+supported syntax and for the other call syntaxes in the assets). Each tool is also rendered
+called with no arguments (a model may leave out what its schema requires): a head row that
+writes past where that call parts from the tool's other probes writes keys the model chooses.
 
 Spans shorter than 2 ids or containing an EOS id are dropped. Plans are cached under an exact
 identity key (template, tools, tokenizer, kwargs); a cached table is reused for a new
@@ -87,18 +89,22 @@ def certainty(kind: str, syntax: str, *, after_call: bool = False,
 
     * ``scaffold`` / ``name`` rows are ``determined``: they fire right after the call-start
       token (``name``: after the tool name's distinguishing token too), where the template
-      writes the rest of the name and the schema forces the sole key. The exceptions are
+      writes the rest of the name and the text that follows it in every call. The exceptions are
       ``likely``: in a raw-text syntax (``CallSyntax.raw_values``: XML, GLM), a call that
       opens after an earlier call of the same turn has ended (``after_call``) may be text
       inside that call's last value (a value can hold the call's end marker and a new start
-      marker); and a Hermes-JSON row that reaches into the ``arguments`` object
-      (``into_arguments``), whose spacing is the model's own JSON (a template inserts string
-      arguments verbatim, so ``{ "k"`` is as valid as ``{"k"``); and a row that writes name
-      text the model's own ids have not settled (``unsettled_name``): a scaffold that runs into
-      the name (one tool offered, or tools whose names start alike: which tool a call names is
-      the model's to begin, and it may call one it was not given), a ``name`` row whose text so
-      far also begins another tool's call (``read_file`` beside ``read_files``: the model may
-      write that tool's name through the row's trigger, ``_file`` then ``s``).
+      marker); and a row that reaches into the arguments (``into_arguments``): past where a
+      call of its tool with no arguments parts from it (:func:`_arguments_at`), as the sole
+      key of a schema does (which keys a call writes is the model's: it may leave out a key
+      the schema requires, or write one the schema lacks, ``file_path`` for ``path``), and in
+      Hermes JSON into the ``arguments`` object, whose spacing is the model's own JSON (a
+      template inserts string arguments verbatim, so ``{ "k"`` is as valid as ``{"k"``); and a
+      row that writes name text the model's own ids have not settled (``unsettled_name``): a
+      scaffold that runs into the name (one tool offered, or tools whose names start alike:
+      which tool a call names is the model's to begin, and it may call one it was not given),
+      a ``name`` row whose text so far also begins another tool's call (``read_file`` beside
+      ``read_files``: the model may write that tool's name through the row's trigger,
+      ``_file`` then ``s``).
     * ``key`` rows are ``likely``: a model may write an optional key first, or the keys in an
       order of its own, and in XML and GLM they fire where a raw value may go on.
     * ``close`` rows are ``likely`` in every supported syntax: in XML and GLM they fire after
@@ -386,6 +392,20 @@ def _head_probes(schema: ToolSchema) -> list[tuple[str, dict]]:
     return [(schema.name, a) for a in argsets]
 
 
+def _free_bodies(prober: _Prober, markers: Markers, schemas: list[ToolSchema],
+                 probes: list[tuple[str, dict]]) -> list[_Body] | None:
+    """Bodies of the tools called with no arguments, for those whose head probes lack that
+    call (a model may call a tool without the keys its schema requires); None when the
+    template cannot render them."""
+    calls = [(s.name, {}) for s in schemas if (s.name, {}) not in probes]
+    if not calls:
+        return []
+    try:
+        return prober.probe(calls, markers)
+    except (TemplateError, jinja2.TemplateError):
+        return None
+
+
 def _close_probes(schema: ToolSchema) -> list[tuple[str, dict, str]]:
     """Complete calls of a tool with arguments, last value varied: (name, args, last value)."""
     if not schema.properties:
@@ -456,24 +476,34 @@ def stop_ids(tokenizer, syntax: CallSyntax, eos: set[int]) -> set[int] | None:
     return out
 
 
+def _forced_cut(table, syntax: CallSyntax, key: str, span: Sequence[int]) -> int:
+    """How many leading ids of a head row's ``span``, written after body text ``key``, end
+    inside the text the syntax's protocol forces (``CallSyntax.forced``: the ids the row keeps
+    once :func:`_split_forced` cuts it); all of them in a syntax that forces no cut."""
+    if syntax.forced is None:
+        return len(span)
+    text = _decode(table, span)
+    m = re.match(syntax.forced, key + (text or ""))
+    forced = m.end() if m and text is not None else len(key)
+    cut = 0
+    for i in range(1, len(span) + 1):
+        part = _decode(table, span[:i])
+        if part is not None and len(key) + len(part) <= forced:
+            cut = i
+    return cut
+
+
 def _split_forced(rows: dict[str, Row], table, syntax: CallSyntax, eos: set[int]
                   ) -> dict[str, Row]:
-    """Head rows cut where the syntax's forced text ends (``CallSyntax.forced``): the part up
-    to the last token boundary inside it keeps the row (``determined``); the rest becomes a
+    """Head rows cut where the syntax's forced text ends (:func:`_forced_cut`): the part up
+    to the last token boundary inside it keeps the row and its class; the rest becomes a
     ``header`` row (``likely``) keyed by the body after the first part. A row whose forced
     part is already written is a ``header`` row whole; a header key another row holds is
     dropped (ambiguous)."""
     out: dict[str, Row] = {}
     headers: dict[str, Row] = {}
     for key, row in rows.items():
-        text = _decode(table, row.span)
-        m = re.match(syntax.forced, row.key + (text or ""))
-        forced = m.end() if m and text is not None else len(row.key)
-        cut = 0
-        for i in range(1, len(row.span) + 1):
-            part = _decode(table, row.span[:i])
-            if part is not None and len(row.key) + len(part) <= forced:
-                cut = i
+        cut = _forced_cut(table, syntax, row.key, row.span)
         head = _clean(list(row.span[:cut]), eos)
         if head is not None:
             out[key] = replace(row, span=head)
@@ -489,6 +519,19 @@ def _split_forced(rows: dict[str, Row], table, syntax: CallSyntax, eos: set[int]
     return out
 
 
+def _arguments_at(bodies: list[_Body], free: list[_Body] | None) -> dict[str, int]:
+    """Per tool, how many leading body ids its probes share with its call without arguments
+    (``free``, :func:`_free_bodies`): where what a call of the tool writes whatever its
+    arguments ends. Without ``free`` (the template cannot render such a call), 0 for every
+    tool: where that is cannot be told."""
+    if free is None:
+        return {b.tool: 0 for b in bodies}
+    calls: dict[str, list[tuple[int, ...]]] = defaultdict(list)
+    for b in [*bodies, *free]:
+        calls[b.tool].append(b.ids)
+    return {tool: _common_prefix(ids) for tool, ids in calls.items()}
+
+
 def _into_name(text: str | None, bodies: list[_Body]) -> bool:
     """Whether a scaffold whose span decodes to ``text`` (every body's first ids; None: not
     text) writes text of a tool's name: past where the earliest body's name begins, or
@@ -499,8 +542,11 @@ def _into_name(text: str | None, bodies: list[_Body]) -> bool:
 
 
 def _head_rows(bodies: list[_Body], table, eos: set[int], syntax: str,
-               after_call: bool, stops: set[int] | None = None) -> dict[str, Row]:
-    """Scaffold and name rows, classed for a turn's first call or (``after_call``) a later one."""
+               after_call: bool, args_at: dict[str, int],
+               stops: set[int] | None = None) -> dict[str, Row]:
+    """Scaffold and name rows, classed for a turn's first call or (``after_call``) a later one;
+    ``args_at``: per tool, how many body ids a call writes whatever its arguments
+    (:func:`_arguments_at`)."""
     root = _Trie()
     for b in bodies:
         root.add(b.ids, b.tool)
@@ -510,14 +556,18 @@ def _head_rows(bodies: list[_Body], table, eos: set[int], syntax: str,
     if len(triggers) != 1 or not _letters(trigger_text):
         return rows
     trigger = bodies[0].trigger
+    call_syntax = SYNTAXES[syntax]
     scaffold = root.chain()
     only = next(iter(root.tools)) if len(root.tools) == 1 else ""
     span = _clean(scaffold, eos, stops)
     if span is not None:
         text = _decode(table, span)
+        kept = _forced_cut(table, call_syntax, "", span)
+        into = (_into_arguments(syntax, _decode(table, span[:kept]))
+                or kept > min(args_at.values()))
         rows[""] = Row("scaffold", only, "", trigger, span,
                        certainty("scaffold", syntax, after_call=after_call,
-                                 into_arguments=_into_arguments(syntax, text),
+                                 into_arguments=into,
                                  unsettled_name=_into_name(text, bodies)))
     node = root
     for t in scaffold:
@@ -531,7 +581,9 @@ def _head_rows(bodies: list[_Body], table, eos: set[int], syntax: str,
                 span = _clean(child.chain(), eos, stops)
                 if key is not None and span is not None:
                     tool = next(iter(child.tools))
-                    into = _into_arguments(syntax, _decode(table, p + list(span)))
+                    kept = _forced_cut(table, call_syntax, key, span)
+                    into = (_into_arguments(syntax, _decode(table, p + list(span[:kept])))
+                            or len(p) + kept > args_at[tool])
                     starts_other = any(b.tool != tool and b.text.startswith(key) for b in bodies)
                     rows[key] = Row("name", tool, key, (*trigger, *p), span,
                                     certainty("name", syntax, after_call=after_call,
@@ -541,8 +593,8 @@ def _head_rows(bodies: list[_Body], table, eos: set[int], syntax: str,
 
     if len(node.tools) > 1:
         walk(node, list(scaffold))
-    forced = SYNTAXES[syntax]
-    return _split_forced(rows, table, forced, eos) if forced.forced is not None else rows
+    return (_split_forced(rows, table, call_syntax, eos) if call_syntax.forced is not None
+            else rows)
 
 
 def resumed_heads(rows: dict[str, Row], table: Sequence[bytes]) -> dict[str, Row]:
@@ -807,10 +859,11 @@ def compile_table(tokenizer, messages: list[dict], tools: list[dict] | None,
             stops = stop_ids(tokenizer, syntax, eos)
             first = _first_key_rows(prober, markers, schemas, probes, bodies, syntax.name, eos,
                                     stops)
+            args_at = _arguments_at(bodies, _free_bodies(prober, markers, schemas, probes))
             head = {**first, **_head_rows(bodies, prober.table, eos, syntax.name,
-                                          after_call=False, stops=stops)}
+                                          after_call=False, args_at=args_at, stops=stops)}
             later = {**first, **_head_rows(bodies, prober.table, eos, syntax.name,
-                                           after_call=True, stops=stops)}
+                                           after_call=True, args_at=args_at, stops=stops)}
             close = _close_rows(prober, markers, schemas, syntax, eos, stops)
     except (TemplateError, jinja2.TemplateError):
         return None  # the template cannot render tool calls after the generation prompt

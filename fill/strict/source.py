@@ -44,10 +44,12 @@ parser state that cannot be entered from inside an argument value force its ids:
   hold ``</parameter>``, ``</function>``, ``</arg_value>``, ``</tool_call>`` and a new
   ``<tool_call>`` (a heredoc writing XML, ``echo '</arg_value>' > f``). Determined: the
   scaffold after the turn's first call-start token up to a tool's name and the rest of a tool
-  name once it is unambiguous (its text so far begins no other tool's call), with the sole key
-  the schema forces. Likely: a scaffold that runs into a name (one tool offered, or names that
-  start alike: the model may call a tool it was not given), every ``close`` row, and the head
-  rows of any later call in the turn (it opens after an end marker a value can contain).
+  name once it is unambiguous (its text so far begins no other tool's call). Likely: a
+  scaffold that runs into a name (one tool offered, or names that start alike: the model may
+  call a tool it was not given), a head row that writes a key (the schema's sole key, or the
+  ``<parameter`` / ``<arg_key>`` that opens a first key: the model may call a tool without the
+  keys its schema requires, or with keys it lacks), every ``close`` row, and the head rows of
+  any later call in the turn (it opens after an end marker a value can contain).
 * Qwen3 Hermes JSON: a string cannot hold an unescaped quote, and the guard reads call markers
   only outside strings, so no row fires inside a value (``"}}`` or ``</tool_call>`` in a string
   is text). Determined: the scaffold ``\\n{"name": "`` and the head rows of later calls.

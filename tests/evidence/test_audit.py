@@ -56,7 +56,7 @@ USER = [{"role": "user", "content": "weather?"}]
 
 
 @pytest.mark.parametrize("family,after_name", [("qwen3", '\n{"name'),
-                                               ("glm4.x", "\n<arg_key>city")])
+                                               ("qwen3.5", "\n<function")])
 def test_a_fire_where_no_fill_may_happen_fails_the_audit(tmp_path, family, after_name):
     """``after_name`` is where a ``determined`` row fires."""
     root = _corpus(tmp_path, family, {"id": "x", "messages": USER, "reply": CALL, "expect": "none"})

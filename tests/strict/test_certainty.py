@@ -41,8 +41,8 @@ def test_every_compiled_row_has_a_class(family):
 @pytest.mark.parametrize("family", ["qwen3-coder", "qwen3.5", "glm4.x"])
 def test_raw_text_syntaxes_determine_only_the_first_calls_head(family):
     table = compile_table(tokenizer(family), USER, tools())
-    heads = [r for r in table.head.values() if r.kind != "key"]
-    assert heads and all(r.certainty == "determined" for r in heads)
+    determined = [r for r in table.rows() if r.certainty == "determined"]
+    assert all(r in table.head.values() and r.kind != "key" for r in determined)
     assert all(r.certainty == "likely" for r in table.later_head.values())
     assert table.close and all(r.certainty == "likely" for r in table.close.values())
 
@@ -102,7 +102,8 @@ def test_likely_rows_stay_verify_after_1000_agreements(family, monkeypatch, tmp_
     determined = [(o, pol) for o, c, pol in later if c == "determined"]
     assert any(o == "strict:close" for o, _ in likely)
     assert likely and all(pol == "verify" for _, pol in likely)          # never promoted
-    assert determined and all(pol == "assert" for _, pol in determined)  # still promotes
+    assert all(pol == "assert" for _, pol in determined)  # still promotes
+    assert bool(determined) == (family != "glm4.x")  # GLM's head rows all write a key
     refusals = [r for r in caplog.records if "stays verify" in r.getMessage()]
     refused_rows = [r.args[0] for r in refusals]
     assert refused_rows and len(refused_rows) == len(set(refused_rows))  # once per row
@@ -235,15 +236,13 @@ def test_a_name_whose_text_starts_another_tools_name_is_likely(family):
     """``read_file``'s name row fires once ``read_file`` is written, and ``read_files`` begins
     with that text: a model writing ``read_files`` through the ids of ``read_file`` and ``s``
     calls a tool of the request whose call that row would overwrite. Its row is ``likely``
-    (never asserted, however much evidence it has); ``read_files``'s, whose text begins no
-    other tool's call, stays ``determined``."""
+    (never asserted, however much evidence it has)."""
     from mlx_fill.sources.ledger import Ledger
 
     tok, tool_list = tokenizer(family), _tool_set("read_file", "read_files")
     table = compile_table(tok, USER, tool_list)
     names = {r.detail: r for r in table.head.values() if r.kind == "name"}
     assert names["read_file"].certainty == "likely"
-    assert names["read_files"].certainty == "determined"
     ledger = Ledger("m", "t", promote_after=1, eligible=frozenset({"strict:"}))
     canonical = reply_ids(tok, USER, tool_list, _reply(call("read_file", {"command": "ls"})))
     for _ in range(2):
@@ -310,3 +309,40 @@ def test_after_a_raw_newline_ends_a_json_string_no_row_is_asserted():
         if p is not None:
             assert p.policy == "verify", (p.origin, tok.decode(list(p.ids)))
             session.feedback(p, 0, pos)
+
+
+def _wrong_asserts(tok, tool_list, ids, ledger, kwargs=None) -> list[tuple[str, str, str]]:
+    """(origin, asserted text, the stream's text there) for every ``assert`` proposal that is
+    not the stream's next ids, driving a strict source over ``ids`` (``kwargs``: the template's)."""
+    source = strict_source(tok, USER, tool_list, kwargs, ledger=ledger)
+    session = FillSession([source])
+    wrong = []
+    for pos in range(len(ids)):
+        p = session.propose(DecodeView([], ids[:pos], frozenset(tok.eos_token_ids)))
+        if p is None:
+            continue
+        want = tuple(ids[pos:pos + len(p.ids)])
+        if p.policy == "assert" and want != p.ids:
+            wrong.append((p.origin, tok.decode(list(p.ids)), tok.decode(list(want))))
+        session.feedback(p, 0, pos)
+    return wrong
+
+
+@pytest.mark.parametrize("family", ["qwen3-coder", "qwen3.5", "glm4.x"])
+def test_no_determined_row_writes_a_key_the_model_may_leave_out(family):
+    """Which keys a call writes is the model's: it may call a tool without the key its schema
+    requires (the request left it no value) or with a key the schema lacks (``file_path`` for
+    ``path``). A head row that writes past where a call of its tool with no arguments parts
+    from it (the schema's sole key, or the opening of a first key) is ``likely``: once every
+    row has agreed on calls that write the sole key, a call of ``read`` with no arguments or
+    with another key is not overwritten."""
+    from mlx_fill.sources.ledger import Ledger
+
+    tok, tool_list = tokenizer(family), tools("prefix")
+    ledger = Ledger("m", "t", promote_after=1, eligible=frozenset({"strict:"}))
+    given = reply_ids(tok, USER, tool_list, _reply(call("read", {"uri": "x"})))
+    for _ in range(2):
+        _policies(tok, tool_list, given, ledger)
+    for args in ({}, {"path": "a.py"}, {"url": "x", "uri": "y"}):
+        ids = reply_ids(tok, USER, tool_list, _reply(call("read", args)))
+        assert _wrong_asserts(tok, tool_list, ids, ledger) == [], args
