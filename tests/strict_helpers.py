@@ -8,6 +8,7 @@ from pathlib import Path
 
 from mlx_fill.assets.store import load_tokenizer
 from mlx_fill.core.proposal import DecodeView, FillSession
+from mlx_fill.strict.source import strict_source
 
 FAMILIES = ("qwen3", "qwen3-coder", "qwen3.5", "glm4.x")
 TOOLS_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "audit" / "tools"
@@ -64,3 +65,21 @@ def teacher_force(source, ids: list[int], eos=frozenset()) -> list[tuple[int, tu
 
 def contained(ids: list[int], fires) -> bool:
     return all(tuple(ids[pos: pos + len(span)]) == span for pos, span, _ in fires)
+
+
+def wrong_asserts(tok, messages, tool_list, ids: list[int], ledger,
+                  kwargs: dict | None = None) -> list[tuple[str, str, str]]:
+    """(origin, asserted text, the stream's text there) for every ``assert`` proposal that is
+    not the stream's next ids, driving a strict source (``ledger``: its evidence) over ``ids``
+    at every position, each proposal refused (a wrong assert is reported, not applied)."""
+    session = FillSession([strict_source(tok, messages, tool_list, kwargs, ledger=ledger)])
+    wrong = []
+    for pos in range(len(ids)):
+        p = session.propose(DecodeView([], ids[:pos], frozenset(tok.eos_token_ids)))
+        if p is None:
+            continue
+        want = tuple(ids[pos:pos + len(p.ids)])
+        if p.policy == "assert" and want != p.ids:
+            wrong.append((p.origin, tok.decode(list(p.ids)), tok.decode(list(want))))
+        session.feedback(p, 0, pos)
+    return wrong

@@ -98,7 +98,10 @@ def certainty(kind: str, syntax: str, *, after_call: bool = False,
       key of a schema does (which keys a call writes is the model's: it may leave out a key
       the schema requires, or write one the schema lacks, ``file_path`` for ``path``), and in
       Hermes JSON into the ``arguments`` object, whose spacing is the model's own JSON (a
-      template inserts string arguments verbatim, so ``{ "k"`` is as valid as ``{"k"``); and a
+      template inserts string arguments verbatim, so ``{ "k"`` is as valid as ``{"k"``), and in
+      Llama 3.x JSON past the name string: the call is JSON the model writes after an
+      instruction, with no special token around it, and the models write its arguments under
+      ``"arguments"`` as well as the template's ``"parameters"``; and a
       row that writes name text the model's own ids have not settled (``unsettled_name``): a
       scaffold that runs into the name (one tool offered, or tools whose names start alike:
       which tool a call names is the model's to begin, and it may call one it was not given),
@@ -128,12 +131,21 @@ def certainty(kind: str, syntax: str, *, after_call: bool = False,
     return "determined"
 
 
+# A Llama 3.x call body's opening: the rest of the name string, through its closing quote.
+_LLAMA_NAME = re.compile(r'(?:[^"\\\n]|\\.)*"')
+
+
 def _into_arguments(syntax: str, body_text: str | None) -> bool:
-    """Does a Hermes-JSON row's call-body text (key + span) reach the ``arguments`` object?"""
-    if syntax != "hermes-json":
+    """Does a row's call-body text (key + span) reach what the model writes its own way around
+    the arguments: in Hermes JSON the ``arguments`` object, in Llama 3.x JSON anything past
+    the name string (the key the arguments go under, and its spacing)?"""
+    if syntax not in ("hermes-json", "llama-json"):
         return False
     if body_text is None:
         return True
+    if syntax == "llama-json":
+        name = _LLAMA_NAME.match(body_text)
+        return name is not None and len(body_text) > name.end()
     at = body_text.find('"arguments"')
     return at >= 0 and "{" in body_text[at:]
 

@@ -61,12 +61,15 @@ parser state that cannot be entered from inside an argument value force its ids:
 * Llama 3.x JSON (``{"name": NAME, "parameters": ARGS}`` as the whole reply, no call-start
   token; :func:`~mlx_fill.strict.guards.protocol_markers`): a call opens only on ``{"name": "``
   at the start of the reply (after whitespace or ``<|python_tag|>``), never after prose or on a
-  later line, and never again once a call has ended. Determined: the rest of an unambiguous
-  name and ``", "parameters":`` (template text; the space before ``{`` merges into the
-  arguments' first token). Likely (``header``): the parameters object's opening (``tojson``
-  spacing is the model's). The closing ``}}`` merges with the last value's quote, and
-  ``<|eot_id|>`` / ``<|eom_id|>`` are stops never proposed. A ``<|python_tag|>`` body of raw
-  code (3.1 builtin tools) never opens a call.
+  later line, and never again once a call has ended. No row is determined: every row writes
+  past the name string (its closing quote merges with the comma, ``",``), where the key the
+  arguments go under is the model's (the call is JSON written after an instruction, with no
+  special token around it: the template writes ``"parameters"``, the models also write
+  ``"arguments"``). Likely: the rest of a name with ``", "parameters":`` (the space before
+  ``{`` merges into the arguments' first token) and (``header``) the parameters object's
+  opening (``tojson`` spacing is the model's). The closing ``}}`` merges with the last value's
+  quote, and ``<|eot_id|>`` / ``<|eom_id|>`` are stops never proposed. A ``<|python_tag|>``
+  body of raw code (3.1 builtin tools) never opens a call.
 * Mistral ``[TOOL_CALLS]`` (control id 9; the body is the JSON list up to EOS): determined:
   ``[{"name": "`` after it, the rest of an unambiguous name with ``", "arguments":``. Likely:
   the arguments object's opening (``header``) and the close rows after the last value

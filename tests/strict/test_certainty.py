@@ -15,7 +15,8 @@ from mlx_fill.strict.rows import CERTAINTIES, Row, compile_all_keys, compile_tab
 from mlx_fill.strict.tokenbytes import token_bytes
 from mlx_fill.session import server_ledger
 from mlx_fill.strict.source import strict_source
-from strict_helpers import FAMILIES, call, contained, reply_ids, teacher_force, tokenizer, tools
+from strict_helpers import (FAMILIES, call, contained, reply_ids, teacher_force, tokenizer,
+                            tools, wrong_asserts)
 
 USER = [{"role": "user", "content": "hi"}]
 TOOL_SETS = ("default", "single", "prefix", "open", "ref", "noargs")
@@ -311,23 +312,6 @@ def test_after_a_raw_newline_ends_a_json_string_no_row_is_asserted():
             session.feedback(p, 0, pos)
 
 
-def _wrong_asserts(tok, tool_list, ids, ledger, kwargs=None) -> list[tuple[str, str, str]]:
-    """(origin, asserted text, the stream's text there) for every ``assert`` proposal that is
-    not the stream's next ids, driving a strict source over ``ids`` (``kwargs``: the template's)."""
-    source = strict_source(tok, USER, tool_list, kwargs, ledger=ledger)
-    session = FillSession([source])
-    wrong = []
-    for pos in range(len(ids)):
-        p = session.propose(DecodeView([], ids[:pos], frozenset(tok.eos_token_ids)))
-        if p is None:
-            continue
-        want = tuple(ids[pos:pos + len(p.ids)])
-        if p.policy == "assert" and want != p.ids:
-            wrong.append((p.origin, tok.decode(list(p.ids)), tok.decode(list(want))))
-        session.feedback(p, 0, pos)
-    return wrong
-
-
 @pytest.mark.parametrize("family", ["qwen3-coder", "qwen3.5", "glm4.x"])
 def test_no_determined_row_writes_a_key_the_model_may_leave_out(family):
     """Which keys a call writes is the model's: it may call a tool without the key its schema
@@ -345,4 +329,4 @@ def test_no_determined_row_writes_a_key_the_model_may_leave_out(family):
         _policies(tok, tool_list, given, ledger)
     for args in ({}, {"path": "a.py"}, {"url": "x", "uri": "y"}):
         ids = reply_ids(tok, USER, tool_list, _reply(call("read", args)))
-        assert _wrong_asserts(tok, tool_list, ids, ledger) == [], args
+        assert wrong_asserts(tok, USER, tool_list, ids, ledger) == [], args
