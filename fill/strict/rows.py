@@ -50,6 +50,7 @@ import functools
 import bisect
 import hashlib
 import json
+import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
@@ -87,27 +88,28 @@ def certainty(kind: str, syntax: str, *, after_call: bool = False,
               into_arguments: bool = False, unsettled_name: bool = False) -> Certainty:
     """The certainty class of a row -- the one statement of the rule.
 
-    * ``scaffold`` / ``name`` rows are ``determined``: they fire right after the call-start
-      token (``name``: after the tool name's distinguishing token too), where the template
-      writes the rest of the name and the text that follows it in every call. The exceptions are
-      ``likely``: in a raw-text syntax (``CallSyntax.raw_values``: XML, GLM), a call that
-      opens after an earlier call of the same turn has ended (``after_call``) may be text
-      inside that call's last value (a value can hold the call's end marker and a new start
-      marker); and a row that reaches into the arguments (``into_arguments``): past where a
-      call of its tool with no arguments parts from it (:func:`_arguments_at`), as the sole
-      key of a schema does (which keys a call writes is the model's: it may leave out a key
-      the schema requires, or write one the schema lacks, ``file_path`` for ``path``), and in
-      Hermes JSON into the ``arguments`` object, whose spacing is the model's own JSON (a
-      template inserts string arguments verbatim, so ``{ "k"`` is as valid as ``{"k"``), and in
-      Llama 3.x JSON past the name string: the call is JSON the model writes after an
-      instruction, with no special token around it, and the models write its arguments under
-      ``"arguments"`` as well as the template's ``"parameters"``; and a
-      row that writes name text the model's own ids have not settled (``unsettled_name``): a
+    * ``scaffold`` rows are ``determined``: they fire right after the call-start token, where
+      the template writes the text every call begins with. ``name`` rows are ``determined``
+      only once the model has ended the name (a tool whose name is another's start, ``read``
+      beside ``read_file``, has a row keyed past its end). The exceptions are ``likely``: a row
+      that writes name text the model's own ids have not settled (``unsettled_name``): a
       scaffold that runs into the name (one tool offered, or tools whose names start alike:
       which tool a call names is the model's to begin, and it may call one it was not given),
-      a ``name`` row whose text so far also begins another tool's call (``read_file`` beside
-      ``read_files``: the model may write that tool's name through the row's trigger,
-      ``_file`` then ``s``).
+      and a ``name`` row keyed inside the name or at its end (after ``fetch`` of
+      ``fetch_web_page_text`` the model may go on to a tool it was not given, ``fetch_url``,
+      or end the name there; beside ``read_files``, ``read_file`` is such a start); a row
+      that reaches into the arguments (``into_arguments``): past where a call of its tool with
+      no arguments parts from it (:func:`_arguments_at`), as the sole key of a schema does
+      (which keys a call writes is the model's: it may leave out a key the schema requires,
+      or write one the schema lacks, ``file_path`` for ``path``), in Hermes JSON into the
+      ``arguments`` object, whose spacing is the model's own JSON (a template inserts string
+      arguments verbatim, so ``{ "k"`` is as valid as ``{"k"``), and in Llama 3.x JSON past
+      the name string: the call is JSON the model writes after an instruction, with no
+      special token around it, and the models write its arguments under ``"arguments"`` as
+      well as the template's ``"parameters"``; and in a raw-text syntax
+      (``CallSyntax.raw_values``: XML, GLM), a call that opens after an earlier call of the
+      same turn has ended (``after_call``) may be text inside that call's last value (a value
+      can hold the call's end marker and a new start marker).
     * ``key`` rows are ``likely``: a model may write an optional key first, or the keys in an
       order of its own, and in XML and GLM they fire where a raw value may go on.
     * ``close`` rows are ``likely`` in every supported syntax: in XML and GLM they fire after
@@ -120,7 +122,7 @@ def certainty(kind: str, syntax: str, *, after_call: bool = False,
       (the template writes ``<|channel|>commentary json``, the model is trained on
       `` <|constrain|>json``) and the arguments object's opening, whose spacing is the model's.
       Their scaffold and name rows hold only forced text (the rest of a name after the special
-      or template-written opening) and are ``determined``.
+      or template-written opening), classed as above.
     """
     if kind not in ("scaffold", "name", "close", "header", "key"):
         raise ValueError(f"unknown row kind {kind!r}")
@@ -553,6 +555,16 @@ def _into_name(text: str | None, bodies: list[_Body]) -> bool:
     return start < 0 or text is None or len(text) > start
 
 
+def _name_end(tool: str, bodies: list[_Body]) -> int | None:
+    """Where ``tool``'s name ends in the text of its calls: its last occurrence that begins
+    no later than where the bodies' texts part (every call writes its name after the same
+    lead); None when its calls do not write the name as it is (escaped)."""
+    text = next(b.text for b in bodies if b.tool == tool)
+    lead = len(os.path.commonprefix([b.text for b in bodies]))
+    at = text.rfind(tool, 0, lead + len(tool))
+    return None if at < 0 else at + len(tool)
+
+
 def _head_rows(bodies: list[_Body], table, eos: set[int], syntax: str,
                after_call: bool, args_at: dict[str, int],
                stops: set[int] | None = None) -> dict[str, Row]:
@@ -596,10 +608,11 @@ def _head_rows(bodies: list[_Body], table, eos: set[int], syntax: str,
                     kept = _forced_cut(table, call_syntax, key, span)
                     into = (_into_arguments(syntax, _decode(table, p + list(span[:kept])))
                             or len(p) + kept > args_at[tool])
-                    starts_other = any(b.tool != tool and b.text.startswith(key) for b in bodies)
+                    end = _name_end(tool, bodies)
                     rows[key] = Row("name", tool, key, (*trigger, *p), span,
                                     certainty("name", syntax, after_call=after_call,
-                                              into_arguments=into, unsettled_name=starts_other))
+                                              into_arguments=into,
+                                              unsettled_name=end is None or len(key) <= end))
             else:
                 walk(child, p)
 

@@ -38,50 +38,54 @@ not parse once it has ended, after rows fired in it, counts a ``parse_fallback``
 source for the rest of the request.
 
 Certainty per call syntax. A row is ``determined`` only where the template, the schema and a
-parser state that cannot be entered from inside an argument value force its ids:
+parser state that cannot be entered from inside an argument value force its ids. In every
+syntax the rest of a tool name is the model's until it ends the name (after ``fetch`` of
+``fetch_web_page_text`` it may go on to a tool it was not given, ``fetch_url``, or end the name
+there), and so is which keys a call writes (it may leave out a key the schema requires, or
+write one the schema lacks): rows that write either are ``likely``.
 
 * Qwen3-Coder / Qwen3.5 XML and GLM ``arg_key/arg_value``: values are raw text, so a value can
   hold ``</parameter>``, ``</function>``, ``</arg_value>``, ``</tool_call>`` and a new
   ``<tool_call>`` (a heredoc writing XML, ``echo '</arg_value>' > f``). Determined: the
-  scaffold after the turn's first call-start token up to a tool's name and the rest of a tool
-  name once it is unambiguous (its text so far begins no other tool's call). Likely: a
-  scaffold that runs into a name (one tool offered, or names that start alike: the model may
-  call a tool it was not given), a head row that writes a key (the schema's sole key, or the
-  ``<parameter`` / ``<arg_key>`` that opens a first key: the model may call a tool without the
-  keys its schema requires, or with keys it lacks), every ``close`` row, and the head rows of
-  any later call in the turn (it opens after an end marker a value can contain).
+  scaffold after the turn's first call-start token up to where a tool's name begins (XML's
+  ``\n<function``; GLM writes the name right after ``<tool_call>``). Likely: a scaffold that
+  runs into a name (one tool offered, or names that start alike: the model may call a tool it
+  was not given), the rest of a name, a head row that writes a key (the schema's sole key, or
+  the ``<parameter`` / ``<arg_key>`` that opens a first key), every ``close`` row, and the head
+  rows of any later call in the turn (it opens after an end marker a value can contain).
 * Qwen3 Hermes JSON: a string cannot hold an unescaped quote, and the guard reads call markers
   only outside strings, so no row fires inside a value (``"}}`` or ``</tool_call>`` in a string
   is text). Determined: the scaffold ``\\n{"name": "`` and the head rows of later calls.
-  Likely: rows that reach into the ``arguments`` object (the name rows' ``{"key":``, a
-  single-tool scaffold through the key, the close row's ``}}``): a template inserts string
-  arguments verbatim, so their spacing is the model's own JSON (recorded SWE-agent calls use
-  ``{ "key"``).
+  Likely: the rest of a name, and rows that reach into the ``arguments`` object (the name
+  rows' ``{"key":``, a single-tool scaffold through the key, the close row's ``}}``): a
+  template inserts string arguments verbatim, so their spacing is the model's own JSON
+  (recorded SWE-agent calls use ``{ "key"``).
 
 * Llama 3.x JSON (``{"name": NAME, "parameters": ARGS}`` as the whole reply, no call-start
   token; :func:`~mlx_fill.strict.guards.protocol_markers`): a call opens only on ``{"name": "``
   at the start of the reply (after whitespace or ``<|python_tag|>``), never after prose or on a
   later line, and never again once a call has ended. No row is determined: every row writes
-  past the name string (its closing quote merges with the comma, ``",``), where the key the
-  arguments go under is the model's (the call is JSON written after an instruction, with no
-  special token around it: the template writes ``"parameters"``, the models also write
-  ``"arguments"``). Likely: the rest of a name with ``", "parameters":`` (the space before
-  ``{`` merges into the arguments' first token) and (``header``) the parameters object's
-  opening (``tojson`` spacing is the model's). The closing ``}}`` merges with the last value's
-  quote, and ``<|eot_id|>`` / ``<|eom_id|>`` are stops never proposed. A ``<|python_tag|>``
-  body of raw code (3.1 builtin tools) never opens a call.
+  the rest of a name or past the name string (its closing quote merges with the comma,
+  ``",``), where the key the arguments go under is the model's (the call is JSON written after
+  an instruction, with no special token around it: the template writes ``"parameters"``, the
+  models also write ``"arguments"``). Likely: the rest of a name with ``", "parameters":``
+  (the space before ``{`` merges into the arguments' first token) and (``header``) the
+  parameters object's opening (``tojson`` spacing is the model's). The closing ``}}`` merges
+  with the last value's quote, and ``<|eot_id|>`` / ``<|eom_id|>`` are stops never proposed. A
+  ``<|python_tag|>`` body of raw code (3.1 builtin tools) never opens a call.
 * Mistral ``[TOOL_CALLS]`` (control id 9; the body is the JSON list up to EOS): determined:
-  ``[{"name": "`` after it, the rest of an unambiguous name with ``", "arguments":``. Likely:
-  the arguments object's opening (``header``) and the close rows after the last value
+  ``[{"name": "`` after it (when the tools' names do not start alike), and ``"arguments":``
+  after a name the model has ended. Likely: the rest of a name with ``", "arguments":``, the
+  arguments object's opening (``header``) and the close rows after the last value
   (``"}, "id": "``), cut where the model writes its own 9-character call id. A later call in
   the same list gets no rows.
 * gpt-oss harmony: a call opens on ``to=functions`` only at the start of an assistant message
   (the reply, or after ``<|start|>``, optionally after ``assistant`` and
   ``<|channel|>commentary``), never in the final channel's prose or the analysis channel
-  (reasoning). Determined: the rest of an unambiguous name after ``to=functions.`` (with the
-  two-token names of most tools that rest is one id, below the minimum span). Likely
-  (``header``): the channel/constraint header after the name (the vendor template writes
-  ``<|channel|>commentary json<|message|>``, the model is trained on
+  (reasoning). No row is determined: the rows after ``to=functions.`` write the rest of a
+  name (with the two-token names of most tools that rest is one id, below the minimum span,
+  and no row). Likely (``header``): the channel/constraint header after the name (the vendor
+  template writes ``<|channel|>commentary json<|message|>``, the model is trained on
   ``<|channel|>commentary <|constrain|>json<|message|>``, and ``to=`` may follow the channel)
   and the arguments' opening; ``<|call|>`` ends the call and is a stop never proposed.
 

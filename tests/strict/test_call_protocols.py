@@ -62,8 +62,9 @@ def test_rows_compile_from_the_real_template_with_forced_text_determined(family)
     assert table is not None and table.syntax == syntax
     rows = table.rows()
     determined = [r for r in rows if r.certainty == "determined"]
-    # every Llama row writes past the name string: the key the arguments go under is the model's
-    assert bool(determined) == (family != "llama3.x"), [r.origin for r in determined]
+    # harmony and Llama rows all write the rest of a name (the model may not end it there) or,
+    # in Llama, past the name string (the key the arguments go under is the model's)
+    assert bool(determined) == (family == "mistral-nemo"), [r.origin for r in determined]
     forced = SYNTAXES[syntax].forced
     for r in determined:
         assert r.kind in ("scaffold", "name")
@@ -79,12 +80,12 @@ def test_rows_compile_from_the_real_template_with_forced_text_determined(family)
 
 
 def test_the_run_shell_command_name_row_is_the_rest_of_the_name_in_each_protocol():
-    expect = {"gpt-oss": ("_shell_command", ".run", "determined"),
-              "llama3.x": ('_shell_command", "parameters":', "run", "likely"),
-              "mistral-nemo": ('_shell_command", "arguments":', '[{"name": "run', "determined")}
-    for family, (span, key, certainty) in expect.items():
+    expect = {"gpt-oss": ("_shell_command", ".run"),
+              "llama3.x": ('_shell_command", "parameters":', "run"),
+              "mistral-nemo": ('_shell_command", "arguments":', '[{"name": "run')}
+    for family, (span, key) in expect.items():
         row = _table(family).head[key]
-        assert (row.kind, row.certainty) == ("name", certainty)
+        assert (row.kind, row.certainty) == ("name", "likely")  # the model may name run_tests
         assert tokenizer(family).decode(list(row.span)) == span
 
 
@@ -201,17 +202,16 @@ def test_audit_of_the_family_passes_with_no_determined_false_fire(family, capsys
     assert "containment_failures=0 false_fires=0" in determined, determined
 
 
-def test_a_determined_fire_where_none_may_happen_fails_the_audit_in_each_protocol():
-    """The audit can fail on the families with a determined row (Llama 3.x has none): a real
-    call marked ``expect: none``."""
-    for family in ("gpt-oss", "mistral-nemo"):
-        kwargs = PROTOCOLS[family][1]
-        case = {"id": "x", "family": family, "messages": USER, "template_kwargs": kwargs,
-                "reply": {"role": "assistant", "content": "", "tool_calls": [
-                    {**call("run_shell_command", {"command": "ls"}), "id": "abcDEF123"}]},
-                "expect": "none"}
-        result = audit_case(tokenizer(family), case, tools("long"))
-        assert result.determined_failures > 0 and not result.ok, family
+def test_a_determined_fire_where_none_may_happen_fails_the_mistral_audit():
+    """The audit can fail on the protocol with a determined row (Mistral's scaffold; harmony and
+    Llama 3.x have none): a real call marked ``expect: none``."""
+    family = "mistral-nemo"
+    case = {"id": "x", "family": family, "messages": USER, "template_kwargs": {},
+            "reply": {"role": "assistant", "content": "", "tool_calls": [
+                {**call("run_shell_command", {"command": "ls"}), "id": "abcDEF123"}]},
+            "expect": "none"}
+    result = audit_case(tokenizer(family), case, tools("long"))
+    assert result.determined_failures > 0 and not result.ok
 
 
 @pytest.mark.slow  # loads all seven tokenizers: over 30 s on its own

@@ -13,6 +13,7 @@ from mlx_fill.strict.guards import SYNTAXES, Markers, Role, TurnGuard
 from mlx_fill.core.proposal import DecodeView, FillSession
 from mlx_fill.strict.rows import CERTAINTIES, Row, compile_all_keys, compile_table, resumed_heads
 from mlx_fill.strict.tokenbytes import token_bytes
+from mlx_fill.assets.store import FAMILIES as ALL_FAMILIES
 from mlx_fill.session import server_ledger
 from mlx_fill.strict.source import strict_source
 from strict_helpers import (FAMILIES, call, contained, reply_ids, teacher_force, tokenizer,
@@ -330,3 +331,33 @@ def test_no_determined_row_writes_a_key_the_model_may_leave_out(family):
     for args in ({}, {"path": "a.py"}, {"url": "x", "uri": "y"}):
         ids = reply_ids(tok, USER, tool_list, _reply(call("read", args)))
         assert wrong_asserts(tok, USER, tool_list, ids, ledger) == [], args
+
+
+DATE = {"date_string": "26 Jul 2024"}  # the Llama 3.x template's
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+@pytest.mark.parametrize("other", ["fetch_url", "fetch", "get_forecast"])
+def test_no_determined_row_writes_the_rest_of_a_name(family, other):
+    """Which tool a call names is the model's until it ends the name: after the first ids of
+    ``fetch_web_page_text`` a model may go on to a tool it was not given (``fetch_url``, a
+    fetch tool it knows), or end the name there (``fetch``). A row that writes name text, or
+    ends a name the model has not ended, is ``likely``: once every row has agreed on calls of
+    the tools offered, a call of ``other`` is not overwritten."""
+    from mlx_fill.sources.ledger import Ledger
+
+    tok, kwargs = tokenizer(family), DATE if family == "llama3.x" else {}
+    tool_list = [{"type": "function", "function": {"name": name, "description": name, "parameters": {
+        "type": "object", "properties": {key: {"type": "string"}}}}}
+        for name, key in (("fetch_web_page_text", "url"), ("get_weather", "city"))]
+    ledger = Ledger("m", "t", promote_after=1, eligible=frozenset({"strict:"}))
+
+    def ids_of(name: str, args: dict) -> list[int]:
+        reply = _reply({**call(name, args), "id": "abcDEF123"})
+        return reply_ids(tok, USER, tool_list, reply, kwargs)
+
+    for given in (ids_of("fetch_web_page_text", {"url": "x"}), ids_of("get_weather", {})):
+        for _ in range(2):
+            teacher_force(strict_source(tok, USER, tool_list, kwargs, ledger=ledger), given)
+    ids = ids_of(other, {"url": "https://example.com"})
+    assert wrong_asserts(tok, USER, tool_list, ids, ledger, kwargs) == []
