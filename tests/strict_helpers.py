@@ -71,8 +71,12 @@ def wrong_asserts(tok, messages, tool_list, ids: list[int], ledger,
                   kwargs: dict | None = None) -> list[tuple[str, str, str]]:
     """(origin, asserted text, the stream's text there) for every ``assert`` proposal that is
     not the stream's next ids, driving a strict source (``ledger``: its evidence) over ``ids``
-    at every position, each proposal refused (a wrong assert is reported, not applied)."""
-    session = FillSession([strict_source(tok, messages, tool_list, kwargs, ledger=ledger)])
+    at every position, each proposal refused (a wrong assert is reported, not applied); none
+    where no rows compile."""
+    source = strict_source(tok, messages, tool_list, kwargs, ledger=ledger)
+    if source is None:
+        return []
+    session = FillSession([source])
     wrong = []
     for pos in range(len(ids)):
         p = session.propose(DecodeView([], ids[:pos], frozenset(tok.eos_token_ids)))

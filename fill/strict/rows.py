@@ -38,6 +38,8 @@ template suggests, and may only ever be verified (``mlx_fill.strict.source`` sta
 supported syntax and for the other call syntaxes in the assets). Each tool is also rendered
 called with no arguments (a model may leave out what its schema requires): a head row that
 writes past where that call parts from the tool's other probes writes keys the model chooses.
+Calls of tools the request does not offer (:data:`FOREIGN_NAMES`) show where the text every
+call begins with ends: a scaffold those calls do not begin with writes the model's name.
 
 Spans shorter than 2 ids or containing an EOS id are dropped. Plans are cached under an exact
 identity key (template, tools, tokenizer, kwargs); a cached table is reused for a new
@@ -420,6 +422,27 @@ def _free_bodies(prober: _Prober, markers: Markers, schemas: list[ToolSchema],
         return None
 
 
+# Names of tools a request does not offer, with initial letters of both cases: their calls
+# show where the text every call begins with ends (:func:`_into_name`).
+FOREIGN_NAMES = ("get", "Run", "example_function_name", "x")
+
+
+def _foreign_bodies(prober: _Prober, markers: Markers, schemas: list[ToolSchema],
+                    bodies: list[_Body]) -> list[_Body] | None:
+    """Bodies of calls, without arguments, of :data:`FOREIGN_NAMES` the request does not
+    offer (a model may call a tool it was not given); none where the offered tools' calls
+    share no scaffold or one tool is offered (its scaffold runs into its name), None when the
+    template cannot render them."""
+    if len(schemas) < 2 or _common_prefix([b.ids for b in bodies]) < MIN_SPAN:
+        return []
+    offered = {s.name for s in schemas}
+    try:
+        return prober.probe([(name, {}) for name in FOREIGN_NAMES if name not in offered],
+                            markers)
+    except (TemplateError, jinja2.TemplateError):
+        return None
+
+
 def _close_probes(schema: ToolSchema) -> list[tuple[str, dict, str]]:
     """Complete calls of a tool with arguments, last value varied: (name, args, last value)."""
     if not schema.properties:
@@ -546,13 +569,17 @@ def _arguments_at(bodies: list[_Body], free: list[_Body] | None) -> dict[str, in
     return {tool: _common_prefix(ids) for tool, ids in calls.items()}
 
 
-def _into_name(text: str | None, bodies: list[_Body]) -> bool:
-    """Whether a scaffold whose span decodes to ``text`` (every body's first ids; None: not
-    text) writes text of a tool's name: past where the earliest body's name begins, or
-    anywhere where a body's name is not in its text as written (where it begins cannot be
-    told)."""
+def _into_name(span: tuple[int, ...], text: str | None, bodies: list[_Body],
+               foreign: list[_Body] | None) -> bool:
+    """Whether a scaffold ``span`` (every body's first ids), decoding to ``text`` (None: not
+    text), writes what the model writes of a tool's name: text past where the earliest body's
+    name begins, anywhere where a body's name is not in its text as written (where it begins
+    cannot be told), or ids a call of a tool the request does not offer (``foreign``,
+    :func:`_foreign_bodies`; None: not rendered) does not begin with (its name merges with
+    the scaffold's last id: ``=`` then ``get`` is ``=get``)."""
     start = min(b.text.find(b.tool) for b in bodies)
-    return start < 0 or text is None or len(text) > start
+    return (start < 0 or text is None or len(text) > start or foreign is None
+            or any(b.ids[:len(span)] != span for b in foreign))
 
 
 def _name_end(tool: str, bodies: list[_Body]) -> int | None:
@@ -566,11 +593,12 @@ def _name_end(tool: str, bodies: list[_Body]) -> int | None:
 
 
 def _head_rows(bodies: list[_Body], table, eos: set[int], syntax: str,
-               after_call: bool, args_at: dict[str, int],
+               after_call: bool, args_at: dict[str, int], foreign: list[_Body] | None,
                stops: set[int] | None = None) -> dict[str, Row]:
     """Scaffold and name rows, classed for a turn's first call or (``after_call``) a later one;
     ``args_at``: per tool, how many body ids a call writes whatever its arguments
-    (:func:`_arguments_at`)."""
+    (:func:`_arguments_at`); ``foreign``: calls of tools the request does not offer
+    (:func:`_foreign_bodies`)."""
     root = _Trie()
     for b in bodies:
         root.add(b.ids, b.tool)
@@ -592,7 +620,7 @@ def _head_rows(bodies: list[_Body], table, eos: set[int], syntax: str,
         rows[""] = Row("scaffold", only, "", trigger, span,
                        certainty("scaffold", syntax, after_call=after_call,
                                  into_arguments=into,
-                                 unsettled_name=_into_name(text, bodies)))
+                                 unsettled_name=_into_name(span, text, bodies, foreign)))
     node = root
     for t in scaffold:
         node = node.children[t]
@@ -885,10 +913,13 @@ def compile_table(tokenizer, messages: list[dict], tools: list[dict] | None,
             first = _first_key_rows(prober, markers, schemas, probes, bodies, syntax.name, eos,
                                     stops)
             args_at = _arguments_at(bodies, _free_bodies(prober, markers, schemas, probes))
+            foreign = _foreign_bodies(prober, markers, schemas, bodies)
             head = {**first, **_head_rows(bodies, prober.table, eos, syntax.name,
-                                          after_call=False, args_at=args_at, stops=stops)}
+                                          after_call=False, args_at=args_at, foreign=foreign,
+                                          stops=stops)}
             later = {**first, **_head_rows(bodies, prober.table, eos, syntax.name,
-                                           after_call=True, args_at=args_at, stops=stops)}
+                                           after_call=True, args_at=args_at, foreign=foreign,
+                                           stops=stops)}
             close = _close_rows(prober, markers, schemas, syntax, eos, stops)
     except (TemplateError, jinja2.TemplateError):
         return None  # the template cannot render tool calls after the generation prompt

@@ -50,7 +50,8 @@ write one the schema lacks): rows that write either are ``likely``.
   scaffold after the turn's first call-start token up to where a tool's name begins (XML's
   ``\n<function``; GLM writes the name right after ``<tool_call>``). Likely: a scaffold that
   runs into a name (one tool offered, or names that start alike: the model may call a tool it
-  was not given), the rest of a name, a head row that writes a key (the schema's sole key, or
+  was not given) or ends on an id a name merges with (``=`` before ``ping``: a call of ``get``
+  writes ``=get``), the rest of a name, a head row that writes a key (the schema's sole key, or
   the ``<parameter`` / ``<arg_key>`` that opens a first key), every ``close`` row, and the head
   rows of any later call in the turn (it opens after an end marker a value can contain).
 * Qwen3 Hermes JSON: a string cannot hold an unescaped quote, and the guard reads call markers
