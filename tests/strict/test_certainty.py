@@ -20,6 +20,7 @@ from strict_helpers import (FAMILIES, call, contained, reply_ids, teacher_force,
                             tools, wrong_asserts)
 
 USER = [{"role": "user", "content": "hi"}]
+DATE = {"date_string": "26 Jul 2024"}  # the Llama 3.x template's
 TOOL_SETS = ("default", "single", "prefix", "open", "ref", "noargs")
 
 
@@ -333,9 +334,6 @@ def test_no_determined_row_writes_a_key_the_model_may_leave_out(family):
         assert wrong_asserts(tok, USER, tool_list, ids, ledger) == [], args
 
 
-DATE = {"date_string": "26 Jul 2024"}  # the Llama 3.x template's
-
-
 @pytest.mark.parametrize("family", ALL_FAMILIES)
 @pytest.mark.parametrize("other", ["fetch_url", "fetch", "get_forecast"])
 def test_no_determined_row_writes_the_rest_of_a_name(family, other):
@@ -347,8 +345,9 @@ def test_no_determined_row_writes_the_rest_of_a_name(family, other):
     from mlx_fill.sources.ledger import Ledger
 
     tok, kwargs = tokenizer(family), DATE if family == "llama3.x" else {}
-    tool_list = [{"type": "function", "function": {"name": name, "description": name, "parameters": {
-        "type": "object", "properties": {key: {"type": "string"}}}}}
+    tool_list = [{"type": "function", "function": {
+        "name": name, "description": name,
+        "parameters": {"type": "object", "properties": {key: {"type": "string"}}}}}
         for name, key in (("fetch_web_page_text", "url"), ("get_weather", "city"))]
     ledger = Ledger("m", "t", promote_after=1, eligible=frozenset({"strict:"}))
 
@@ -365,12 +364,12 @@ def test_no_determined_row_writes_the_rest_of_a_name(family, other):
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_a_scaffold_ends_where_a_call_of_any_tool_parts_from_it(family):
-    """``ping`` and ``pong`` render as ``<function=`` then the name (``=p`` is no token there),
-    so the scaffold ends on ``=``; a call of a tool the request does not offer merges ``=`` into
-    its name (``=get``, ``=search``): the scaffold's last id is not what the model writes. A
-    scaffold whose ids a call of a tool it was not given does not begin with is ``likely``:
-    once every row has agreed on calls of ``ping`` and ``pong``, such a call is not
-    overwritten."""
+    """In Qwen3-Coder's and Qwen3.5's templates ``ping`` and ``pong`` render as ``<function=``
+    then the name, so the scaffold ends on ``=``; a call of a tool the request does not offer
+    merges ``=`` into its name (``=get``, ``=search``): the scaffold's last id is not what the
+    model writes. A scaffold whose ids a call of a tool it was not given does not begin with
+    is ``likely``: once every row has agreed on calls of ``ping`` and ``pong``, such a call is
+    not overwritten."""
     from mlx_fill.sources.ledger import Ledger
 
     tok, kwargs = tokenizer(family), DATE if family == "llama3.x" else {}
