@@ -119,6 +119,9 @@ def transcript_files(folder: Path) -> list[Path]:
     return sorted(_transcript_paths(folder))
 
 
+# why a line of valid JSON is not read: Python converts no integer of more digits than its
+# limit (``sys.get_int_max_str_digits()``, a guard against quadratic parsing)
+LONG_NUMBER = "a number of more than {} digits, longer than Python reads"
 # what a byte that is not UTF-8 reads as under ``errors="surrogateescape"`` (no UTF-8 text does)
 NOT_UTF8 = re.compile("[\udc80-\udcff]")
 
@@ -148,8 +151,9 @@ def load_recordings(path: str | Path) -> tuple[list[dict], list[CorruptLine]]:
     (:func:`~mlx_fill.evidence.proxy_log.latest_conversations`), a line without one skipped
     saying why. A line that is not a JSON object with a ``messages``
     list of role-bearing dicts, a rollout line that cannot be read
-    (:func:`~mlx_fill.evidence.codex_log.rollout_line_problem`), or a line that holds bytes
-    that are not UTF-8, is skipped and returned as a :class:`CorruptLine`; a truncated or
+    (:func:`~mlx_fill.evidence.codex_log.rollout_line_problem`), a line that holds bytes
+    that are not UTF-8, or one holding an integer longer than Python converts
+    (:data:`LONG_NUMBER`), is skipped and returned as a :class:`CorruptLine`; a truncated or
     corrupt gzip stream ends the file's read with one.
     """
     path = Path(path)
@@ -188,6 +192,9 @@ def _load_file(path: Path) -> tuple[list[dict], list[CorruptLine]]:
                     obj = json.loads(line)
                 except json.JSONDecodeError as exc:
                     corrupt.append(CorruptLine(number, _invalid_json(exc, line)))
+                    continue
+                except ValueError:  # the one other: an integer of more digits than Python converts
+                    corrupt.append(CorruptLine(number, LONG_NUMBER.format(sys.get_int_max_str_digits())))
                     continue
                 except RecursionError:
                     corrupt.append(CorruptLine(number, "JSON nested too deeply to read"))

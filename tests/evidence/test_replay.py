@@ -88,6 +88,18 @@ def test_load_sessions_skips_and_reports_corrupt_lines(tmp_path, gz):
         (11, "JSON nested too deeply to read"), (13, "not a JSON object")]
 
 
+def test_a_number_too_long_to_convert_is_a_skipped_line_saying_so(tmp_path):
+    """Python converts no integer of more than ``sys.get_int_max_str_digits()`` digits (a
+    guard against quadratic parsing): such a line is valid JSON that cannot be read, skipped
+    saying why, and the lines around it are read."""
+    digits = sys.get_int_max_str_digits() + 1
+    lines = [json.dumps(_structured()), '{"messages": [], "n": ' + "1" * digits + "}", json.dumps(_inline())]
+    sessions, corrupt = replay.load_recordings(_write_lines(tmp_path / "t.jsonl", lines))
+    assert [s["session_id"] for s in sessions] == ["s-structured", "s-inline"]
+    assert [(c.line, c.reason) for c in corrupt] == [
+        (2, f"a number of more than {digits - 1} digits, longer than Python reads")]
+
+
 @pytest.mark.parametrize("newline, end", [("\n", ""), ("\n", "\n"), ("\r\n", "\r\n")])
 def test_a_last_line_cut_off_is_skipped_saying_so_and_the_lines_before_read(tmp_path, newline, end):
     """A log still being written (a Claude Code session in use) ends in a line cut off."""
