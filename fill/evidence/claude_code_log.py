@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .log_formats import CALL_PART, RESULT_PART
+from .log_formats import CALL_PART, RESULT_PART, quoted
 
 __all__ = ["CLAUDE_CODE_SOURCE", "is_event", "sessions_from_events"]
 
@@ -103,7 +103,7 @@ def _unrooted(root: int, events: list[dict], parents: list[int | None]) -> str |
     """:data:`UNROOTED` for a conversation whose root event names a parent the log does not
     hold; None for one whose root has no parent."""
     named = events[root].get("parentUuid")
-    return UNROOTED.format(named) if isinstance(named, str) and parents[root] is None else None
+    return UNROOTED.format(quoted(named)) if isinstance(named, str) and parents[root] is None else None
 
 
 def _chain(index: int, parents: list[int | None]) -> list[int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .log_formats import quoted
 from .responses_items import CALL_ITEMS, OUTPUT_ITEMS, add_item, item_problem
 
 __all__ = ["CODEX_SOURCE", "is_rollout_line", "rollout_line_problem", "sessions_from_rollout"]
@@ -50,7 +51,7 @@ def rollout_line_problem(line: dict) -> str | None:
     ``replacement_history``) without what its conversion needs."""
     kind, payload = _unwrapped(line)
     if not isinstance(payload, dict):
-        return f"a Codex {kind} line whose payload is not an object"
+        return f"a Codex {quoted(kind)} line whose payload is not an object"
     if kind == "session_meta" and not isinstance(payload.get("id"), str):
         return "a Codex session_meta without an id"
     if kind == "response_item":

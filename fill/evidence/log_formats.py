@@ -25,14 +25,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["CALL_PART", "CALL_PARTS", "RESULT_PART", "TEXT_PARTS", "TOOL_CALL_STYLES",
-           "UNNAMED_SOURCE", "arguments_object", "as_recording", "function_tool", "part_text"]
+__all__ = ["CALL_PART", "CALL_PARTS", "QUOTED_CHARS", "RESULT_PART", "TEXT_PARTS", "TOOL_CALL_STYLES",
+           "UNNAMED_SOURCE", "arguments_object", "as_recording", "function_tool", "part_text", "quoted"]
 
 TEXT_PARTS = ("text", "input_text", "output_text")
 CALL_PART, RESULT_PART = "tool_use", "tool_result"
 CALL_PARTS = (CALL_PART, RESULT_PART)
 TOOL_CALL_STYLES = ("structured", "inline_text")
 UNNAMED_SOURCE = "(unnamed)"
+QUOTED_CHARS = 200  # of a value of a log, in the reason a line is skipped for
 
 
 def as_recording(obj: Any) -> Any:
@@ -70,6 +71,22 @@ def arguments_object(raw: Any) -> dict:
         except (ValueError, RecursionError):
             return {}
     return raw if isinstance(raw, dict) else {}
+
+
+def quoted(value: Any) -> str:
+    """A value of a log as the reason a line is skipped for quotes it, one line of printable
+    UTF-8 text: text as it is, any other value as JSON (an array or object nested too deeply
+    to write, as which it is); a lone surrogate (a ``\\ud800`` escape JSON reads) as that
+    escape, runs of white space and other unprintable characters as one space, and no more
+    than :data:`QUOTED_CHARS` characters of it (the rest as ``...``)."""
+    if not isinstance(value, str):
+        try:
+            value = json.dumps(value, ensure_ascii=False)
+        except RecursionError:
+            value = "an array" if isinstance(value, list) else "an object"
+    text = value[:QUOTED_CHARS + 1].encode("utf-8", "backslashreplace").decode("utf-8")
+    text = " ".join("".join(c if c.isprintable() else " " for c in text).split())
+    return text[:QUOTED_CHARS] + "..." if len(text) > QUOTED_CHARS else text
 
 
 def part_text(content: Any) -> str | None:

@@ -57,6 +57,7 @@ import hashlib
 import json
 from typing import Any
 
+from .log_formats import quoted
 from .responses_items import add_item, chat_tools, item_problem
 from .streamed import is_stream, whole_body
 
@@ -73,7 +74,6 @@ FINISHED = "completed"  # the status of a Responses API response the model compl
 STORED = ("conversation", "prompt")  # Responses API request keys naming what the server stores
 REFERENCE = "item_reference"  # a Responses API input item naming one the server holds
 ERROR_STATUS = 400
-ERROR_DETAIL_CHARS = 200  # of an error response's message, in the reason a line is skipped for
 
 
 def is_exchange(obj: Any) -> bool:
@@ -219,7 +219,8 @@ def _output_items(response: dict) -> list[dict] | str:
     if status != FINISHED:
         details = response.get("incomplete_details")
         reason = details.get("reason") if isinstance(details, dict) else None
-        return UNFINISHED.format(f"{status}: {reason}" if isinstance(reason, str) else status)
+        return UNFINISHED.format(f"{quoted(status)}: {quoted(reason)}" if isinstance(reason, str)
+                                 else quoted(status))
     output = response.get("output")
     if not isinstance(output, list) or not all(isinstance(item, dict) for item in output):
         return NO_OUTPUT
@@ -244,11 +245,12 @@ def _history(request: dict, given: list[dict], responses: dict[str, list[dict]])
     """The items a Responses API request goes on from: those of the earlier line (in
     ``responses``) whose response its ``previous_response_id`` names, none where it names
     none; why none where it goes on from what the server holds (see the module contract)."""
-    held = [f"{key} {_id(request[key])}" for key in STORED if request.get(key)]
-    held += [f"{REFERENCE} {_id(item)}" for item in given if item.get("type") == REFERENCE]
+    held = [f"{key} {quoted(_id(request[key]))}" for key in STORED if request.get(key)]
+    held += [f"{REFERENCE} {quoted(_id(item))}" for item in given if item.get("type") == REFERENCE]
     previous = request.get("previous_response_id")
     if previous is not None and not (isinstance(previous, str) and previous in responses):
-        held.append(f"previous_response_id {previous}, a response no earlier line of the file holds")
+        held.append(f"previous_response_id {quoted(previous)}, a response no earlier line of the "
+                    f"file holds")
     if held:
         return SERVER_HELD.format("; ".join(held))
     return [] if previous is None else responses[previous]
@@ -275,14 +277,12 @@ def _add_items(messages: list[dict], items: list[dict]) -> bool:
 
 
 def _detail(error: Any) -> str:
-    """An error as a reason quotes it: its type and message where it has them."""
+    """An error as a reason quotes it (:func:`~.log_formats.quoted`): its type and message
+    where it has them."""
     if isinstance(error, dict):
         said = [error.get(key) for key in ("type", "code", "message")]
-        text = ": ".join(str(s) for s in said if isinstance(s, (str, int)) and s != "")
-    else:
-        text = str(error)
-    text = " ".join((text or "no message").split())
-    return text if len(text) <= ERROR_DETAIL_CHARS else text[:ERROR_DETAIL_CHARS] + "..."
+        error = ": ".join(str(s) for s in said if isinstance(s, (str, int)) and s != "")
+    return quoted(error) or "no message"
 
 
 def _prefix_digests(session: dict) -> list[bytes]:

@@ -51,7 +51,7 @@ from typing import Any, Iterator
 from . import report
 from .claude_code_log import is_event, sessions_from_events
 from .codex_log import is_rollout_line, rollout_line_problem, sessions_from_rollout
-from .log_formats import CALL_PARTS, as_recording
+from .log_formats import CALL_PARTS, as_recording, quoted
 from .proxy_log import exchange_session, is_exchange, latest_conversations
 from mlx_fill.core.errors import NOT_REGULAR, UserError, float_in, int_up_to, output_dir, positive_int
 
@@ -299,9 +299,9 @@ def _session_problem(obj) -> str | None:
         content = m.get("content")
         if isinstance(content, list) and (parts := [p["type"] for p in content if isinstance(p, dict)
                                                     and p.get("type") in CALL_PARTS]):
-            return (f"a {parts[0]} content part in a message of role {m['role']} (Anthropic's Messages "
-                    f"format: calls in an assistant message, their results, text or text parts, "
-                    f"in the user message after it)")
+            return (f"a {parts[0]} content part in a message of role {quoted(m['role'])} "
+                    f"(Anthropic's Messages format: calls in an assistant message, their results, "
+                    f"text or text parts, in the user message after it)")
         if not isinstance(content, (str, type(None))):
             return "a message whose content is not a string"
         calls = m.get("tool_calls") or []

@@ -57,6 +57,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .log_formats import quoted
 from .sse import event_data
 
 __all__ = ["is_stream", "whole_body"]
@@ -211,7 +212,8 @@ def _anthropic_message(events: list[dict]) -> dict | str:
             blocks[index] = dict(event["content_block"])
         elif kind == "content_block_delta":
             if index not in blocks or not isinstance(event.get("delta"), dict):
-                return UNJOINABLE.format(f"a content_block_delta for a block never started (index {index})")
+                return UNJOINABLE.format(f"a content_block_delta for a block never started "
+                                         f"(index {quoted(index)})")
             _add_delta(blocks[index], event["delta"], inputs.setdefault(index, []))
         elif kind == "message_delta" and isinstance(event.get("delta"), dict):
             message.update(event["delta"])

@@ -88,6 +88,34 @@ def test_load_sessions_skips_and_reports_corrupt_lines(tmp_path, gz):
         (11, "JSON nested too deeply to read"), (13, "not a JSON object")]
 
 
+def test_a_skipped_lines_reason_quoting_the_log_is_one_line_of_text(tmp_path):
+    """A reason names what it found (an id, a status, a role, an index): a value of the log
+    with line ends, a lone surrogate escape (which no UTF-8 file or terminal takes) or a
+    megabyte of text is quoted on one line, its surrogates as their escapes, cut short; so a
+    command prints and writes every reason."""
+    odd = "a\nb\r\ud800" + "x" * 1_000_000
+    previous = {"request": {"input": "hi", "previous_response_id": odd},
+                "response": {"id": "r", "object": "response", "status": "completed", "output": []}}
+    lines = [previous,
+             {"request": {"input": "hi", "conversation": {"id": odd}}, "response": previous["response"]},
+             {"request": {"input": "hi"}, "response": {**previous["response"], "status": odd}},
+             {"request": {"messages": []}, "response": {"error": {"message": odd}}},
+             {"request": {"messages": []}, "response": [
+                 {"type": "message_start", "message": {"role": "assistant", "content": []}},
+                 {"type": "content_block_delta", "index": odd, "delta": {"type": "text_delta", "text": "x"}}]},
+             {"messages": [{"role": odd, "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},
+             {"timestamp": "t", "type": odd, "payload": 3},
+             _event("user", "u1", odd, {"role": "user", "content": "hi"}),
+             _event("assistant", "a1", "u1", _reply("m1", {"type": "text", "text": "hello"}))]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))  # the surrogate as its escape
+    _, corrupt = replay.load_recordings(path)
+    assert [c.line for c in corrupt] == [1, 2, 3, 4, 5, 6, 7, 9]
+    for c in corrupt:
+        assert c.reason.isprintable() and len(c.reason) < 600 and "\\ud800" in c.reason, c.reason
+        c.reason.encode("utf-8")
+
+
 def test_a_number_too_long_to_convert_is_a_skipped_line_saying_so(tmp_path):
     """Python converts no integer of more than ``sys.get_int_max_str_digits()`` digits (a
     guard against quadratic parsing): such a line is valid JSON that cannot be read, skipped
