@@ -35,8 +35,9 @@ as one payload alone. :func:`whole_body` joins it into the body the same call ma
   ``response.incomplete``): the response the ending event carries, whole as the API returns
   it unstreamed, its ``status`` saying how it ended; where that response holds no output
   items (a server that gives them only in ``response.output_item.done`` events, from which
-  Codex CLI takes its items), the items of those events in their order. Deltas are not
-  joined: the ending response and the ``done`` events give every item whole.
+  Codex CLI takes its items), the items of those events by their ``output_index`` (an event
+  logged twice gives its item once). Deltas are not joined: the ending response and the
+  ``done`` events give every item whole.
 
 A stream is not joined where :func:`whole_body` returns instead: the error payload it carries
 (OpenAI's ``{"error"}``, Anthropic's ``error`` event, the Responses API's ``{"type": "error",
@@ -46,10 +47,17 @@ response: it was cut off before its end (:data:`CUT_OFF`: an OpenAI stream with 
 ``message_stop`` nor a ``message_delta`` with a ``stop_reason``, a Responses API stream
 without the event that ends it; its last call may be short of arguments the model was still
 writing), or it cannot be joined (:data:`UNJOINABLE`: event data that is no JSON object,
-payloads of no API read here, a ``tool_calls`` piece without an ``index``, no
-``message_start``, a ``content_block_start`` without its ``index`` and block, a delta for a
-block never started, a Responses API ending event without its response or a
-``response.output_item.done`` without its item).
+payloads of no API read here or of more than one, an event of an event stream without a
+``type``, a ``tool_calls`` piece without an ``index``, no ``message_start``, a
+``content_block_start`` without its ``index`` and block or a second one for its index, a
+delta for a block never started, a Responses API ending event without its response, a
+``response.output_item.done`` without its item, two that differ for one ``output_index`` or
+one missing below the highest). An index is a non-negative integer. What the join reads into
+the message given as another type than it reads (a choice, its delta, a text field,
+``tool_calls``, a call piece, its function and the function's name and arguments; a delta's
+type, its text, thinking or partial JSON, and the block text it is appended to) is a reason
+too, not passed over: the message would lack what it held, where a whole message holding it
+is a skipped line. Null reads as absent.
 """
 
 from __future__ import annotations
@@ -74,6 +82,9 @@ BLOCK_TEXT = {"text_delta": "text", "thinking_delta": "thinking"}  # delta type:
 RESPONSE_EVENT = "response."  # how the type of every Responses API event but ``error`` starts
 RESPONSE_ENDS = ("response.completed", "response.failed", "response.incomplete")
 ITEM_DONE = "response.output_item.done"
+# the payloads of each API, as a reason names them
+CHUNKS, ANTHROPIC_EVENTS, RESPONSES_EVENTS = (
+    "chat.completion.chunk objects", "Anthropic Messages events", "Responses API events")
 
 
 def is_stream(body: Any) -> bool:
@@ -95,9 +106,15 @@ def whole_body(stream: Any) -> dict | str:
     error = next((p for p in objects if p.get("type") == "error" or p.get("error")), None)
     if error is not None:
         return error
-    if any(p.get("type") in EVENTS for p in objects):
+    found = {_api(p) for p in objects}
+    apis = [api for api in (CHUNKS, ANTHROPIC_EVENTS, RESPONSES_EVENTS) if api in found]
+    if len(apis) > 1:
+        return UNJOINABLE.format(f"payloads of more than one API: {', '.join(apis)}")
+    if apis and apis[0] != CHUNKS and not all(isinstance(p.get("type"), str) for p in objects):
+        return UNJOINABLE.format("an event without a type")
+    if apis == [ANTHROPIC_EVENTS]:
         return _anthropic_message(objects)
-    if any(_is_response_event(p) for p in objects):
+    if apis == [RESPONSES_EVENTS]:
         return _responses_response(objects)
     if all(isinstance(p.get("choices"), list) for p in objects):
         return _openai_completion(objects, DONE in payloads)
@@ -105,10 +122,31 @@ def whole_body(stream: Any) -> dict | str:
                              "Responses API events")
 
 
+def _api(payload: dict) -> str | None:
+    """Whose stream ``payload`` is of: :data:`CHUNKS` (a ``choices`` list),
+    :data:`ANTHROPIC_EVENTS` (a type :data:`EVENTS` names), :data:`RESPONSES_EVENTS`
+    (:func:`_is_response_event`); None for any other (an event of a type not named here)."""
+    if isinstance(payload.get("choices"), list):
+        return CHUNKS
+    if payload.get("type") in EVENTS:
+        return ANTHROPIC_EVENTS
+    return RESPONSES_EVENTS if _is_response_event(payload) else None
+
+
 def _is_response_event(payload: dict) -> bool:
     """Whether ``payload`` is an event of a Responses API stream other than ``error``."""
     kind = payload.get("type")
     return isinstance(kind, str) and kind.startswith(RESPONSE_EVENT)
+
+
+def _is_index(value: Any) -> bool:
+    """Whether ``value`` is an index: a non-negative integer (``true`` is none)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _odd(pieces: list[dict], key: str, kind: type) -> bool:
+    """Whether one of ``pieces`` gives ``key`` as neither a ``kind`` nor null."""
+    return any(piece.get(key) is not None and not isinstance(piece[key], kind) for piece in pieces)
 
 
 def _payloads(stream: Any) -> list | str:
@@ -138,8 +176,14 @@ def _openai_completion(chunks: list[dict], done: bool) -> dict | str:
     deltas, finish = [], None
     for chunk in chunks:
         for choice in chunk["choices"]:
-            if isinstance(choice, dict) and choice.get("index", 0) == 0:
-                deltas.append(choice.get("delta") if isinstance(choice.get("delta"), dict) else {})
+            if not isinstance(choice, dict):
+                return UNJOINABLE.format("a choice that is no object")
+            if not _is_index(choice.get("index", 0)):
+                return UNJOINABLE.format("a choice whose index is not a non-negative integer")
+            if _odd([choice], "delta", dict):
+                return UNJOINABLE.format("a delta that is no object")
+            if choice.get("index", 0) == 0:
+                deltas.append(choice.get("delta") or {})
                 finish = choice.get("finish_reason") or finish
     if finish is None and not done:
         return CUT_OFF.format(f"{len(chunks)} chunks: neither a finish_reason for choice 0 nor data: {DONE}")
@@ -158,24 +202,49 @@ def _openai_completion(chunks: list[dict], done: bool) -> dict | str:
 
 def _openai_message(deltas: list[dict]) -> dict | str:
     """The message choice 0's ``deltas`` join into (see the module contract), or why none."""
+    if problem := _delta_problem(deltas):
+        return UNJOINABLE.format(problem)
     message: dict[str, Any] = {
         "role": next((d["role"] for d in deltas if isinstance(d.get("role"), str)), "assistant")}
     for field in MESSAGE_TEXT:
         text = "".join(d[field] for d in deltas if isinstance(d.get(field), str))
         if text or field == "content":
             message[field] = text or None
-    pieces = [piece for d in deltas if isinstance(d.get("tool_calls"), list) for piece in d["tool_calls"]]
-    if not all(isinstance(piece, dict) and isinstance(piece.get("index"), int) for piece in pieces):
-        return UNJOINABLE.format("a tool_calls piece without an index")
     calls: dict[int, list[dict]] = {}
-    for piece in pieces:
+    for piece in (piece for d in deltas for piece in d.get("tool_calls") or []):
         calls.setdefault(piece["index"], []).append(piece)
     if calls:
         message["tool_calls"] = [_openai_call(calls[index]) for index in sorted(calls)]
-    legacy = [d["function_call"] for d in deltas if isinstance(d.get("function_call"), dict)]
+    legacy = [d["function_call"] for d in deltas if d.get("function_call")]
     if legacy:
         message["function_call"] = _function(legacy)
     return message
+
+
+def _delta_problem(deltas: list[dict]) -> str | None:
+    """What of choice 0's ``deltas`` the join cannot read, None where it reads all: a text
+    field, ``tool_calls`` or ``function_call``, a call piece (its ``index`` a non-negative
+    integer), its ``function`` or a function's ``name`` or ``arguments`` given as another type
+    than the join reads (null reads as absent). None is passed over: the message would lack
+    what it held, where a whole message holding it is a skipped line."""
+    if field := next((field for field in MESSAGE_TEXT if _odd(deltas, field, str)), None):
+        return f"a delta whose {field} is neither text nor null"
+    if _odd(deltas, "tool_calls", list):
+        return "a delta whose tool_calls is not a list"
+    if _odd(deltas, "function_call", dict):
+        return "a delta whose function_call is not an object"
+    pieces = [piece for d in deltas for piece in d.get("tool_calls") or []]
+    if not all(isinstance(piece, dict) and _is_index(piece.get("index")) for piece in pieces):
+        return "a tool_calls piece without an index"
+    if _odd(pieces, "function", dict):
+        return "a tool_calls piece whose function is not an object"
+    functions = [piece["function"] for piece in pieces if piece.get("function")]
+    if _odd(functions, "name", str) or _odd(functions, "arguments", str):
+        return "a tool_calls piece whose function name or arguments are not text"
+    legacy = [d["function_call"] for d in deltas if d.get("function_call")]
+    if _odd(legacy, "name", str) or _odd(legacy, "arguments", str):
+        return "a function_call whose name or arguments are not text"
+    return None
 
 
 def _openai_call(pieces: list[dict]) -> dict:
@@ -207,15 +276,22 @@ def _anthropic_message(events: list[dict]) -> dict | str:
     for event in events:
         kind, index = event.get("type"), event.get("index")
         if kind == "content_block_start":
-            if not isinstance(index, int) or not isinstance(event.get("content_block"), dict):
+            if not _is_index(index) or not isinstance(event.get("content_block"), dict):
                 return UNJOINABLE.format("a content_block_start without its index and block")
+            if index in blocks:
+                return UNJOINABLE.format(f"a second content_block_start for index {index}")
             blocks[index] = dict(event["content_block"])
         elif kind == "content_block_delta":
-            if index not in blocks or not isinstance(event.get("delta"), dict):
+            if not _is_index(index) or index not in blocks:
                 return UNJOINABLE.format(f"a content_block_delta for a block never started "
                                          f"(index {quoted(index)})")
-            _add_delta(blocks[index], event["delta"], inputs.setdefault(index, []))
-        elif kind == "message_delta" and isinstance(event.get("delta"), dict):
+            if not isinstance(event.get("delta"), dict):
+                return UNJOINABLE.format("a content_block_delta without its delta")
+            if problem := _add_delta(blocks[index], event["delta"], inputs.setdefault(index, [])):
+                return UNJOINABLE.format(problem)
+        elif kind == "message_delta":
+            if not isinstance(event.get("delta"), dict):
+                return UNJOINABLE.format("a message_delta without its delta")
             message.update(event["delta"])
     if not message.get("stop_reason") and not any(e.get("type") == "message_stop" for e in events):
         return CUT_OFF.format(f"{len(events)} events: neither message_stop nor a message_delta "
@@ -226,19 +302,33 @@ def _anthropic_message(events: list[dict]) -> dict | str:
     return {**message, "content": [blocks[index] for index in sorted(blocks)]}
 
 
-def _add_delta(block: dict, delta: dict, input_json: list[str]) -> None:
+def _add_delta(block: dict, delta: dict, input_json: list[str]) -> str | None:
     """Join one ``content_block_delta``'s ``delta`` into its ``block`` (partial JSON into
-    ``input_json``, the block's input text so far)."""
+    ``input_json``, the block's input text so far); why it cannot be joined, None where it
+    is: a delta without a type, text, thinking or partial JSON that is no text, a block whose
+    text or thinking is no text to append to. A delta of a type not named here is passed
+    over; citations, which no recording holds, are appended to a list however the block gave
+    them."""
     kind = delta.get("type")
-    if kind in BLOCK_TEXT and isinstance(delta.get(BLOCK_TEXT[kind]), str):
+    if not isinstance(kind, str):
+        return "a content_block_delta whose delta has no type"
+    if kind in BLOCK_TEXT:
         field = BLOCK_TEXT[kind]
+        if not isinstance(delta.get(field), str):
+            return f"a {kind} whose {field} is not text"
+        if _odd([block], field, str):
+            return f"a {kind} to a block whose {field} is not text"
         block[field] = (block.get(field) or "") + delta[field]
     elif kind == "signature_delta":
         block["signature"] = delta.get("signature")
     elif kind == "citations_delta":
-        block["citations"] = [*(block.get("citations") or []), delta.get("citation")]
-    elif kind == "input_json_delta" and isinstance(delta.get("partial_json"), str):
+        given = block.get("citations")
+        block["citations"] = [*(given if isinstance(given, list) else []), delta.get("citation")]
+    elif kind == "input_json_delta":
+        if not isinstance(delta.get("partial_json"), str):
+            return "an input_json_delta whose partial_json is not text"
         input_json.append(delta["partial_json"])
+    return None
 
 
 def _input(text: str) -> Any:
@@ -260,7 +350,30 @@ def _responses_response(events: list[dict]) -> dict | str:
         return UNJOINABLE.format(f"a {end['type']} event without its response")
     if response.get("output"):
         return response
-    items = [event.get("item") for event in events if event.get("type") == ITEM_DONE]
-    if not all(isinstance(item, dict) for item in items):
-        return UNJOINABLE.format(f"a {ITEM_DONE} event without its item")
-    return {**response, "output": items}
+    items = _done_items([event for event in events if event.get("type") == ITEM_DONE])
+    return UNJOINABLE.format(items) if isinstance(items, str) else {**response, "output": items}
+
+
+def _done_items(done: list[dict]) -> list[dict] | str:
+    """The output items the ``response.output_item.done`` events ``done`` give, or why they
+    cannot be read: by their ``output_index`` (in their order where none gives one), an event
+    logged twice its item once; an event without its item, an index that is no index or given
+    by some events only, two events for one index that differ, or an index left out below the
+    highest one (an event missing from the log: one after the last cannot be told) is a
+    reason."""
+    if not all(isinstance(event.get("item"), dict) for event in done):
+        return f"a {ITEM_DONE} event without its item"
+    indexes = [event.get("output_index") for event in done]
+    if all(index is None for index in indexes):
+        return [event["item"] for event in done]
+    if not all(_is_index(index) for index in indexes):
+        return f"a {ITEM_DONE} event whose output_index is not a non-negative integer"
+    items: dict[int, dict] = {}
+    for index, event in zip(indexes, done):
+        if items.setdefault(index, event["item"]) != event["item"]:
+            return f"two {ITEM_DONE} events for output item {index} that differ"
+    indexes = sorted(items)
+    if indexes[-1] >= len(indexes):  # the lowest index left out is the first out of its place
+        left_out = next(place for place, index in enumerate(indexes) if index != place)
+        return f"{ITEM_DONE} events without output item {left_out}"
+    return [items[index] for index in indexes]

@@ -353,3 +353,42 @@ def test_a_line_whose_items_cannot_be_read_is_skipped_saying_why():
         "a Responses API request whose input is neither text nor a list of items",
         "a response without an assistant message (no output item of a message or a call)",
         "a response without an assistant message (no output item of a message or a call)"]
+
+
+def test_items_taken_from_done_events_are_each_output_item_once_in_its_order():
+    """Where ``response.completed`` holds no items, the output is the items of the
+    ``response.output_item.done`` events by their ``output_index``: an event logged twice is
+    its item once, events out of order give the items in order; an index left out before the
+    last one the events give, two events that differ for one index, or an index that is no
+    index, are a skipped line saying so, not an output short of an item or with one twice."""
+    line = _resending_agent()[1]
+    events = _ended_without_output(_events(line["response"]))
+    done = [i for i, e in enumerate(events) if e["type"] == "response.output_item.done"]
+    whole = proxy_log.exchange_session(line)
+    twice = [*events[:done[0] + 1], events[done[0]], *events[done[0] + 1:]]
+    swapped = list(events)
+    swapped[done[0]], swapped[done[1]] = events[done[1]], events[done[0]]
+    for response in (twice, swapped, _sse(twice)):
+        assert proxy_log.exchange_session({**line, "response": response}) == whole
+    other = {**events[done[0]], "item": _said("assistant", "Writing.")}
+    broken = {"response.output_item.done events without output item 0":
+                  [e for i, e in enumerate(events) if i != done[0]],
+              "two response.output_item.done events for output item 0 that differ":
+                  [*events[:done[0] + 1], other, *events[done[0] + 1:]],
+              "a response.output_item.done event whose output_index is not a non-negative integer":
+                  [{**e, "output_index": "0"} if i == done[0] else e for i, e in enumerate(events)],
+              "response.output_item.done events without output item 1":
+                  [{**e, "output_index": 10 ** 30} if i == done[1] else e for i, e in enumerate(events)]}
+    for why, response in broken.items():
+        assert proxy_log.exchange_session({**line, "response": response}) == (
+            f"a streamed response that cannot be joined into a message ({why})")
+
+
+def test_a_responses_stream_with_payloads_of_another_api_is_a_skipped_line_saying_so():
+    """The chunks of a chat completion among its events are not passed over."""
+    line = _resending_agent()[1]
+    events = _events(line["response"])
+    chunk = {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "x"}}]}
+    assert proxy_log.exchange_session({**line, "response": [*events[:3], chunk, *events[3:]]}) == (
+        "a streamed response that cannot be joined into a message (payloads of more than one API: "
+        "chat.completion.chunk objects, Responses API events)")

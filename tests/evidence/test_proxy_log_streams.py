@@ -361,3 +361,93 @@ def test_a_stream_that_cannot_be_joined_is_a_skipped_line_saying_why():
     for why, line in lines.items():
         reason = proxy_log.exchange_session(line)
         assert reason.startswith("a streamed response that cannot be joined into a message") and why in reason
+
+
+# ----------------------------------------------------------------------------- pieces not read
+
+def _changed(payloads: list[dict], at: int, path: tuple, value) -> list[dict]:
+    """``payloads`` with the value at ``path`` of payload ``at`` set to ``value``."""
+    out = json.loads(json.dumps(payloads))
+    target = out[at]
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    return out
+
+
+def test_a_chunk_piece_the_join_cannot_read_is_a_skipped_line_naming_it(tmp_path):
+    """A piece of a known kind given as another type is not passed over (the message would
+    lack what it held: a whole message with such a field is a skipped line too); a choice or
+    call index is a non-negative integer (``true`` would join call 1, ``-1`` go first)."""
+    chunks = _chunks(*OPENAI_REPLIES["parallel calls"][::2])
+    choice, piece = (0, "choices", 0), (0, "choices", 0, "delta", "tool_calls", 0)
+    broken = [  # (chunk, path, value, what the reason names)
+        (1, ("choices", 0), 7, "a choice that is no object"),
+        (1, (*choice[1:], "index"), "0", "a choice whose index is not a non-negative integer"),
+        (1, (*choice[1:], "index"), True, "a choice whose index is not a non-negative integer"),
+        (1, (*choice[1:], "delta"), 7, "a delta that is no object"),
+        (1, (*choice[1:], "delta", "content"), 7, "a delta whose content is neither text nor null"),
+        (2, (*choice[1:], "delta", "tool_calls"), {"index": 0}, "a delta whose tool_calls is not a list"),
+        (2, (*piece[1:], "function"), "bash", "a tool_calls piece whose function is not an object"),
+        (2, (*piece[1:], "function", "arguments"), 7,
+         "a tool_calls piece whose function name or arguments are not text"),
+        (3, (*piece[1:], "index"), True, "a tool_calls piece without an index"),
+        (3, (*piece[1:], "index"), -1, "a tool_calls piece without an index")]
+    for at, path, value, why in broken:
+        reason = proxy_log.exchange_session(_openai_line(_sse(_changed(chunks, at, path, value), done=True)))
+        assert reason == f"a streamed response that cannot be joined into a message ({why})", (path, value)
+
+
+def test_an_event_piece_the_join_cannot_read_is_a_skipped_line_naming_it_not_a_traceback(tmp_path):
+    """A block index that is no index (a list or an object too), a block whose text is no
+    text, a text or partial JSON delta that is no text, a delta without its type, a block
+    started twice, an event without a type: each is a reason, none passed over."""
+    events = _events(*ANTHROPIC_REPLIES["parallel calls"][::2])
+    starts = [i for i, e in enumerate(events) if e["type"] == "content_block_start"]
+    text_delta = next(i for i, e in enumerate(events) if e.get("delta", {}).get("type") == "text_delta")
+    json_delta = next(i for i, e in enumerate(events) if e.get("delta", {}).get("type") == "input_json_delta")
+    stop = next(i for i, e in enumerate(events) if e["type"] == "message_delta")
+    broken = [
+        (text_delta, ("index",), [0], "a content_block_delta for a block never started (index [0])"),
+        (text_delta, ("index",), {"i": 0}, 'a content_block_delta for a block never started (index {"i": 0})'),
+        (text_delta, ("index",), 0.0, "a content_block_delta for a block never started (index 0.0)"),
+        (starts[0], ("content_block", "text"), 7, "a text_delta to a block whose text is not text"),
+        (starts[0], ("content_block", "text"), [], "a text_delta to a block whose text is not text"),
+        (starts[0], ("index",), True, "a content_block_start without its index and block"),
+        (starts[1], ("index",), 0, "a second content_block_start for index 0"),
+        (text_delta, ("delta", "text"), 7, "a text_delta whose text is not text"),
+        (json_delta, ("delta", "partial_json"), None, "an input_json_delta whose partial_json is not text"),
+        (text_delta, ("delta", "type"), None, "a content_block_delta whose delta has no type"),
+        (text_delta, ("delta",), "x", "a content_block_delta without its delta"),
+        (stop, ("delta",), 7, "a message_delta without its delta"),
+        (stop, ("type",), None, "an event without a type")]
+    for at, path, value, why in broken:
+        for sse in (False, True):
+            changed = _changed(events, at, path, value)
+            line = _anthropic_line(_sse(changed) if sse else changed)
+            reason = proxy_log.exchange_session(line)
+            assert reason == f"a streamed response that cannot be joined into a message ({why})", (path, value)
+
+
+def test_a_stream_mixing_the_payloads_of_two_apis_is_a_skipped_line_saying_so():
+    """Neither API's payloads are passed over for the other's (Anthropic events read without
+    the chunks between them, a chat stream said to be cut off for the events in it)."""
+    chunks = _chunks(*OPENAI_REPLIES["text"][::2])
+    events = _events(*ANTHROPIC_REPLIES["text"][::2])
+    for line in (_anthropic_line(_sse([*events[:3], chunks[1], *events[3:]])),
+                 _openai_line(_sse([*chunks[:2], events[0], *chunks[2:]], done=True))):
+        assert proxy_log.exchange_session(line) == (
+            "a streamed response that cannot be joined into a message (payloads of more than one API: "
+            "chat.completion.chunk objects, Anthropic Messages events)")
+
+
+def test_what_the_recording_drops_is_read_without_error_however_it_is_given(tmp_path):
+    """A text block whose citations are no list, before a citations delta: citations are not
+    in the recording, which reads as the message logged whole."""
+    blocks, content, stop = ANTHROPIC_REPLIES["server tool and citations"]
+    events = _events(blocks, stop)
+    start = next(i for i, e in enumerate(events) if e.get("content_block", {}).get("type") == "text")
+    streamed = _anthropic_line(_changed(events, start, ("content_block", "citations"), 7))
+    (read,), corrupt = _read(tmp_path, streamed)
+    (whole,), _ = _read(tmp_path, _anthropic_line({**MESSAGE, "content": content, "stop_reason": stop}))
+    assert corrupt == [] and read == whole
