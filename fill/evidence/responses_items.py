@@ -17,7 +17,8 @@ CLI rollout's (:mod:`.codex_log`) and an API-proxy log's Responses API lines
   that call, its text (or text parts joined);
 * the items the model gave with no input between are one assistant message: its calls in
   order, its texts joined by a blank line (a text after a call starts another);
-* any other item (reasoning, the calls of built-in tools such as web searches) adds nothing.
+* an item of any other type (reasoning, the calls of built-in tools such as web searches)
+  adds nothing; an item without a type (as text) is none to read (:func:`item_problem`).
 
 :func:`chat_tools` gives a request's tools as the chat form's function tools, the ones its
 calls are read as calls of.
@@ -41,6 +42,8 @@ def item_problem(item: dict) -> str | None:
     """Why a Responses item cannot be converted (:func:`add_item`), None when it can; said of
     the item (``function_call without a name``), for the reader to say whose item it is."""
     kind = item.get("type")
+    if not isinstance(kind, str):
+        return "item without a type"
     if kind == "message" and not isinstance(item.get("role"), str):
         return "message without a role"
     if kind == "message" and part_text(item.get("content")) is None:

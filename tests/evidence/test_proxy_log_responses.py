@@ -392,3 +392,20 @@ def test_a_responses_stream_with_payloads_of_another_api_is_a_skipped_line_sayin
     assert proxy_log.exchange_session({**line, "response": [*events[:3], chunk, *events[3:]]}) == (
         "a streamed response that cannot be joined into a message (payloads of more than one API: "
         "chat.completion.chunk objects, Responses API events)")
+
+
+def test_an_item_without_a_type_is_a_skipped_line_not_an_item_dropped(tmp_path):
+    """An item of a type no reader knows adds nothing (a built-in tool's call); one without a
+    type is no item to read, and its line is skipped saying so, in a Responses API line and
+    in a Codex rollout alike (the reply it held was read as no reply)."""
+    untyped = [{k: v for k, v in _said("assistant", "Reading.").items() if k != "type"},
+               {**_call("c2", "cat a.py"), "type": None}, {**_output("c1", "a.py"), "type": 7}]
+    lines = [_line([_said("user", "hi")], [untyped[0]], "r1"), _line([_said("user", "hi")], [untyped[1]], "r2"),
+             _line([_said("user", "hi"), untyped[2]], [_said("assistant", "ok")], "r3")]
+    assert [proxy_log.exchange_session(line) for line in lines] == ["a Responses API item without a type"] * 3
+    rollout = [{"timestamp": "t", "type": "session_meta", "payload": {"id": "s"}},
+               *({"timestamp": "t", "type": "response_item", "payload": item}
+                 for item in [_said("user", "hi"), *untyped, _said("assistant", "ok")])]
+    sessions, corrupt = replay.load_recordings(_write(tmp_path / "rollout.jsonl", rollout))
+    assert [(c.line, c.reason) for c in corrupt] == [(n, "a Codex item without a type") for n in (3, 4, 5)]
+    assert [m["content"] for m in sessions[0]["messages"]] == ["hi", "ok"]
