@@ -214,9 +214,9 @@ def _responses_session(request: dict, response: dict, responses: dict[str, list[
 
 def _output_items(response: dict) -> list[dict] | str:
     """The output items of a Responses API response the model completed (a response without a
-    ``status`` taken for one), or why it holds none to read."""
-    status = response.get("status") or FINISHED
-    if status != FINISHED:
+    ``status``, or a null one, taken for one), or why it holds none to read."""
+    status = response.get("status")
+    if status is not None and status != FINISHED:
         details = response.get("incomplete_details")
         reason = details.get("reason") if isinstance(details, dict) else None
         return UNFINISHED.format(f"{quoted(status)}: {quoted(reason)}" if isinstance(reason, str)
@@ -282,7 +282,7 @@ def _detail(error: Any) -> str:
     if isinstance(error, dict):
         said = [error.get(key) for key in ("type", "code", "message")]
         error = ": ".join(str(s) for s in said if isinstance(s, (str, int)) and s != "")
-    return quoted(error) or "no message"
+    return "no message" if isinstance(error, str) and not error.strip() else quoted(error)
 
 
 def _prefix_digests(session: dict) -> list[bytes]:

@@ -409,3 +409,13 @@ def test_an_item_without_a_type_is_a_skipped_line_not_an_item_dropped(tmp_path):
     sessions, corrupt = replay.load_recordings(_write(tmp_path / "rollout.jsonl", rollout))
     assert [(c.line, c.reason) for c in corrupt] == [(n, "a Codex item without a type") for n in (3, 4, 5)]
     assert [m["content"] for m in sessions[0]["messages"]] == ["hi", "ok"]
+
+
+def test_only_a_response_without_a_status_or_completed_is_taken_for_completed():
+    """A status that is not ``completed`` (empty text, a list, false, 0) says nothing of the
+    model completing: the line is skipped naming it, not read as a completed response."""
+    line = _resending_agent()[1]
+    assert isinstance(proxy_log.exchange_session({**line, "response": {**line["response"], "status": None}}), dict)
+    reasons = [proxy_log.exchange_session({**line, "response": {**line["response"], "status": status}})
+               for status in ("", [], False, 0)]
+    assert reasons == [f"a response that did not complete (status {said})" for said in ('""', "[]", "false", "0")]
