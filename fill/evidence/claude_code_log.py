@@ -19,6 +19,7 @@ BOOKKEEPING_EVENTS = ("summary", "file-history-snapshot", "queue-operation")
 UNROOTED = ("a conversation that goes on from an event this log does not hold (its first line's "
             "parentUuid {} names no line of the file: a compaction summarizer's log, or a log cut "
             "from its start)")
+UNREADABLE = "a conversation holding a {} event (uuid {}) whose message is not an object"
 
 
 def is_event(obj: Any) -> bool:
@@ -53,7 +54,9 @@ def sessions_from_events(events: list[dict]) -> list[tuple[int, dict | str]]:
     elsewhere (the log of a compaction's summarizer, ``subagents/agent-acompact-*.jsonl``,
     holds only what it added to the main session's conversation; a log cut from its start):
     the model saw more than the log holds, so the session's place holds :data:`UNROOTED`, the
-    reason it is not read."""
+    reason it is not read. So does a conversation holding a user or assistant event whose
+    message is not an object (:data:`UNREADABLE`): read without it, the conversation would
+    not be what the model saw."""
     parents = _parents(events)
     taken: set[int] = set()
     found: list[tuple[int, dict | str]] = []
@@ -63,7 +66,7 @@ def sessions_from_events(events: list[dict]) -> list[tuple[int, dict | str]]:
         chain = _chain(index, parents)
         if not taken.intersection(chain):
             conversation = _conversation(chain, events)
-            why = _unrooted(chain[0], events, parents)
+            why = _unrooted(chain[0], events, parents) or _unreadable(conversation, events)
             found.append((conversation[-1], why or _session([events[i] for i in conversation])))
             taken.update(conversation)
         taken.update(chain)
@@ -104,6 +107,15 @@ def _unrooted(root: int, events: list[dict], parents: list[int | None]) -> str |
     hold; None for one whose root has no parent."""
     named = events[root].get("parentUuid")
     return UNROOTED.format(quoted(named)) if isinstance(named, str) and parents[root] is None else None
+
+
+def _unreadable(conversation: list[int], events: list[dict]) -> str | None:
+    """:data:`UNREADABLE` for a conversation (event indices) holding a user or assistant event
+    whose message is not an object; None where every message can be read."""
+    for event in (events[i] for i in conversation):
+        if event.get("type") in ("user", "assistant") and not isinstance(event.get("message"), dict):
+            return UNREADABLE.format(event["type"], quoted(event.get("uuid")))
+    return None
 
 
 def _chain(index: int, parents: list[int | None]) -> list[int]:

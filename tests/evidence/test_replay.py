@@ -403,6 +403,20 @@ def test_a_claude_code_conversation_that_goes_on_from_an_event_not_in_the_log_is
         (5, "a conversation that goes on from an event this log does not hold")]
 
 
+def test_a_claude_code_conversation_holding_a_message_that_is_no_object_is_skipped(tmp_path):
+    """A user or assistant event whose message is not an object holds a message no reader can
+    read: its conversation is skipped naming the event, not read without that message; the
+    log's other conversations are read."""
+    log = _claude_code_log()
+    thanks = next(i for i, e in enumerate(log) if e.get("uuid") == "u5")
+    for broken in (7, "thanks", None):
+        log[thanks] = {**log[thanks], "message": broken}
+        sessions, corrupt = replay.load_recordings(_write_lines(tmp_path / "s.jsonl", map(json.dumps, log)))
+        assert [s["session_id"] for s in sessions] == ["S/ag1", "S"]  # the compaction's, S's first read
+        assert [(c.line, c.reason) for c in corrupt] == [
+            (15, "a conversation holding a user event (uuid u5) whose message is not an object")]
+
+
 def test_a_claude_code_log_without_links_reads_in_file_order(tmp_path):
     """Lines without ``parentUuid`` (an older or trimmed log, without ``sessionId`` too)
     follow the line before them."""
