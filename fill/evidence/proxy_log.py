@@ -48,20 +48,23 @@ An agent sends its whole history with every request (a Responses API agent too, 
 the server keep it: then its lines chain, as above), so a file's lines repeat each other:
 :func:`latest_conversations` keeps a line's session only where no later line of the file holds
 its whole conversation (the same system prompt and tools, its messages the start of the later
-one's); of lines that hold the same conversation the last is kept.
+one's); of lines that hold the same conversation the last is kept. :class:`ProxyLog` reads a
+file's lines so: a line that a later one holds whole by going on from its response is not
+read where that one is kept, so a chain's work is linear in its lines.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from .log_formats import quoted
 from .responses_items import add_item, chat_tools, item_problem
 from .streamed import is_stream, whole_body
 
-__all__ = ["exchange_session", "is_exchange", "latest_conversations"]
+__all__ = ["ProxyLog", "exchange_session", "is_exchange", "latest_conversations"]
 
 NO_REPLY = "a response without an assistant message (neither choices[0].message nor an Anthropic message)"
 NO_OUTPUT = "a response without an assistant message (no output item of a message or a call)"
@@ -82,11 +85,127 @@ def is_exchange(obj: Any) -> bool:
     return isinstance(obj, dict) and "messages" not in obj and ("request" in obj or "response" in obj)
 
 
-def exchange_session(line: dict, responses: dict[str, list[dict]] | None = None) -> dict | str:
-    """The session a proxy log's line (:func:`is_exchange`) holds, or why it holds none (see
-    the module contract). ``responses``: the conversations of the file's earlier Responses API
-    lines, as items by their response's ``id``, for a ``previous_response_id`` to go on from;
-    the line's own is added to it (none given: the line is read alone)."""
+def exchange_session(line: dict) -> dict | str:
+    """The session a proxy log's line (:func:`is_exchange`) holds read alone, or why it holds
+    none (see the module contract; a Responses API line that goes on from an earlier response
+    holds none alone: :class:`ProxyLog` reads a file's lines together)."""
+    read = _line_session(line, {}, -1)
+    return read if isinstance(read, str) else read.session
+
+
+@dataclass(frozen=True)
+class _Answered:
+    """A Responses API line's conversation, kept as what it adds to the one it goes on from:
+    ``own`` its chat messages after ``earlier``'s (the first of them, where it goes on from
+    one, a copy of ``earlier``'s last, which its first items may add to) and after its system
+    message (``system``, none without instructions); ``tools`` None without; ``place`` the
+    line's among the log's sessions. So a chain of n lines keeps n lines' messages, not the
+    n²/2 of each line's whole conversation."""
+
+    place: int
+    system: list[dict]
+    tools: list[dict] | None
+    earlier: _Answered | None
+    own: list[dict]
+
+    def messages(self) -> list[dict]:
+        """The conversation's chat messages, its system message first."""
+        parts, at = [], self
+        while at is not None:
+            parts.append(at.own)
+            at = at.earlier
+        messages: list[dict] = []
+        for own in reversed(parts):
+            messages[len(messages) - 1:] = own  # its first: the copy of the last before it
+        return [*self.system, *messages]
+
+    def holds_earlier(self) -> bool:
+        """Whether it holds the conversation it goes on from whole: the same instructions and
+        tools, every message of it as it was (the copy of its last unchanged)."""
+        earlier = self.earlier
+        return (earlier is not None and (earlier.system, earlier.tools) == (self.system, self.tools)
+                and self.own[0] == earlier.own[-1])
+
+
+@dataclass(frozen=True)
+class _Read:
+    """A line's session: ``fields`` all but its messages, which are ``messages`` or, for a
+    Responses API line, those of its conversation (``answered``)."""
+
+    fields: dict
+    messages: list[dict] | None = None
+    answered: _Answered | None = None
+
+    @property
+    def session(self) -> dict:
+        """The session, its messages made whole."""
+        messages = self.answered.messages() if self.answered is not None else self.messages
+        return {**self.fields, "messages": messages}
+
+    @property
+    def holds(self) -> int | None:
+        """The place of the line whose conversation it holds whole
+        (:meth:`_Answered.holds_earlier`), None for none."""
+        answered = self.answered
+        return answered.earlier.place if answered is not None and answered.holds_earlier() else None
+
+    def added(self) -> dict:
+        """Its session with only the messages it adds to the conversation it holds whole."""
+        return {**self.fields, "messages": self.answered.own[1:]}
+
+
+class ProxyLog:
+    """An API-proxy log's lines, added in file order, and the sessions of those no later line
+    holds whole (see the module contract).
+
+    A Responses API line that goes on from an earlier line's response holds that line's
+    conversation, its own after it (:class:`_Answered`); where it holds it whole, the earlier
+    line's session is kept only if the later line's is refused, and is not read otherwise
+    (:meth:`sessions`). So a chain of n lines reads the messages of its last line, not the
+    n²/2 of every line's."""
+
+    def __init__(self) -> None:
+        self._read: list[tuple[int, _Read]] = []  # (line number, what it read), a place each
+        self._answered: dict[str, _Answered] = {}  # Responses API conversations by response id
+
+    def add(self, number: int, line: dict) -> str | None:
+        """Read the log's line ``number`` (:func:`is_exchange`, after the lines added before it):
+        None where it holds a session, else why it holds none."""
+        read = _line_session(line, self._answered, len(self._read))
+        if isinstance(read, str):
+            return read
+        self._read.append((number, read))
+        return None
+
+    def sessions(self, recording: Callable[[dict], dict | str]
+                 ) -> tuple[list[dict], list[tuple[int, str]]]:
+        """The recordings ``recording`` makes of the sessions read (a recording, or why the
+        session is none) that :func:`latest_conversations` keeps, in file order, and the
+        ``(line number, why)`` of those it refuses. Read from the last: a line a kept line
+        holds whole is not read (it would not be kept); one whose messages hold what a line
+        holding it whole was refused for, its own messages refused for nothing, is refused
+        for that without reading it again."""
+        kept, refused = [], []
+        held: set[int] = set()  # places a kept line holds whole
+        failed: dict[int, str] = {}  # places refused for what a line holding them was
+        for place in range(len(self._read) - 1, -1, -1):
+            number, read = self._read[place]
+            if place not in held:
+                made = failed.get(place) or recording(read.session)
+                if isinstance(made, str):
+                    refused.append((number, made))
+                    if read.holds is not None and not isinstance(recording(read.added()), str):
+                        failed[read.holds] = made  # what it was refused for is in those messages
+                    continue
+                kept.append(made)
+            if read.holds is not None:  # a kept line holds what this one holds whole
+                held.add(read.holds)
+        return latest_conversations(kept[::-1]), refused[::-1]
+
+
+def _line_session(line: dict, answered: dict[str, _Answered], place: int) -> _Read | str:
+    """What a proxy log's line reads as (see :func:`exchange_session`), going on from the
+    Responses API conversations ``answered`` by earlier lines (its own added, as ``place``)."""
     if line.get("response") is None:
         error = line.get("error")
         return "an exchange without a response" + (f" ({_detail(error)})" if error else "")
@@ -98,14 +217,14 @@ def exchange_session(line: dict, responses: dict[str, list[dict]] | None = None)
         return response
     request = _body(line.get("request"))
     if _is_responses_exchange(request, response):
-        return _responses_session(request, response, {} if responses is None else responses)
+        return _responses_session(request, response, answered, place)
     message = _assistant_message(response)
     if isinstance(message, str):
         return message
     if not isinstance(request, dict) or not isinstance(request.get("messages"), list):
         return NO_REQUEST
     session = {key: request[key] for key in ("system", "tools") if key in request}
-    return {**session, **_names(request, response), "messages": [*request["messages"], message]}
+    return _Read({**session, **_names(request, response)}, [*request["messages"], message])
 
 
 def latest_conversations(sessions: list[dict]) -> list[dict]:
@@ -188,28 +307,32 @@ def _is_responses_exchange(request: Any, response: dict) -> bool:
             and (response.get("object") == "response" or isinstance(response.get("output"), list)))
 
 
-def _responses_session(request: dict, response: dict, responses: dict[str, list[dict]]) -> dict | str:
-    """The session of a Responses API line (see the module contract), or why it holds none;
-    its conversation's items are added to ``responses`` under its response's ``id``."""
+def _responses_session(request: dict, response: dict, answered: dict[str, _Answered],
+                       place: int) -> _Read | str:
+    """What a Responses API line reads as (see the module contract), or why it holds none;
+    its conversation is added to ``answered`` under its response's ``id``, as ``place``."""
     output = _output_items(response)
     if isinstance(output, str):
         return output
     given = _input_items(request)
     if isinstance(given, str):
         return given
-    history = _history(request, given, responses)
-    if isinstance(history, str):
-        return history
+    earlier = _earlier(request, given, answered)
+    if isinstance(earlier, str):
+        return earlier
     instructions = request.get("instructions")
-    messages = ([{"role": "system", "content": instructions}]
-                if isinstance(instructions, str) and instructions else [])
-    _add_items(messages, [*history, *given])
-    if not _add_items(messages, output):
+    system = ([{"role": "system", "content": instructions}]
+              if isinstance(instructions, str) and instructions else [])
+    own = [dict(earlier.own[-1])] if earlier is not None else []
+    _add_items(own, given)
+    if not _add_items(own, output):
         return NO_OUTPUT
+    tools = chat_tools(request["tools"]) if isinstance(request.get("tools"), list) else None
+    conversation = _Answered(place, system, tools, earlier, own)
     if isinstance(response.get("id"), str):
-        responses[response["id"]] = [*history, *given, *output]
-    session = {"tools": chat_tools(request["tools"])} if isinstance(request.get("tools"), list) else {}
-    return {**session, **_names(request, response), "messages": messages}
+        answered[response["id"]] = conversation
+    fields = {"tools": tools} if tools is not None else {}
+    return _Read({**fields, **_names(request, response)}, answered=conversation)
 
 
 def _output_items(response: dict) -> list[dict] | str:
@@ -241,19 +364,19 @@ def _input_items(request: dict) -> list[dict] | str:
     return _items_problem(items) or items
 
 
-def _history(request: dict, given: list[dict], responses: dict[str, list[dict]]) -> list[dict] | str:
-    """The items a Responses API request goes on from: those of the earlier line (in
-    ``responses``) whose response its ``previous_response_id`` names, none where it names
-    none; why none where it goes on from what the server holds (see the module contract)."""
+def _earlier(request: dict, given: list[dict], answered: dict[str, _Answered]) -> _Answered | None | str:
+    """The conversation a Responses API request goes on from: the one of the earlier line (in
+    ``answered``) whose response its ``previous_response_id`` names, None where it names none;
+    why none where it goes on from what the server holds (see the module contract)."""
     held = [f"{key} {quoted(_id(request[key]))}" for key in STORED if request.get(key)]
     held += [f"{REFERENCE} {quoted(_id(item))}" for item in given if item.get("type") == REFERENCE]
     previous = request.get("previous_response_id")
-    if previous is not None and not (isinstance(previous, str) and previous in responses):
+    if previous is not None and not (isinstance(previous, str) and previous in answered):
         held.append(f"previous_response_id {quoted(previous)}, a response no earlier line of the "
                     f"file holds")
     if held:
         return SERVER_HELD.format("; ".join(held))
-    return [] if previous is None else responses[previous]
+    return None if previous is None else answered[previous]
 
 
 def _id(stored: Any) -> Any:

@@ -52,7 +52,7 @@ from . import report
 from .claude_code_log import is_event, sessions_from_events
 from .codex_log import is_rollout_line, rollout_line_problem, sessions_from_rollout
 from .log_formats import CALL_PARTS, as_recording, quoted
-from .proxy_log import exchange_session, is_exchange, latest_conversations
+from .proxy_log import ProxyLog, is_exchange
 from mlx_fill.core.errors import NOT_REGULAR, UserError, float_in, int_up_to, output_dir, positive_int
 
 JSON_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
@@ -147,9 +147,8 @@ def load_recordings(path: str | Path) -> tuple[list[dict], list[CorruptLine]]:
     and then the lines of a Codex CLI rollout
     (:func:`~mlx_fill.evidence.codex_log.sessions_from_rollout`), a conversation that cannot
     be read reported under its last line, and then the sessions of an API-proxy log's lines
-    (:func:`~mlx_fill.evidence.proxy_log.exchange_session`) that no later line goes on from
-    (:func:`~mlx_fill.evidence.proxy_log.latest_conversations`), a line without one skipped
-    saying why. A line that is not a JSON object with a ``messages``
+    that no later line goes on from (:class:`~mlx_fill.evidence.proxy_log.ProxyLog`), a line
+    without one skipped saying why. A line that is not a JSON object with a ``messages``
     list of role-bearing dicts, a rollout line that cannot be read
     (:func:`~mlx_fill.evidence.codex_log.rollout_line_problem`), a line that holds bytes
     that are not UTF-8, or one holding an integer longer than Python converts
@@ -172,8 +171,7 @@ def _load_file(path: Path) -> tuple[list[dict], list[CorruptLine]]:
     sessions, corrupt = [], []
     events: list[tuple[int, dict]] = []  # (line, event) of a Claude Code session log
     rollout: list[tuple[int, dict]] = []  # (line, item) of a Codex CLI rollout
-    exchanges: list[dict] = []  # the sessions of an API-proxy log's lines
-    responses: dict[str, list[dict]] = {}  # its Responses API conversations, by response id
+    proxy = ProxyLog()  # the lines of an API-proxy log
     number = 0
     with _open_text(path) as fh:
         try:
@@ -200,11 +198,8 @@ def _load_file(path: Path) -> tuple[list[dict], list[CorruptLine]]:
                     corrupt.append(CorruptLine(number, "JSON nested too deeply to read"))
                     continue
                 if is_exchange(obj):
-                    session = exchange_session(obj, responses)
-                    if isinstance(session, str):  # why the line holds no session
-                        corrupt.append(CorruptLine(number, session))
-                    else:
-                        _keep(session, number, exchanges, corrupt)
+                    if why := proxy.add(number, obj):
+                        corrupt.append(CorruptLine(number, why))
                 elif is_event(obj):
                     events.append((number, obj))
                 elif is_rollout_line(obj):
@@ -223,7 +218,9 @@ def _load_file(path: Path) -> tuple[list[dict], list[CorruptLine]]:
             _keep(session, events[index][0], sessions, corrupt)
     for index, session in sessions_from_rollout([item for _, item in rollout]):
         _keep(session, rollout[index][0], sessions, corrupt)
-    sessions += latest_conversations(exchanges)
+    exchanges, refused = proxy.sessions(_recording)
+    sessions += exchanges
+    corrupt += [CorruptLine(number, why) for number, why in refused]
     corrupt.sort(key=lambda c: c.line)
     return sessions, corrupt
 
@@ -243,12 +240,18 @@ def _invalid_json(error: json.JSONDecodeError, line: str) -> str:
 def _keep(obj: Any, line: int, sessions: list[dict], corrupt: list[CorruptLine]) -> None:
     """``obj`` read as a recording into ``sessions``, or its problem into ``corrupt`` under
     ``line``."""
-    obj = as_recording(obj)
-    problem = _session_problem(obj)
-    if problem:
-        corrupt.append(CorruptLine(line, problem))
+    recording = _recording(obj)
+    if isinstance(recording, str):
+        corrupt.append(CorruptLine(line, recording))
     else:
-        sessions.append(obj)
+        sessions.append(recording)
+
+
+def _recording(obj: Any) -> dict | str:
+    """``obj`` read as a recording (:func:`~mlx_fill.evidence.log_formats.as_recording`), or
+    why it holds none (:func:`_session_problem`)."""
+    obj = as_recording(obj)
+    return _session_problem(obj) or obj
 
 
 def skipped_lines(corrupt: list[CorruptLine]) -> str:
