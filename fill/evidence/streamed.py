@@ -9,7 +9,8 @@ as one payload alone. :func:`whole_body` joins it into the body the same call ma
 * OpenAI chat completions (``chat.completion.chunk`` payloads, ``data: [DONE]`` after the
   last): choice 0's deltas join into its message, other choices are not read. ``role`` is the
   first a delta gives; ``content``, ``refusal``, ``reasoning_content`` and ``reasoning`` pieces
-  each join into the field of that name (``content`` None, the others absent, where no piece
+  (text, or parts whose text parts are joined as a whole message's are) each join into the
+  field of that name (``content`` None, the others absent, where no piece
   held text, as in a whole message); ``tool_calls`` pieces join by their ``index`` into calls in
   its order: a call's ``id``, ``type`` and function ``name`` are the first its pieces give, its
   ``arguments`` their ``arguments`` text joined, kept as written (text that is no JSON is read
@@ -65,7 +66,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .log_formats import quoted
+from .log_formats import part_text, quoted
 from .sse import event_data
 
 __all__ = ["is_stream", "whole_body"]
@@ -207,7 +208,7 @@ def _openai_message(deltas: list[dict]) -> dict | str:
     message: dict[str, Any] = {
         "role": next((d["role"] for d in deltas if isinstance(d.get("role"), str)), "assistant")}
     for field in MESSAGE_TEXT:
-        text = "".join(d[field] for d in deltas if isinstance(d.get(field), str))
+        text = "".join(part_text(d[field]) for d in deltas if d.get(field) is not None)
         if text or field == "content":
             message[field] = text or None
     calls: dict[int, list[dict]] = {}
@@ -223,12 +224,14 @@ def _openai_message(deltas: list[dict]) -> dict | str:
 
 def _delta_problem(deltas: list[dict]) -> str | None:
     """What of choice 0's ``deltas`` the join cannot read, None where it reads all: a text
-    field, ``tool_calls`` or ``function_call``, a call piece (its ``index`` a non-negative
-    integer), its ``function`` or a function's ``name`` or ``arguments`` given as another type
-    than the join reads (null reads as absent). None is passed over: the message would lack
-    what it held, where a whole message holding it is a skipped line."""
-    if field := next((field for field in MESSAGE_TEXT if _odd(deltas, field, str)), None):
-        return f"a delta whose {field} is neither text nor null"
+    field (text, or parts whose text parts join as a whole message's do), ``tool_calls`` or
+    ``function_call``, a call piece (its ``index`` a non-negative integer), its ``function``
+    or a function's ``name`` or ``arguments`` given as another type than the join reads (null
+    reads as absent). None is passed over: the message would lack what it held, where a whole
+    message holding it is a skipped line."""
+    if field := next((field for field in MESSAGE_TEXT if any(
+            d.get(field) is not None and part_text(d[field]) is None for d in deltas)), None):
+        return f"a delta whose {field} is neither text, text parts nor null"
     if _odd(deltas, "tool_calls", list):
         return "a delta whose tool_calls is not a list"
     if _odd(deltas, "function_call", dict):

@@ -386,7 +386,7 @@ def test_a_chunk_piece_the_join_cannot_read_is_a_skipped_line_naming_it(tmp_path
         (1, (*choice[1:], "index"), "0", "a choice whose index is not a non-negative integer"),
         (1, (*choice[1:], "index"), True, "a choice whose index is not a non-negative integer"),
         (1, (*choice[1:], "delta"), 7, "a delta that is no object"),
-        (1, (*choice[1:], "delta", "content"), 7, "a delta whose content is neither text nor null"),
+        (1, (*choice[1:], "delta", "content"), 7, "a delta whose content is neither text, text parts nor null"),
         (2, (*choice[1:], "delta", "tool_calls"), {"index": 0}, "a delta whose tool_calls is not a list"),
         (2, (*piece[1:], "function"), "bash", "a tool_calls piece whose function is not an object"),
         (2, (*piece[1:], "function", "arguments"), 7,
@@ -439,6 +439,14 @@ def test_a_stream_mixing_the_payloads_of_two_apis_is_a_skipped_line_saying_so():
         assert proxy_log.exchange_session(line) == (
             "a streamed response that cannot be joined into a message (payloads of more than one API: "
             "chat.completion.chunk objects, Anthropic Messages events)")
+
+
+def test_content_pieces_given_as_text_parts_read_as_a_whole_messages_parts(tmp_path):
+    """A server may stream ``content`` as parts: their text parts join as a whole message's do."""
+    deltas, message, finish = OPENAI_REPLIES["text"]
+    as_parts = [{**d, "content": [{"type": "text", "text": d["content"]}, {"type": "image_url"}]}
+                if d.get("content") else d for d in deltas]
+    _same_recording(tmp_path, _openai_line(_sse(_chunks(as_parts, finish), done=True)), _openai_whole(message, finish))
 
 
 def test_what_the_recording_drops_is_read_without_error_however_it_is_given(tmp_path):
