@@ -64,7 +64,7 @@ JSON_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "str
 @dataclass(frozen=True)
 class CorruptLine:
     """A skipped line of a transcripts file: its number, why, and (read from a folder) the
-    file's path in the folder."""
+    file's path in the folder (:func:`path_text`)."""
 
     line: int
     reason: str
@@ -112,6 +112,13 @@ def _first_sight(path: Path, seen: set[tuple[int, int]]) -> bool:
         return False
     seen.add(key)
     return True
+
+
+def path_text(path: str | Path) -> str:
+    """``path`` as a message or a report shows it: the bytes of its name that are not UTF-8
+    (which Python reads as surrogate escapes, and no UTF-8 file or terminal takes) as ``\\xff``
+    escapes."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
 def transcript_files(folder: Path) -> list[Path]:
@@ -162,7 +169,7 @@ def load_recordings(path: str | Path) -> tuple[list[dict], list[CorruptLine]]:
     for file in transcript_files(path):
         read, skipped = _load_file(file)
         sessions += read
-        corrupt += [replace(c, file=str(file.relative_to(path))) for c in skipped]
+        corrupt += [replace(c, file=path_text(file.relative_to(path))) for c in skipped]
     return sessions, corrupt
 
 
@@ -721,7 +728,7 @@ def run(args) -> int:
     clients = {arm: OpenAI(base_url=_base_url(url), api_key="not-needed", timeout=args.timeout, max_retries=0)
                for arm, url in arms.items()}
     header = {
-        "kind": "run", "command": command, "sessions_file": str(args.sessions), "urls": arms,
+        "kind": "run", "command": command, "sessions_file": path_text(args.sessions), "urls": arms,
         "model": args.model, "reps": reps, "max_tokens": args.max_tokens, "temperature": args.temperature,
         "stream": args.stream, "started": started.isoformat(timespec="seconds"),
         "sessions_selected": len(notes), "turns_selected": len(turns), "sessions": notes,

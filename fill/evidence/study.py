@@ -48,7 +48,7 @@ from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.cost import CostGate, RoundCosts
 from mlx_fill.core.proposal import DecodeView, FillSession, Pace
 
-from .replay import CorruptLine, check_transcripts
+from .replay import CorruptLine, check_transcripts, path_text
 from .transcripts import markers
 
 if TYPE_CHECKING:
@@ -337,7 +337,7 @@ def run_study(path: Path, family: str, row_names: list[str], *, sessions: int | 
                         sorted(by_tool.items(), key=lambda kv: -kv[1].tokens)},
         }
     return {
-        "transcripts": str(path), "family": family, "sessions": len(picks),
+        "transcripts": path_text(path), "family": family, "sessions": len(picks),
         "per_source": per_source,
         "sessions_by_source": dict(per_source_sessions),
         "corrupt_lines": [vars(c) for c in corrupt],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -970,6 +971,24 @@ def test_unreachable_endpoint_is_recorded_not_raised(tmp_path, capsys):
     records = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
     assert [r["kind"] for r in records] == ["run", "turn", "turn"]
     assert all(r["error"] for r in records[1:])
+
+
+def test_a_sessions_name_that_is_not_utf8_is_written_with_escapes(tmp_path, capsys):
+    """A sessions file whose name holds bytes that are not UTF-8, in a folder: the run's header
+    names it, and the file of its skipped line, with ``\\xff`` escapes (the runs file is
+    UTF-8 text)."""
+    folder = tmp_path / "logs"
+    folder.mkdir()
+    _write_lines(folder / os.fsdecode(b"bad\xff.jsonl"), [json.dumps(_inline()), "{broken"])
+    out = tmp_path / "out"
+    for sessions in (folder, folder / os.fsdecode(b"bad\xff.jsonl")):
+        shutil.rmtree(out, ignore_errors=True)
+        assert main(["replay", "--sessions", str(sessions), "--url", f"http://127.0.0.1:{free_port()}",
+                     "--timeout", "5", "--out", str(out)]) == 1
+        header = json.loads((out / "runs.jsonl").read_text(encoding="utf-8").splitlines()[0])
+        assert header["sessions_file"] == os.fsencode(sessions).decode("utf-8", "backslashreplace")
+        assert [c["file"] for c in header["corrupt_lines"]] == ["bad\\xff.jsonl" if sessions == folder else ""]
+    capsys.readouterr()
 
 
 # ----------------------------------------------------------------------------- end to end

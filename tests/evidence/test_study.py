@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 
 import pytest
 from cli_lines import one_error_line
@@ -169,6 +170,24 @@ def test_sessions_without_a_turn_to_study_are_one_error_line(tmp_path, capsys):
     one_error_line(capsys, [*argv, "--family", "llama3.x"], "1 sessions not rendered (the first: s1: "
                    "the chat template refuses the session", "or another --family")
     assert not out.exists()
+
+
+def test_a_transcripts_name_that_is_not_utf8_is_shown_with_escapes(tmp_path, capsys):
+    """Bytes of a file name that are not UTF-8 (read by Python as surrogate escapes, which no
+    UTF-8 file or terminal takes) are shown as ``\\xff``: the report naming the file, and a
+    skipped line of it, is written and printed."""
+    folder = tmp_path / "logs"
+    folder.mkdir()
+    name = os.fsdecode(b"run\xff.jsonl")
+    (folder / name).write_text(json.dumps(_sessions()[0]) + "\n{broken\n")
+    out = tmp_path / "study"
+    for path, where in ((folder, "run\\xff.jsonl line 2"), (folder / name, "line 2")):
+        code = cli.main(["study", "--transcripts", str(path), "--sources", "ngram", "--workers", "1",
+                         "--out", str(out), "--no-progress"])
+        report = (out / "study.md").read_text()
+        assert code == 0 and f"Corrupt lines: 1 (the first: {where}: invalid JSON" in report
+        assert report.splitlines()[0] == f"# mlx-fill study: {os.fsencode(path).decode('utf-8', 'backslashreplace')}"
+        assert report in capsys.readouterr().out
 
 
 def test_a_reply_quoting_the_end_of_turn_marker_is_not_cut_into_a_turn(tok):
