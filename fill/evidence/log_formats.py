@@ -76,9 +76,9 @@ def arguments_object(raw: Any) -> dict:
 def quoted(value: Any) -> str:
     """A value of a log as the reason a line is skipped for quotes it, one line of printable
     UTF-8 text: text as it is, blank text and any other value as JSON (an array or object
-    nested too deeply to write, as which it is); a lone surrogate (a ``\\ud800`` escape JSON reads) as that
-    escape, runs of white space and other unprintable characters as one space, and no more
-    than :data:`QUOTED_CHARS` characters of it (the rest as ``...``)."""
+    nested too deeply to write, as which it is); a lone surrogate (a ``\\ud800`` escape JSON
+    reads) as that escape, runs of white space and other unprintable characters as one space,
+    and no more than :data:`QUOTED_CHARS` characters of it (the rest as ``...``)."""
     if not isinstance(value, str) or not value.strip():
         try:
             value = json.dumps(value, ensure_ascii=False)
