@@ -582,14 +582,18 @@ def _into_name(span: tuple[int, ...], text: str | None, bodies: list[_Body],
             or any(b.ids[:len(span)] != span for b in foreign))
 
 
-def _name_end(tool: str, bodies: list[_Body]) -> int | None:
-    """Where ``tool``'s name ends in the text of its calls: its last occurrence that begins
-    no later than where the bodies' texts part (every call writes its name after the same
-    lead); None when its calls do not write the name as it is (escaped)."""
-    text = next(b.text for b in bodies if b.tool == tool)
+def _name_ends(bodies: list[_Body]) -> dict[str, int | None]:
+    """Per tool, where its name ends in the text of its calls (the first body of the tool):
+    its last occurrence that begins no later than where the bodies' texts part (every call
+    writes its name after the same lead); None when its calls do not write the name as it is
+    (escaped)."""
     lead = len(os.path.commonprefix([b.text for b in bodies]))
-    at = text.rfind(tool, 0, lead + len(tool))
-    return None if at < 0 else at + len(tool)
+    ends: dict[str, int | None] = {}
+    for b in bodies:
+        if b.tool not in ends:
+            at = b.text.rfind(b.tool, 0, lead + len(b.tool))
+            ends[b.tool] = None if at < 0 else at + len(b.tool)
+    return ends
 
 
 def _head_rows(bodies: list[_Body], table, eos: set[int], syntax: str,
@@ -624,6 +628,7 @@ def _head_rows(bodies: list[_Body], table, eos: set[int], syntax: str,
     node = root
     for t in scaffold:
         node = node.children[t]
+    name_ends = _name_ends(bodies)
 
     def walk(n: _Trie, path: list[int]) -> None:
         for t, child in n.children.items():
@@ -636,7 +641,7 @@ def _head_rows(bodies: list[_Body], table, eos: set[int], syntax: str,
                     kept = _forced_cut(table, call_syntax, key, span)
                     into = (_into_arguments(syntax, _decode(table, p + list(span[:kept])))
                             or len(p) + kept > args_at[tool])
-                    end = _name_end(tool, bodies)
+                    end = name_ends[tool]
                     rows[key] = Row("name", tool, key, (*trigger, *p), span,
                                     certainty("name", syntax, after_call=after_call,
                                               into_arguments=into,
