@@ -530,17 +530,18 @@ def _forced_cut(table, syntax: CallSyntax, key: str, span: Sequence[int]) -> int
     return cut
 
 
-def _split_forced(rows: dict[str, Row], table, syntax: CallSyntax, eos: set[int]
-                  ) -> dict[str, Row]:
-    """Head rows cut where the syntax's forced text ends (:func:`_forced_cut`): the part up
-    to the last token boundary inside it keeps the row and its class; the rest becomes a
+def _split_forced(rows: dict[str, Row], cuts: dict[str, int], table, syntax: CallSyntax,
+                  eos: set[int]) -> dict[str, Row]:
+    """Head rows cut where the syntax's forced text ends (``cuts``: per row key, its
+    :func:`_forced_cut`): the part up to the last token boundary inside it keeps the row and
+    its class; the rest becomes a
     ``header`` row (``likely``) keyed by the body after the first part. A row whose forced
     part is already written is a ``header`` row whole; a header key another row holds is
     dropped (ambiguous)."""
     out: dict[str, Row] = {}
     headers: dict[str, Row] = {}
     for key, row in rows.items():
-        cut = _forced_cut(table, syntax, row.key, row.span)
+        cut = cuts[key]
         head = _clean(list(row.span[:cut]), eos)
         if head is not None:
             out[key] = replace(row, span=head)
@@ -607,6 +608,7 @@ def _head_rows(bodies: list[_Body], table, eos: set[int], syntax: str,
     for b in bodies:
         root.add(b.ids, b.tool)
     rows: dict[str, Row] = {}
+    cuts: dict[str, int] = {}  # per row key, how many of its span ids the protocol forces
     triggers = {b.trigger for b in bodies}
     trigger_text = _decode(table, bodies[0].trigger) or ""
     if len(triggers) != 1 or not _letters(trigger_text):
@@ -618,7 +620,7 @@ def _head_rows(bodies: list[_Body], table, eos: set[int], syntax: str,
     span = _clean(scaffold, eos, stops)
     if span is not None:
         text = _decode(table, span)
-        kept = _forced_cut(table, call_syntax, "", span)
+        kept = cuts[""] = _forced_cut(table, call_syntax, "", span)
         into = (_into_arguments(syntax, _decode(table, span[:kept]))
                 or kept > min(args_at.values()))
         rows[""] = Row("scaffold", only, "", trigger, span,
@@ -638,7 +640,7 @@ def _head_rows(bodies: list[_Body], table, eos: set[int], syntax: str,
                 span = _clean(child.chain(), eos, stops)
                 if key is not None and span is not None:
                     tool = next(iter(child.tools))
-                    kept = _forced_cut(table, call_syntax, key, span)
+                    kept = cuts[key] = _forced_cut(table, call_syntax, key, span)
                     into = (_into_arguments(syntax, _decode(table, p + list(span[:kept])))
                             or len(p) + kept > args_at[tool])
                     end = name_ends[tool]
@@ -651,7 +653,7 @@ def _head_rows(bodies: list[_Body], table, eos: set[int], syntax: str,
 
     if len(node.tools) > 1:
         walk(node, list(scaffold))
-    return (_split_forced(rows, table, call_syntax, eos) if call_syntax.forced is not None
+    return (_split_forced(rows, cuts, table, call_syntax, eos) if call_syntax.forced is not None
             else rows)
 
 
