@@ -276,16 +276,31 @@ def _turn(calls: list[tuple[str, dict]], content: str, ids: bool) -> dict:
                            for k, (name, args) in enumerate(calls)]}
 
 
-class _Prober:
-    """Renders reply probes for one conversation and tokenizes them whole."""
+class Primer:
+    """A conversation rendered with its generation prompt (:attr:`text`), rendered when first
+    read and then kept: every probe's reply extends it (:class:`_Prober`) and its tail is the
+    prompt the reply opens in (:func:`initial_role`), so one compile renders it once."""
 
-    def __init__(self, tokenizer, messages, tools, kwargs) -> None:
+    def __init__(self, tokenizer, messages: list[dict], tools: list[dict] | None,
+                 kwargs: dict) -> None:
+        self._render = functools.partial(_render, tokenizer, messages, tools, kwargs, True)
+
+    @functools.cached_property
+    def text(self) -> str:
+        return self._render()
+
+
+class _Prober:
+    """Renders reply probes for one conversation and tokenizes them whole; ``primer``: the
+    conversation's :class:`Primer`, when the caller reads it too."""
+
+    def __init__(self, tokenizer, messages, tools, kwargs, primer: Primer | None = None) -> None:
         self.tokenizer = tokenizer
         self.messages = list(messages)
         self.tools = tools
         self.kwargs = kwargs
         self.table = token_bytes(tokenizer)
-        self.primer = _render(tokenizer, self.messages, tools, kwargs, True)
+        self.primer = (primer or Primer(tokenizer, self.messages, tools, kwargs)).text
         self.call_ids = False
 
     def turn(self, calls: list[tuple[str, dict]], content: str = "") -> Rendered:
@@ -336,9 +351,11 @@ class _Prober:
         return [self.calls([c], markers)[0] for c in calls]
 
 
-def initial_role(tokenizer, messages, tools, kwargs, markers: Markers) -> Role:
-    """Reasoning when the generation prompt leaves a think block open, else content."""
-    with_gen = _render(tokenizer, messages, tools, kwargs, True)
+def initial_role(tokenizer, messages, tools, kwargs, markers: Markers,
+                 primer: Primer | None = None) -> Role:
+    """Reasoning when the generation prompt leaves a think block open, else content;
+    ``primer``: the conversation's :class:`Primer`, when the caller reads it too."""
+    with_gen = (primer or Primer(tokenizer, messages, tools, kwargs)).text
     without = _render(tokenizer, messages, tools, kwargs, False)
     gen = with_gen[len(without):] if with_gen.startswith(without) else with_gen[-64:]
     opened = gen.rfind(markers.think_start) if markers.think_start else -1
@@ -886,7 +903,8 @@ def awaits_reply(messages: list[dict] | None) -> bool:
 
 
 def compile_table(tokenizer, messages: list[dict], tools: list[dict] | None,
-                  template_kwargs: dict | None = None) -> RowTable | None:
+                  template_kwargs: dict | None = None, primer: Primer | None = None
+                  ) -> RowTable | None:
     """Compile strict rows for this conversation; None when there is nothing to compile.
 
     Raises ``ValueError`` (naming the path) for malformed tools/schemas. Returns None when there
@@ -902,7 +920,7 @@ def compile_table(tokenizer, messages: list[dict], tools: list[dict] | None,
     kwargs = dict(template_kwargs or {})
     eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
     try:
-        prober = _Prober(tokenizer, messages, tools, kwargs)
+        prober = _Prober(tokenizer, messages, tools, kwargs, primer)
         probes = [p for schema in schemas for p in _head_probes(schema)]
         bodies = prober.probe(probes, markers)
         content = prober.reply({"role": "assistant", "content": CONTENT_PROBE})
@@ -968,11 +986,11 @@ def compile_all_keys(table: RowTable, tokenizer, messages: list[dict], tools: li
 
 
 def reference_body(tokenizer, messages: list[dict], tools: list[dict], kwargs: dict,
-                   table: RowTable) -> tuple[int, ...] | None:
+                   table: RowTable, primer: Primer | None = None) -> tuple[int, ...] | None:
     """The first head probe's body ids rendered in THIS conversation (table reuse check)."""
     schema = next(iter(table.tools.values()))
     try:
-        prober = _Prober(tokenizer, messages, tools, kwargs)
+        prober = _Prober(tokenizer, messages, tools, kwargs, primer)
         return prober.calls(_head_probes(schema)[:1], table.markers)[0].ids
     except (TemplateError, jinja2.TemplateError):
         return None
@@ -997,9 +1015,11 @@ _MAX_TABLES = 64
 
 
 def table_for(tokenizer, messages: list[dict], tools: list[dict] | None,
-              template_kwargs: dict | None = None) -> RowTable | None:
+              template_kwargs: dict | None = None, primer: Primer | None = None
+              ) -> RowTable | None:
     """The cached table for this identity when this conversation renders the same reference
-    call body; otherwise a freshly compiled one (cached when the identity is new)."""
+    call body; otherwise a freshly compiled one (cached when the identity is new). ``primer``:
+    the conversation's :class:`Primer`, when the caller reads it too."""
     schemas = tool_schemas(tools)
     if not schemas or not awaits_reply(messages):
         return None
@@ -1009,10 +1029,11 @@ def table_for(tokenizer, messages: list[dict], tools: list[dict] | None,
         if table is None:
             return None
         kwargs = dict(template_kwargs or {})
-        if reference_body(tokenizer, messages, tools, kwargs, table) == table.reference_body:
+        body = reference_body(tokenizer, messages, tools, kwargs, table, primer)
+        if body == table.reference_body:
             return table
-        return compile_table(tokenizer, messages, tools, template_kwargs)
-    table = compile_table(tokenizer, messages, tools, template_kwargs)
+        return compile_table(tokenizer, messages, tools, template_kwargs, primer)
+    table = compile_table(tokenizer, messages, tools, template_kwargs, primer)
     if len(_TABLES) >= _MAX_TABLES:
         _TABLES.pop(next(iter(_TABLES)))
     _TABLES[key] = table

@@ -104,8 +104,8 @@ from typing import Callable
 
 from .guards import SYNTAXES, Role, TurnGuard
 from mlx_fill.core.proposal import DecodeView, Proposal
-from .rows import (Row, RowTable, awaits_reply, compile_tool_keys, initial_role, resumed_heads,
-                   table_for)
+from .rows import (Primer, Row, RowTable, awaits_reply, compile_tool_keys, initial_role,
+                   resumed_heads, table_for)
 from .schema import tool_schemas
 from .tokenbytes import IncrementalText, token_bytes
 
@@ -308,10 +308,12 @@ def compile_strict(tokenizer, messages: list[dict], tools: list[dict] | None,
     """The rows and initial role of this conversation's strict sources (it renders the
     conversation a few times), or None when no rows compile (no tools, or a template that
     cannot render tool calls). Raises ValueError naming the path of a malformed tool."""
-    table = table_for(tokenizer, messages, tools, template_kwargs)
+    kwargs = dict(template_kwargs or {})
+    primer = Primer(tokenizer, messages, tools, kwargs)
+    table = table_for(tokenizer, messages, tools, template_kwargs, primer)
     if table is None or not table.rows():
         return None
-    role = initial_role(tokenizer, messages, tools, dict(template_kwargs or {}), table.markers)
+    role = initial_role(tokenizer, messages, tools, kwargs, table.markers, primer)
     return CompiledStrict(table, role)
 
 

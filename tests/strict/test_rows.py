@@ -12,7 +12,7 @@ from mlx_lm.tokenizer_utils import load as load_wrapper
 from mlx_fill.assets.store import family_dir, search_roots
 from mlx_fill.strict.rows import compile_all_keys, compile_table, identity_key, table_for
 from mlx_fill.strict.schema import tool_schemas
-from mlx_fill.strict.source import strict_source
+from mlx_fill.strict.source import compile_strict, strict_source
 from strict_helpers import FAMILIES, call, contained, reply_ids, teacher_force, tokenizer, tools
 
 USER = [{"role": "user", "content": "hi"}]
@@ -305,6 +305,28 @@ def test_plan_cache_is_keyed_on_exact_identity_and_reused_across_conversations()
     no_think = {"enable_thinking": False}
     assert identity_key(tok, tools(), None) != identity_key(tok, tools(), no_think)
     assert table_for(tok, USER, tools("single")) is not first
+
+
+def test_a_cached_table_costs_a_request_three_renders(monkeypatch):
+    """A request whose tool set's table is cached renders its conversation with the generation
+    prompt once (the probe's reply extends it and it says the role the reply opens in), the
+    probe's reply once and the conversation without the generation prompt once."""
+    tok = tokenizer("qwen3")
+    multi = [*USER, _call_reply("get_time", {"tz": "UTC"}), {"role": "tool", "content": "12:00"},
+             {"role": "user", "content": "and now?"}]
+    cached = compile_strict(tok, USER, tools())
+    assert cached is not None
+    renders = []
+    render = tok.apply_chat_template
+
+    def counted(*args, **kwargs):
+        renders.append(kwargs["add_generation_prompt"])
+        return render(*args, **kwargs)
+
+    monkeypatch.setattr(tok, "apply_chat_template", counted)
+    compiled = compile_strict(tok, multi, tools())
+    assert compiled is not None and compiled.table is cached.table
+    assert sorted(renders) == [False, False, True]
 
 
 def _extra_templates() -> list[tuple[str, Path]]:
