@@ -201,6 +201,11 @@ def loaded_model(provider: Any) -> Any:
     return getattr(provider, "model", None)
 
 
+def loaded_tokenizer(provider: Any) -> Any:
+    """The tokenizer a ``ModelProvider`` has loaded, None before loading."""
+    return getattr(provider, "tokenizer", None)
+
+
 def model_key(provider: Any) -> str:
     """The loaded model's path (the first entry of ``ModelProvider.model_key``), or ``""``."""
     return str((getattr(provider, "model_key", None) or ("",))[0])

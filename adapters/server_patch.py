@@ -419,16 +419,19 @@ def _stream_generate(state: ServerFill, original: Callable) -> Callable:
 
 
 def _load(state: ServerFill, original: Callable) -> Callable:
-    """Resolve the loaded model's dispatch plan right after loading (every rank together)."""
+    """Resolve the loaded model's dispatch plan right after loading (every rank together), and
+    pay its tokenizer's one-time strict costs (:func:`~mlx_fill.strict.source.warm_strict`)."""
     def load(self, *a, **kw):
         out = original(self, *a, **kw)
         model = seam.loaded_model(self)
         if model is not None:
             from mlx_fill.core.resolve import plan_source, prepare
+            from mlx_fill.strict.source import warm_strict
             group = seam.provider_group(self)
             if group is not None:
                 state.groups[id(model)] = group
             prepare(model, group)
+            warm_strict(seam.loaded_tokenizer(self))
             lanes = ("batch (side steps in BatchGenerator) and serial (generate_step)"
                      if state.batch_lane else "serial (generate_step)")
             log.info("mlx-fill: MLX_FILL=%s active; %s; lanes patched: %s", state.mode,

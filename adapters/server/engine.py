@@ -64,6 +64,7 @@ class Engine:
             raise UserError(STORE_SEED_NEEDS_ALL)
         check_env()
         from mlx_fill.core.resolve import prepare  # dispatch plans: qualified at start-up, not in a request
+        from mlx_fill.strict.source import warm_strict  # a tokenizer's strict costs: at start-up too
         self.model, self.tokenizer = load_model_folder(model_path)
         if not getattr(self.tokenizer, "chat_template", None):
             raise UserError(f"{model_path} has no chat template (tokenizer_config.json "
@@ -76,6 +77,7 @@ class Engine:
             mx.eval(self.model.parameters())
         if self.mode != "off":
             prepare(self.model)
+            warm_strict(self.tokenizer)
         self.draft = None
         if draft_model is not None:
             from mlx_fill.spec.draft import TokenizerMismatch, check_same_tokenizer

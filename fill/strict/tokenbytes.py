@@ -51,7 +51,11 @@ def token_bytes(tokenizer) -> list[bytes]:
     pieces = hf.convert_ids_to_tokens(list(range(n)))
     added = {i: t.content for i, t in hf.added_tokens_decoder.items()}
     if _is_byte_level(hf):
+        # the alphabet's characters to their bytes, every other character below 256 dropped;
+        # a piece holding a character above the alphabet is taken apart character by character
         alphabet = _byte_alphabet()
+        to_bytes: dict[int, int | None] = dict.fromkeys(range(256))
+        to_bytes.update((ord(c), b) for c, b in alphabet.items())
         table = []
         for i, piece in enumerate(pieces):
             if i in added:
@@ -59,7 +63,10 @@ def token_bytes(tokenizer) -> list[bytes]:
             elif piece is None:
                 table.append(b"")
             else:
-                table.append(bytes(alphabet[c] for c in piece if c in alphabet))
+                try:
+                    table.append(piece.translate(to_bytes).encode("latin-1"))
+                except UnicodeEncodeError:
+                    table.append(bytes(alphabet[c] for c in piece if c in alphabet))
     else:
         table = [hf.decode([i]).encode("utf-8") for i in range(n)]
     _TABLES[hf] = table

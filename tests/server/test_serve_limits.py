@@ -427,3 +427,23 @@ def test_no_tool_call_is_returned_under_tool_choice_none(engine, client, monkeyp
     content, calls, finish = reply("auto")
     assert [c["function"]["name"] for c in calls] == ["get_weather"] and finish == "tool_calls"
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"} and not content.strip()
+
+
+def test_both_servers_warm_the_tokenizers_strict_table_when_they_load():
+    """``mlx-fill serve`` and the ``MLX_FILL`` hook's ``ModelProvider._load`` build the token-byte
+    table of the tokenizer they load (``warm_strict``), so no request's first call pays it."""
+    from mlx_lm import load
+
+    from mlx_fill.strict import tokenbytes
+
+    def built(tokenizer) -> bool:
+        return getattr(tokenizer, "_tokenizer", tokenizer) in tokenbytes._TABLES
+
+    folder = str(random_qwen3_dir())
+    assert built(Engine(folder, mode="strict").tokenizer)
+    assert not built(Engine(folder, mode="off").tokenizer)
+    model, tokenizer = load(folder)
+    assert not built(tokenizer)
+    provider = SimpleNamespace(model=model, tokenizer=tokenizer)
+    server_patch._load(server_patch.ServerFill("strict"), lambda self, *a, **kw: None)(provider)
+    assert built(tokenizer)

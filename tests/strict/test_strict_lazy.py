@@ -1,11 +1,13 @@
 """The serving path compiles strict rows lazily: same fires as the eager source, and prose turns
-never compile."""
+never compile; what a tokenizer's first compile pays once is paid at load (``warm_strict``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from mlx_fill.strict.source import LazyStrictSource, lazy_strict_source, strict_source
+from mlx_fill.strict import rows, tokenbytes
+from mlx_fill.strict.source import LazyStrictSource, lazy_strict_source, strict_source, warm_strict
+from mlx_fill.strict.tokenbytes import ids_bytes, token_bytes
 from strict_helpers import FAMILIES, call, reply_ids, teacher_force, tokenizer, tools
 
 USER = [{"role": "user", "content": "hi"}]
@@ -92,3 +94,44 @@ def test_rows_verify_until_the_ledger_promotes_them(tmp_path):
     for claim in claims:  # one disagreement demotes a row for good
         ledger.record(claim, False)
     assert all(pol == "verify" for o, pol in policies() if o in promoted)
+
+
+TEXTS = ["plain ascii", "Zürich café naïve", "東京の天気は？", "emoji 🙂👍🏽 and ZWJ 👩‍💻",
+         "tabs\tand\r\nCRLF", "<tool_call>{\"name\": \"x\"}</tool_call>", "\u0301combining",
+         "ÿ\u00a0\u00ad nbsp soft-hyphen"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_token_bytes_give_back_the_text_they_encode(family):
+    """Every id's bytes, joined, are the UTF-8 of the text the ids encode: what strict rows
+    compare the model's text with."""
+    tok = tokenizer(family)
+    table = token_bytes(tok)
+    assert len(table) == len(getattr(tok, "_tokenizer", tok))
+    for text in TEXTS:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert ids_bytes(table, ids) == text.encode("utf-8"), (family, text)
+
+
+def test_warming_pays_the_tokenizer_table_at_load_and_caches_no_rows():
+    tok = tokenizer("qwen3")
+    hf = getattr(tok, "_tokenizer", tok)
+    tokenbytes._TABLES.pop(hf, None)
+    cached = dict(rows._TABLES)
+    warm_strict(tok)
+    assert hf in tokenbytes._TABLES
+    assert rows._TABLES == cached
+
+
+def test_warming_a_tokenizer_whose_template_cannot_be_probed_raises_nothing():
+    class Refusing:
+        chat_template = "{{ raise_exception('no') }}"
+        tool_call_start, tool_call_end = "<tool_call>", "</tool_call>"
+
+        def apply_chat_template(self, *args, **kwargs):
+            raise TypeError("refused")
+
+        def __len__(self) -> int:
+            raise TypeError("no vocabulary")
+
+    warm_strict(Refusing())
