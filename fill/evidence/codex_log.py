@@ -16,8 +16,9 @@ from .responses_items import CALL_ITEMS, OUTPUT_ITEMS, add_item, item_problem
 __all__ = ["CODEX_SOURCE", "is_rollout_line", "rollout_line_problem", "sessions_from_rollout"]
 
 CODEX_SOURCE = "codex"
-# the Responses API items Codex wrote at the top level of a line, before its lines had an
-# envelope (until September 2025), and the parts of their messages
+# the Responses API items read at the top level of a line, as Codex wrote its items before its
+# lines had an envelope (until September 2025): those it wrote then and every call and output
+# the mapping reads; and the parts of their messages
 BARE_ITEMS = ("message", "reasoning", "web_search_call", *CALL_ITEMS, *OUTPUT_ITEMS)
 BARE_PARTS = ("input_text", "input_image", "output_text")
 BARE_META_KEYS = {"id", "timestamp", "instructions", "git"}
@@ -78,11 +79,12 @@ def sessions_from_rollout(lines: list[dict]) -> list[tuple[int, dict]]:
     ``developer`` one, Codex's own instructions, as the chat form's ``system``), a
     ``function_call`` as a call (its ``arguments`` string kept as written), a
     ``custom_tool_call`` (free text such as a patch) as a call whose arguments are ``{"input":
-    TEXT}``, a ``local_shell_call`` as a call of ``local_shell`` whose arguments are its
-    ``action`` as logged, an output as a ``tool`` message bound to its call; the items the
-    model gave with no input between are one assistant message. Reasoning, web searches and
-    other items, and lines that hold no item (``event_msg``, ``turn_context``, state lines),
-    are dropped.
+    TEXT}``, a ``local_shell_call`` or ``shell_call`` as a call of ``local_shell`` or ``shell``
+    whose arguments are its ``action`` as logged, an ``apply_patch_call`` as a call of
+    ``apply_patch`` whose arguments are its ``operation``, an output as a ``tool`` message
+    bound to its call; the items the model gave with no input between are one assistant
+    message. Reasoning, web searches and other items, and lines that hold no item
+    (``event_msg``, ``turn_context``, state lines), are dropped.
 
     A rollout is one session, named by its first session meta: a fork logs its own meta, then
     its parent's lines (their metas too) as the history it went on from. A ``compacted`` line

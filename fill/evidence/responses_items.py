@@ -10,30 +10,71 @@ CLI rollout's (:mod:`.codex_log`) and an API-proxy log's Responses API lines
   joined, other parts (images, files, refusals) dropped;
 * a ``function_call`` is a call whose arguments are its ``arguments`` string as written, a
   ``custom_tool_call`` (free text such as an ``apply_patch`` patch) one whose arguments are
-  ``{"input": TEXT}``, a ``local_shell_call`` a call of ``local_shell`` whose arguments are its
-  ``action`` as given; a call is named by its ``call_id`` (else its ``id``);
-* an output (``function_call_output``, ``custom_tool_call_output``, and
-  ``local_shell_call_output``, which names its call by ``id``) is a ``tool`` message bound to
-  that call, its text (or text parts joined);
+  ``{"input": TEXT}``; the call of a built-in tool the agent runs is a call of a function named
+  as the tool, its arguments the object the model wrote as given: a ``local_shell_call``'s
+  ``action`` (``local_shell``), a ``shell_call``'s ``action`` (``shell``: ``{"commands",
+  "timeout_ms", "max_output_length"}``), an ``apply_patch_call``'s ``operation``
+  (``apply_patch``: ``{"type": "create_file" | "update_file" | "delete_file", "path",
+  "diff"}``); a call is named by its ``call_id`` (else its ``id``);
+* an output (``function_call_output``, ``custom_tool_call_output``,
+  ``local_shell_call_output``, which names its call by ``id``, ``shell_call_output``,
+  ``apply_patch_call_output``) is a ``tool`` message bound to that call, its text (or text
+  parts joined); a ``shell_call_output``'s entries (one per command) as their stdout, stderr
+  and outcome (``exit code N``, ``timed out``), each of these that is not empty starting a
+  line; an ``apply_patch_call_output`` without an ``output`` its ``status``;
 * the items the model gave with no input between are one assistant message: its calls in
   order, its texts joined by a blank line (a text after a call starts another);
-* an item of any other type (reasoning, the calls of built-in tools such as web searches)
-  adds nothing; an item without a type (as text) is none to read (:func:`item_problem`).
+* an item of any other type adds nothing: reasoning; the calls of tools the server runs
+  inside a response (``web_search_call``, ``file_search_call``, ``code_interpreter_call``,
+  ``image_generation_call``), whose items do not hold as text what the model read of their
+  results (search results and a program's outputs only where the request asks, images); an
+  ``mcp_call``, though its ``name`` and ``arguments`` are the model's, as its tool is no
+  function the request declares (an ``mcp`` tool names a server, whose tools' names and
+  schemas come in an ``mcp_list_tools`` item), so a recording would hold calls of a tool it
+  gives no schema of, for which no strict rows compile; a ``computer_call``, whose actions are
+  clicks and keys on the screenshots its output returns as images. An item without a type (as
+  text) is none to read (:func:`item_problem`).
 
 :func:`chat_tools` gives a request's tools as the chat form's function tools, the ones its
 calls are read as calls of.
+
+Item and tool shapes: openai/openai-python ``src/openai/types/responses/`` at e43b422
+(``response_function_shell_tool_call.py``, ``response_function_shell_tool_call_output.py``,
+``response_apply_patch_tool_call.py``, ``response_apply_patch_tool_call_output.py``,
+``response_input_item_param.py``, ``function_shell_tool_param.py``,
+``apply_patch_tool_param.py``, ``response_output_item.py``'s ``McpCall``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from .log_formats import function_tool, part_text
 
 __all__ = ["CALL_ITEMS", "OUTPUT_ITEMS", "add_item", "chat_tools", "item_problem"]
 
-CALL_ITEMS = ("function_call", "custom_tool_call", "local_shell_call")
-OUTPUT_ITEMS = ("function_call_output", "custom_tool_call_output", "local_shell_call_output")
+SHELL_SCHEMA = {"type": "object", "properties": {  # a shell_call's action
+    "commands": {"type": "array", "items": {"type": "string"}},
+    "timeout_ms": {"type": ["integer", "null"]}, "max_output_length": {"type": ["integer", "null"]}},
+    "required": ["commands"]}
+PATCH_OPERATIONS = ("create_file", "update_file", "delete_file")
+PATCH_SCHEMA = {"type": "object", "properties": {  # an apply_patch_call's operation
+    "type": {"type": "string", "enum": list(PATCH_OPERATIONS)}, "path": {"type": "string"},
+    "diff": {"type": "string"}}, "required": ["type", "path"]}
+# a call item of a built-in tool the agent runs: the tool's type (the name of the function its
+# calls are read as calls of), the key of the object the call's arguments are, and the schema
+# of that object (None: an open object)
+BUILT_IN_CALLS = {"local_shell_call": ("local_shell", "action", None),
+                  "shell_call": ("shell", "action", SHELL_SCHEMA),
+                  "apply_patch_call": ("apply_patch", "operation", PATCH_SCHEMA)}
+BUILT_IN_TOOLS = {tool: schema for tool, _, schema in BUILT_IN_CALLS.values()}
+CALL_ITEMS = ("function_call", "custom_tool_call", *BUILT_IN_CALLS)
+OUTPUT_ITEMS = ("function_call_output", "custom_tool_call_output", "local_shell_call_output",
+                "shell_call_output", "apply_patch_call_output")
 CALL_NAMED_BY = {"local_shell_call_output": "id"}  # an output's key naming its call, else call_id
-LOCAL_SHELL = "local_shell"  # the Responses API's name for the shell tool its local_shell_call runs
+UNREAD_OUTPUT = {  # what an output item's output is not, where it cannot be read (else text or parts)
+    "shell_call_output": "text nor entries of stdout, stderr and an outcome (an exit code or a timeout)",
+    "apply_patch_call_output": "text nor parts (nor absent, with a status)"}
 ROLES = {"developer": "system"}  # a Responses role as the chat form names it
 CUSTOM_SCHEMA = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
 
@@ -54,10 +95,28 @@ def item_problem(item: dict) -> str | None:
         return "function_call whose arguments are neither a JSON string nor an object"
     if kind == "custom_tool_call" and not isinstance(item.get("input"), str):
         return "custom_tool_call whose input is not text"
-    if kind == "local_shell_call" and not isinstance(item.get("action"), dict):
-        return "local_shell_call whose action is not an object"
-    if kind in OUTPUT_ITEMS and part_text(item.get("output")) is None:
-        return f"{kind} whose output is neither text nor parts"
+    if kind in BUILT_IN_CALLS:
+        key = BUILT_IN_CALLS[kind][1]
+        if not isinstance(item.get(key), dict):
+            return f"{kind} whose {key} is not an object"
+        return _arguments_problem(kind, item[key])
+    if kind in OUTPUT_ITEMS and _output_text(item) is None:
+        return f"{kind} whose output is neither {UNREAD_OUTPUT.get(kind, 'text nor parts')}"
+    return None
+
+
+def _arguments_problem(kind: str, arguments: dict) -> str | None:
+    """Why a built-in tool's call whose arguments are the object ``arguments`` does not fit its
+    tool's schema (:data:`BUILT_IN_CALLS`) where that schema requires a key, None when it fits."""
+    if kind == "shell_call":
+        commands = arguments.get("commands")
+        if not (isinstance(commands, list) and all(isinstance(c, str) for c in commands)):
+            return "shell_call whose action's commands are not a list of text"
+    if kind == "apply_patch_call" and not (
+            arguments.get("type") in PATCH_OPERATIONS and isinstance(arguments.get("path"), str)
+            and (arguments["type"] == "delete_file" or isinstance(arguments.get("diff"), str))):
+        return ("apply_patch_call whose operation is not a create_file, update_file or "
+                "delete_file of a path as text (with a diff as text, but to delete)")
     return None
 
 
@@ -73,7 +132,7 @@ def add_item(messages: list[dict], item: dict) -> bool:
             messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
     elif kind in OUTPUT_ITEMS:
         messages.append({"role": "tool", "tool_call_id": item.get(CALL_NAMED_BY.get(kind, "call_id")),
-                         "content": part_text(item["output"])})
+                         "content": _output_text(item)})
     elif kind == "message":
         role, text = ROLES.get(item["role"], item["role"]), part_text(item["content"])
         joins = previous.get("role") == "assistant" and not previous.get("tool_calls")
@@ -90,14 +149,16 @@ def chat_tools(tools: list) -> list[dict]:
     """A Responses request's ``tools`` as chat function tools, in their order: a ``function``
     tool as ``{"type": "function", "function": {"name", "description"?, "parameters"}}`` (an
     open object schema where it gives none); a ``custom`` tool as a function taking the
-    ``{"input": TEXT}`` its calls are read as; ``local_shell`` as the function ``local_shell``
-    taking an open object (its calls' ``action``). The other built-in tools (web search, file
-    search, ...), whose calls are read as no calls, and tools without a name, are dropped."""
+    ``{"input": TEXT}`` its calls are read as; a built-in tool the agent runs as the function
+    named as the tool, taking the object its calls' arguments are: ``local_shell`` an open
+    object (its calls' ``action``), ``shell`` :data:`SHELL_SCHEMA`, ``apply_patch``
+    :data:`PATCH_SCHEMA`. The other built-in tools (web search, file search, MCP servers, ...),
+    whose calls are read as no calls, and tools without a name, are dropped."""
     out = []
     for tool in tools:
         kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind == LOCAL_SHELL:
-            out.append(function_tool(LOCAL_SHELL, None, None))
+        if isinstance(kind, str) and kind in BUILT_IN_TOOLS:
+            out.append(function_tool(kind, None, BUILT_IN_TOOLS[kind]))
         elif kind in ("function", "custom") and isinstance(tool.get("name"), str):
             parameters = tool.get("parameters") if kind == "function" else CUSTOM_SCHEMA
             out.append(function_tool(tool["name"], tool.get("description"), parameters))
@@ -111,7 +172,47 @@ def _chat_call(item: dict) -> dict:
     elif item["type"] == "custom_tool_call":
         name, arguments = item["name"], {"input": item["input"]}
     else:
-        name, arguments = LOCAL_SHELL, item["action"]
+        name, key, _ = BUILT_IN_CALLS[item["type"]]
+        arguments = item[key]
     call_id = item.get("call_id") or item.get("id")
     return {**({"id": call_id} if isinstance(call_id, str) else {}), "type": "function",
             "function": {"name": name, "arguments": arguments}}
+
+
+def _output_text(item: dict) -> str | None:
+    """An output item's text (see the module contract), None where it has none to read."""
+    output = item.get("output")
+    if item["type"] == "shell_call_output" and isinstance(output, list):
+        entries = [_shell_entry(entry) for entry in output]
+        return None if None in entries else _on_lines([p for entry in entries for p in entry])
+    if item["type"] == "apply_patch_call_output" and output is None:
+        output = item.get("status")
+        return output if isinstance(output, str) else None
+    return part_text(output)
+
+
+def _shell_entry(entry: Any) -> list[str] | None:
+    """A ``shell_call_output`` entry's stdout, stderr and outcome (``exit code N``, ``timed
+    out``), None where it is not an entry of these."""
+    outcome = entry.get("outcome") if isinstance(entry, dict) else None
+    if not isinstance(outcome, dict) or not all(isinstance(entry.get(k), str) for k in ("stdout", "stderr")):
+        return None
+    code = outcome.get("exit_code")
+    if outcome.get("type") == "exit" and isinstance(code, int) and not isinstance(code, bool):
+        said = f"exit code {code}"
+    elif outcome.get("type") == "timeout":
+        said = "timed out"
+    else:
+        return None
+    return [entry["stdout"], entry["stderr"], said]
+
+
+def _on_lines(pieces: list[str]) -> str:
+    """``pieces`` joined, each that is not empty starting a line (a newline put before one
+    where the text before it does not end with one)."""
+    out: list[str] = []
+    for piece in filter(None, pieces):
+        if out and not out[-1].endswith("\n"):
+            out.append("\n")
+        out.append(piece)
+    return "".join(out)

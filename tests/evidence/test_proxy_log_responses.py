@@ -24,7 +24,15 @@ a server may end a stream with a ``response.completed`` whose ``output`` is empt
 given by ``response.output_item.done`` alone, as Codex CLI's own test stream does (openai/codex
 ``codex-rs/core/tests/cli_responses_fixture.sse``: Codex takes its items from those events).
 Codex's items (reasoning with ``encrypted_content``, ``custom_tool_call`` ``apply_patch``) are
-those of the rollout in ``test_replay.py``.
+those of the rollout in ``test_replay.py``. The built-in ``shell`` and ``apply_patch`` tools
+(``{"type": "shell", "environment"?}``, ``{"type": "apply_patch"}``), their ``shell_call`` and
+``shell_call_output`` (entries of ``stdout``, ``stderr`` and an ``exit`` or ``timeout``
+``outcome``), ``apply_patch_call`` and ``apply_patch_call_output`` (``output`` optional), and
+the ``mcp`` tool with its ``mcp_list_tools`` and ``mcp_call`` items: openai-python's
+``function_shell_tool_param.py``, ``apply_patch_tool_param.py``, ``tool_param.py``,
+``response_function_shell_tool_call.py``, ``response_function_shell_tool_call_output.py``,
+``response_apply_patch_tool_call.py``, ``response_apply_patch_tool_call_output.py`` and
+``response_output_item.py``.
 """
 
 from __future__ import annotations
@@ -232,6 +240,106 @@ def test_a_conversation_the_server_holds_is_a_skipped_line_saying_so(tmp_path):
         "previous_response_id", "conversation", "prompt", "item_reference", "item_reference"]
 
 
+# ----------------------------------------------------------------------------- built-in tools the agent runs
+
+ACTION = {"commands": ["cat a.py", "pytest -q"], "timeout_ms": 120000, "max_output_length": 4096}
+UPDATE = {"type": "update_file", "path": "a.py", "diff": "@@\n-x = a - b\n+x = a + b\n"}
+DELETE = {"type": "delete_file", "path": "b.py"}
+SLEEP = {"commands": ["sleep 999"], "timeout_ms": 1000, "max_output_length": None}
+BUILT_IN = [  # a GPT-5.1 agent's turns with the shell and apply_patch tools, the items as the SDK types them
+    _said("user", "fix a.py"),
+    {"type": "shell_call", "id": "sh_1", "call_id": "c1", "action": ACTION, "status": "completed"},
+    {"type": "shell_call_output", "id": "sho_1", "call_id": "c1", "status": "completed", "max_output_length": 4096,
+     "output": [{"stdout": "x = a - b\n", "stderr": "", "outcome": {"type": "exit", "exit_code": 0}},
+                {"stdout": "", "stderr": "1 failed", "outcome": {"type": "exit", "exit_code": 1}}]},
+    _said("assistant", "Fixing."),
+    {"type": "apply_patch_call", "id": "ap_1", "call_id": "c2", "status": "completed", "operation": UPDATE},
+    {"type": "apply_patch_call", "id": "ap_2", "call_id": "c3", "status": "completed", "operation": DELETE},
+    {"type": "apply_patch_call_output", "call_id": "c2", "status": "completed", "output": "Updated a.py"},
+    {"type": "apply_patch_call_output", "call_id": "c3", "status": "failed", "output": None},
+    {"type": "shell_call", "call_id": "c4", "action": SLEEP, "status": "completed"},
+    {"type": "shell_call_output", "call_id": "c4", "output": [
+        {"stdout": "", "stderr": "", "outcome": {"type": "timeout"}}]},
+    {"type": "mcp_list_tools", "id": "mcpl_1", "server_label": "docs", "tools": [
+        {"name": "search", "input_schema": {"type": "object"}}]},
+    {"type": "mcp_call", "id": "mcp_1", "server_label": "docs", "name": "search", "arguments": '{"q": "a"}',
+     "output": "a.py: x = a + b", "error": None, "status": "completed"},
+    _said("assistant", "Fixed.")]
+BUILT_IN_TOOLS = [{"type": "shell", "environment": {"type": "local"}}, {"type": "apply_patch"},
+                  {"type": "mcp", "server_label": "docs", "server_url": "https://docs.example/mcp",
+                   "require_approval": "never"}]
+
+
+def _built_in_call(cid: str, name: str, arguments: dict) -> dict:
+    return {"id": cid, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+
+
+BUILT_IN_HISTORY = [  # as chat messages, the instructions first
+    {"role": "system", "content": SYSTEM}, {"role": "user", "content": "fix a.py"},
+    {"role": "assistant", "content": "", "tool_calls": [_built_in_call("c1", "shell", ACTION)]},
+    {"role": "tool", "tool_call_id": "c1", "content": "x = a - b\nexit code 0\n1 failed\nexit code 1"},
+    {"role": "assistant", "content": "Fixing.", "tool_calls": [
+        _built_in_call("c2", "apply_patch", UPDATE), _built_in_call("c3", "apply_patch", DELETE)]},
+    {"role": "tool", "tool_call_id": "c2", "content": "Updated a.py"},
+    {"role": "tool", "tool_call_id": "c3", "content": "failed"},
+    {"role": "assistant", "content": "", "tool_calls": [_built_in_call("c4", "shell", SLEEP)]},
+    {"role": "tool", "tool_call_id": "c4", "content": "timed out"},
+    {"role": "assistant", "content": "Fixed."}]
+
+
+def test_the_shell_and_apply_patch_tools_calls_read_as_calls_and_their_outputs_as_tool_messages(tmp_path):
+    """A ``shell_call`` is a call of ``shell`` whose arguments are its ``action``, an
+    ``apply_patch_call`` one of ``apply_patch`` whose arguments are its ``operation``, as
+    given; an output is a ``tool`` message bound by ``call_id``: a shell output's entries as
+    their stdout, stderr and outcome each starting a line, a patch output without an
+    ``output`` as its status. An ``mcp_call`` (a call of a tool the request declares no
+    function of, run by the server) adds nothing. The same in a Responses API line, in a Codex
+    rollout, and in a rollout written before the envelope."""
+    line = _line(BUILT_IN[:-3], BUILT_IN[-3:], "resp_1", tools=BUILT_IN_TOOLS, model="gpt-5.1")
+    sessions, corrupt = replay.load_recordings(_write(tmp_path / "p.jsonl", [line]))
+    assert corrupt == [] and len(sessions) == 1
+    assert replay._render_history(sessions[0]) == BUILT_IN_HISTORY
+    enveloped = [{"timestamp": "t", "type": "session_meta", "payload": {"id": "s"}},
+                 *({"timestamp": "t", "type": "response_item", "payload": item} for item in BUILT_IN)]
+    bare = [{"id": "s", "timestamp": "t"}, *BUILT_IN[:-3], BUILT_IN[-1]]
+    for name, rollout in (("rollout.jsonl", enveloped), ("bare.jsonl", bare)):
+        codex, corrupt = replay.load_recordings(_write(tmp_path / name, rollout))
+        assert corrupt == [] and replay._render_history(codex[0]) == BUILT_IN_HISTORY[1:], name
+    assert all(codex_log.is_rollout_line(item) for item in BUILT_IN[1:-4])
+    turns, origin = replay.recording_turns(sessions[0])
+    assert origin == "recorded" and [t.expected["tool_calls"] for t in turns[:3]] == [
+        [{"name": "shell", "arguments": ACTION}],
+        [{"name": "apply_patch", "arguments": UPDATE}, {"name": "apply_patch", "arguments": DELETE}],
+        [{"name": "shell", "arguments": SLEEP}]]
+
+
+def test_the_shell_and_apply_patch_tools_are_functions_taking_what_their_calls_are_read_as(tmp_path):
+    """``{"type": "shell"}`` and ``{"type": "apply_patch"}`` are function tools whose schemas
+    are their calls' ``action`` and ``operation`` (the SDK's ``Action`` and ``Operation``);
+    an ``mcp`` tool, whose tools the request does not name, is dropped. The recording renders
+    through a template with them and its strict rows compile for both tools."""
+    from mlx_fill.assets.store import load_tokenizer
+    from mlx_fill.evidence.transcripts import markers, render_recording
+    from mlx_fill.strict.source import compile_strict
+
+    line = _line(BUILT_IN[:-3], BUILT_IN[-3:], "resp_1", tools=BUILT_IN_TOOLS, model="gpt-5.1")
+    (session,), _ = replay.load_recordings(_write(tmp_path / "p.jsonl", [line]))
+    assert session["tools"] == [
+        {"type": "function", "function": {"name": "shell", "parameters": {"type": "object", "properties": {
+            "commands": {"type": "array", "items": {"type": "string"}}, "timeout_ms": {"type": ["integer", "null"]},
+            "max_output_length": {"type": ["integer", "null"]}}, "required": ["commands"]}}},
+        {"type": "function", "function": {"name": "apply_patch", "parameters": {"type": "object", "properties": {
+            "type": {"type": "string", "enum": ["create_file", "update_file", "delete_file"]},
+            "path": {"type": "string"}, "diff": {"type": "string"}}, "required": ["type", "path"]}}}]
+    tok = load_tokenizer("qwen3")
+    rendered = render_recording(session, tok, markers(tok))
+    assert rendered.tools_origin == "recorded" and len(rendered.turns) == 4
+    first = tok.decode(rendered.tokens[rendered.turns[0].start:rendered.turns[0].end])
+    assert json.dumps({"name": "shell", "arguments": ACTION}) in first
+    compiled = compile_strict(tok, rendered.messages[:rendered.turns[0].message_index], rendered.tools)
+    assert compiled is not None and list(compiled.table.tools) == ["shell", "apply_patch"]
+
+
 # ----------------------------------------------------------------------------- streamed
 
 def _events(response: dict) -> list[dict]:
@@ -354,6 +462,43 @@ def test_a_line_whose_items_cannot_be_read_is_skipped_saying_why():
         "a response without an assistant message (no output item of a message or a call)",
         "a response without an assistant message (no output item of a message or a call)"]
 
+
+COMMANDS = "shell_call whose action's commands are not a list of text"
+ENTRIES = ("shell_call_output whose output is neither text nor entries of stdout, stderr and an outcome "
+           "(an exit code or a timeout)")
+OPERATION = ("apply_patch_call whose operation is not a create_file, update_file or delete_file of a path as "
+             "text (with a diff as text, but to delete)")
+PATCHED = "apply_patch_call_output whose output is neither text nor parts (nor absent, with a status)"
+MALFORMED = [  # a built-in tool's call or output that cannot be read, and why
+    ({**BUILT_IN[1], "action": "cat a.py"}, "shell_call whose action is not an object"),
+    ({**BUILT_IN[1], "action": {"commands": "cat a.py"}}, COMMANDS),
+    ({**BUILT_IN[1], "action": {"commands": ["ls", 1]}}, COMMANDS),
+    ({**BUILT_IN[2], "output": {"stdout": "a.py"}}, ENTRIES),
+    *(({**BUILT_IN[2], "output": [entry]}, ENTRIES) for entry in [
+        "a.py", {"stdout": "a.py", "stderr": ""}, {"stdout": "a.py", "outcome": {"type": "timeout"}},
+        {"stdout": "a.py", "stderr": "", "outcome": {"type": "exit"}},
+        {"stdout": "a.py", "stderr": "", "outcome": {"type": "exit", "exit_code": True}},
+        {"stdout": "a.py", "stderr": "", "outcome": {"type": "killed"}}]),
+    ({**BUILT_IN[4], "operation": "*** Begin Patch"}, "apply_patch_call whose operation is not an object"),
+    *(({**BUILT_IN[4], "operation": operation}, OPERATION) for operation in [
+        {**UPDATE, "type": "rename_file"}, {**UPDATE, "path": None}, {"type": "create_file", "path": "c.py"}]),
+    ({**BUILT_IN[6], "output": 3}, PATCHED),
+    ({"type": "apply_patch_call_output", "call_id": "c2"}, PATCHED)]
+
+
+@pytest.mark.parametrize(("item", "why"), MALFORMED)
+def test_a_built_in_tools_call_or_output_that_cannot_be_read_is_a_skipped_line_saying_why(tmp_path, item, why):
+    """In a Responses API line's input or output and in a Codex rollout (its line skipped, the
+    rest read)."""
+    assert proxy_log.exchange_session(_line([_said("user", "hi"), item], [_said("assistant", "ok")], "r1")) == (
+        f"a Responses API {why}")
+    assert proxy_log.exchange_session(_line([_said("user", "hi")], [item], "r1")) == f"a Responses API {why}"
+    rollout = [{"timestamp": "t", "type": "session_meta", "payload": {"id": "s"}},
+               *({"timestamp": "t", "type": "response_item", "payload": i} for i in
+                 [_said("user", "hi"), item, _said("assistant", "ok")])]
+    sessions, corrupt = replay.load_recordings(_write(tmp_path / "rollout.jsonl", rollout))
+    assert [(c.line, c.reason) for c in corrupt] == [(3, f"a Codex {why}")]
+    assert [m["content"] for m in sessions[0]["messages"]] == ["hi", "ok"]
 
 def test_items_taken_from_done_events_are_each_output_item_once_in_its_order():
     """Where ``response.completed`` holds no items, the output is the items of the
