@@ -67,6 +67,7 @@ from typing import Any
 
 from mlx_fill.sources.ledger import Ledger
 from mlx_fill.limits import over_compile_budget
+from mlx_fill.core.index import IndexStore
 from mlx_fill.core.proposal import FillSession
 from mlx_fill.spec.suffix import GlobalSuffixTree
 from mlx_fill.session import (
@@ -145,6 +146,7 @@ class ServerFill:
         self.ledgers: dict[tuple[str, str], Ledger | None] = {}
         self.acceptance: dict[str, dict] = {}
         self.store: tuple[str, GlobalSuffixTree] | None = None
+        self.indexes: tuple[str, IndexStore] | None = None
         self.template_vars: dict[str, frozenset[str]] = {}
         self.groups: dict[int, Any] = {}  # id(model) -> the distributed group it was sharded over
         self.batchable: dict[int, bool] = {}  # id(model) -> its caches batch-fill
@@ -177,6 +179,15 @@ class ServerFill:
         if self.store is None or self.store[0] != model_key:
             self.store = (model_key, GlobalSuffixTree(max_tokens=env_store_tokens()))
         return self.store[1]
+
+    def indexes_for(self, model_key: str) -> IndexStore | None:
+        """The model-free sources' conversation indexes for ``model_key`` in modes ``echo`` and
+        ``all`` (one store, the model last served), else None."""
+        if self.mode not in ("echo", "all"):
+            return None
+        if self.indexes is None or self.indexes[0] != model_key:
+            self.indexes = (model_key, IndexStore())
+        return self.indexes[1]
 
     def allowed_kwargs(self, tokenizer: Any) -> frozenset[str]:
         """The ``chat_template_kwargs`` keys the tokenizer's template reads, computed once per
@@ -231,7 +242,8 @@ class ServerFill:
                 media=kwargs.get("input_embeddings") is not None,
                 prediction=fill_request.prediction, ledger=ledger,
                 acceptance=self.acceptance.setdefault(model_key, {}),
-                global_tree=self.store_for(model_key), group=group)
+                global_tree=self.store_for(model_key), group=group,
+                indexes=self.indexes_for(model_key))
         except ValueError as e:
             session = FillSession([], prompt_ids=prompt_ids)
             session.refuse("invalid_request")

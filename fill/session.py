@@ -31,6 +31,7 @@ and ``MLX_FILL_PROMOTE_AFTER`` (agreements needed, default 50), read by :func:`s
 
 from __future__ import annotations
 
+import functools
 import logging
 import numbers
 import os
@@ -42,6 +43,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_fill.core.errors import UserError, unwritable
+from mlx_fill.core.index import EchoIndex, IndexStore
 from mlx_fill.core.model_folder import vocab_size
 from mlx_fill.core.paths import user_cache_dir
 from mlx_fill.core.plan import env_plan_problem, unqualified
@@ -252,6 +254,7 @@ def build_session(
     refuse: str | None = None,
     acceptance: dict | None = None,
     group: Any = None,
+    indexes: IndexStore | None = None,
 ) -> FillSession | None:
     """The fill session for one request; None when ``mode`` is ``off``.
 
@@ -265,7 +268,9 @@ def build_session(
     tokenizer) proposing :data:`DRAFT_TOKENS` ids per round after every other source.
     ``acceptance``: a dict the caller keeps for a server's lifetime (one per model), holding
     every cost-gated source's per-draft acceptance estimates across requests (None: each
-    request starts from the prior). The session carries the dispatch plan (:func:`~mlx_fill.core.resolve.plan_for`: looked up once
+    request starts from the prior). ``indexes``: the server's :class:`~mlx_fill.core.index.IndexStore`
+    (one per model): the model-free sources' index is taken from it, synced from the longest
+    indexed prefix of the prompt, and given back by :func:`end_session` (None: indexed anew). The session carries the dispatch plan (:func:`~mlx_fill.core.resolve.plan_for`: looked up once
     per configuration and process, quick-qualified on the loaded model the first time no plan
     applies). Raises ValueError for a bad mode or ``max_span``, malformed messages, tools/schemas or
     a malformed prediction; TypeError for ``prompt_ids`` that are no token ids, an
@@ -301,6 +306,7 @@ def build_session(
     eos_ids = sorted(getattr(tokenizer, "eos_token_ids", ()) or ())
     sources: list[ProposalSource] = []
     names: list[str] = []  # the model-free roster's sources, which compete for each view
+    index: EchoIndex | None = None  # their shared index, where taken from ``indexes``
     pace = Pace()  # the session's and its gates' bar (the batched lane raises it per step)
     plan = unqualified()
     if refusal is None:
@@ -334,10 +340,11 @@ def build_session(
         if mode == "all":
             names += [n for n in source_names(extra_sources) if n not in names]
         if names:
+            index = indexes.take(prompt_ids) if indexes is not None else None
             sources += make_sources(names, plan=plan, tokenizer=tokenizer,
                                     prompt_ids=prompt_ids, global_tree=global_tree,
                                     ledger=ledger, max_span=max_span, acceptance=acceptance,
-                                    pace=pace)
+                                    pace=pace, index=index)
         if draft_model is not None:
             from mlx_fill.spec.base import DraftProposalSource
             from mlx_fill.spec.draft import DraftModelSource
@@ -358,6 +365,8 @@ def build_session(
                           pace=pace, compete=names)
     if refusal is not None:
         session.refuse(refusal)
+    if indexes is not None and index is not None:
+        session.release = functools.partial(indexes.give, index)
     return attach_shared(session, group)
 
 
@@ -386,10 +395,14 @@ def follower_session(model: Any, prompt_ids: Sequence[int], group: Any, *,
 
 def end_session(session: FillSession | None, ledger: Any = None) -> None:
     """The teardown every adapter runs when generation ends, also when it is cut short: close
-    the session's trace file (if any) and, when the request had a session, save the evidence
-    ledger (an OSError is logged, never raised: the response is already made). Idempotent."""
+    the session's trace file (if any), give back what it borrowed from its server
+    (``FillSession.release``) and, when the request had a session, save the evidence ledger (an
+    OSError is logged, never raised: the response is already made). Idempotent."""
     if session is None:
         return
+    if session.release is not None:
+        release, session.release = session.release, None
+        release()
     if session.trace is not None and not session.trace.closed:
         try:
             session.trace.close()

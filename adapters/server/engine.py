@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlx_fill.core.errors import UserError
+from mlx_fill.core.index import IndexStore
 from mlx_fill.limits import DEFAULT_LIMITS, Limits, over_compile_budget
 from .openai_request import ChatRequest, RequestError, parse_chat_request
 from .output import OutputSplitter
@@ -103,6 +104,8 @@ class Engine:
             except ValueError as e:  # a corrupt or foreign ledger file: the user's to move away
                 raise UserError(f"{e}; move the file away to start a new ledger") from None
         self.acceptance: dict = {}  # per-draft acceptance estimates, kept for the server's lifetime
+        # the model-free sources' conversation indexes, kept between requests
+        self.indexes = IndexStore() if self.mode in ("echo", "all") else None
         self.global_tree = None
         if self.mode == "all":
             from mlx_fill.spec.suffix import GlobalSuffixTree
@@ -154,7 +157,7 @@ class Engine:
             messages=req.messages, tools=req.shown_tools, template_kwargs=req.chat_template_kwargs,
             temperature=req.temperature, seed=req.seed, prediction=predicted,
             global_tree=self.global_tree, ledger=self.ledger, draft_model=self.draft,
-            refuse=refuse, acceptance=self.acceptance)
+            refuse=refuse, acceptance=self.acceptance, indexes=self.indexes)
         return session
 
     def _thinking_open(self, prompt_ids: list[int]) -> bool:

@@ -7,9 +7,13 @@ Appending is O(len(ks)) per token; :meth:`EchoIndex.sync` reuses the indexed pre
 prompt (a multi-turn conversation re-sends its history), so a session is indexed once.
 It backs ``echo``, ``ngram`` and the per-request tree of ``suffix``; :class:`IndexedDraft` is
 the one face through which those sources keep a shared index equal to prompt + committed ids.
+:class:`IndexStore` keeps a server's indexes between requests, so a conversation's next request
+syncs the index its last one left instead of indexing its whole history again.
 """
 
 from __future__ import annotations
+
+import threading
 
 from typing import Iterable, Sequence
 
@@ -130,6 +134,56 @@ class EchoIndex:
         if out and out[0] == last:
             del out[0]
         return out[:limit]
+
+
+# an IndexStore's bounds: the ids its indexes hold together (an index costs about 350 bytes an
+# id), and how many it keeps
+STORE_INDEX_IDS = 400_000
+STORE_INDEXES = 8
+
+
+class IndexStore:
+    """A server's conversation indexes between requests (one model's ids), most recently given
+    last.
+
+    A request takes the index whose sequence shares the longest prefix with its prompt
+    (:meth:`take`; the caller syncs it to the prompt, which keeps that prefix), so a
+    conversation's next request indexes only what it added; an index that would drop more ids
+    than it keeps is left for its own conversation and the request gets a new one. A taken index
+    is out of the store until it is given back (:meth:`give`, when the request ends), so no two
+    live requests share one. Bounded by :data:`STORE_INDEX_IDS` ids and :data:`STORE_INDEXES`
+    indexes, the least recently given dropped first. Thread-safe."""
+
+    def __init__(self, max_ids: int = STORE_INDEX_IDS, max_indexes: int = STORE_INDEXES) -> None:
+        self.max_ids = max_ids
+        self.max_indexes = max_indexes
+        self._indexes: list[EchoIndex] = []
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._indexes)
+
+    def take(self, prompt: Sequence[int]) -> EchoIndex:
+        """The stored index that keeps the most of ``prompt`` (removed from the store), or a new
+        one where none keeps at least as many ids as it would drop."""
+        with self._lock:
+            best, kept = None, 0
+            for index in self._indexes:
+                keep = index.common_prefix(prompt)
+                if keep > kept and keep >= len(index) - keep:
+                    best, kept = index, keep
+            if best is None:
+                return EchoIndex()
+            self._indexes.remove(best)
+            return best
+
+    def give(self, index: EchoIndex) -> None:
+        """Keep ``index`` for the requests that follow, within the bounds."""
+        with self._lock:
+            self._indexes.append(index)
+            while self._indexes and (len(self._indexes) > self.max_indexes
+                                     or sum(map(len, self._indexes)) > self.max_ids):
+                self._indexes.pop(0)
 
 
 class IndexedDraft:

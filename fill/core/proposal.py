@@ -14,7 +14,8 @@ import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
-from typing import IO, TYPE_CHECKING, Any, Collection, Literal, Protocol, Sequence, runtime_checkable
+from typing import (IO, TYPE_CHECKING, Any, Callable, Collection, Literal, Protocol, Sequence,
+                    runtime_checkable)
 
 if TYPE_CHECKING:
     from .plan import DispatchPlan
@@ -191,6 +192,9 @@ class FillSession:
         # a sharded model's agreement (:class:`~mlx_fill.core.shared.SharedRounds`), set by
         # ``build_session``; None on one machine
         self.shared: Any = None
+        # gives back what the session borrowed from its server (a conversation's index), run
+        # once by ``end_session``; None when it borrowed nothing
+        self.release: Callable[[], None] | None = None
         for src in self.sources:  # sources that report their own counters (parse fallbacks)
             if hasattr(src, "bind_stats"):
                 src.bind_stats(self.stats)

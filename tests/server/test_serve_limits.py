@@ -447,3 +447,25 @@ def test_both_servers_warm_the_tokenizers_strict_table_when_they_load():
     provider = SimpleNamespace(model=model, tokenizer=tokenizer)
     server_patch._load(server_patch.ServerFill("strict"), lambda self, *a, **kw: None)(provider)
     assert built(tokenizer)
+
+
+def test_a_conversations_next_request_syncs_the_index_its_last_one_left(engine):
+    """``mlx-fill serve`` (mode ``all``) keeps its conversation indexes between requests: the
+    next request of a conversation takes the index the last one gave back."""
+    first = [{"role": "user", "content": "List the files in src/ and say which is largest."}]
+    prepared = engine.prepare(parse_chat_request({"messages": first, "max_tokens": 2}))
+    engine.generate(prepared, threading.Event())
+    held = len(engine.indexes)
+    later = [*first, {"role": "assistant", "content": "src/a.py"},
+             {"role": "user", "content": "And in tests/?"}]
+    prepared = engine.prepare(parse_chat_request({"messages": later, "max_tokens": 2}))
+    assert len(engine.indexes) == held - 1 and prepared.session.release is not None
+    engine.generate(prepared, threading.Event())
+    assert len(engine.indexes) == held
+
+
+def test_the_hook_keeps_indexes_per_model_in_echo_and_all_only():
+    fill = server_patch.ServerFill("all")
+    assert fill.indexes_for("m") is fill.indexes_for("m") is not None
+    assert fill.indexes_for("other") is not None and fill.indexes_for("other") is not fill.indexes_for("m")
+    assert server_patch.ServerFill("strict").indexes_for("m") is None
