@@ -438,12 +438,15 @@ def _load(state: ServerFill, original: Callable) -> Callable:
         model = seam.loaded_model(self)
         if model is not None:
             from mlx_fill.core.resolve import plan_source, prepare
+            from mlx_fill.core.shared import ranks_of
             from mlx_fill.strict.source import warm_strict
             group = seam.provider_group(self)
             if group is not None:
                 state.groups[id(model)] = group
             prepare(model, group)
-            warm_strict(seam.loaded_tokenizer(self))
+            ranks = ranks_of(group)
+            if ranks is None or ranks.root:  # rank 0 alone compiles strict rows
+                warm_strict(seam.loaded_tokenizer(self))
             lanes = ("batch (side steps in BatchGenerator) and serial (generate_step)"
                      if state.batch_lane else "serial (generate_step)")
             log.info("mlx-fill: MLX_FILL=%s active; %s; lanes patched: %s", state.mode,

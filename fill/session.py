@@ -366,7 +366,7 @@ def build_session(
     if refusal is not None:
         session.refuse(refusal)
     if indexes is not None and index is not None:
-        session.release = functools.partial(indexes.give, index)
+        session.release = functools.partial(indexes.give, index, len(prompt_ids))
     return attach_shared(session, group)
 
 

@@ -136,8 +136,8 @@ class EchoIndex:
         return out[:limit]
 
 
-# an IndexStore's bounds: the ids its indexes hold together (an index costs about 350 bytes an
-# id), and how many it keeps
+# an IndexStore's bounds: the ids its indexes hold together (an index costs 300-900 bytes an
+# id: about 320 on agent transcripts, 600 on source code), and how many it keeps
 STORE_INDEX_IDS = 400_000
 STORE_INDEXES = 8
 
@@ -146,44 +146,47 @@ class IndexStore:
     """A server's conversation indexes between requests (one model's ids), most recently given
     last.
 
-    A request takes the index whose sequence shares the longest prefix with its prompt
-    (:meth:`take`; the caller syncs it to the prompt, which keeps that prefix), so a
-    conversation's next request indexes only what it added; an index that would drop more ids
-    than it keeps is left for its own conversation and the request gets a new one. A taken index
-    is out of the store until it is given back (:meth:`give`, when the request ends), so no two
-    live requests share one. Bounded by :data:`STORE_INDEX_IDS` ids and :data:`STORE_INDEXES`
-    indexes, the least recently given dropped first. Thread-safe."""
+    An index is given back with the length of the prompt it served (:meth:`give`, when its
+    request ends), and a request takes the index whose served prompt its own prompt extends,
+    the one that keeps the most of it (:meth:`take`; the caller syncs it to the prompt): a
+    conversation's next request indexes only what it added, its last reply re-indexed from where
+    the prompt renders it otherwise (a template that drops reasoning from the history). An index
+    whose served prompt this one departs from (another conversation sharing a system prompt, or
+    a history rewritten) is left for its own conversation, and the request gets a new one. A
+    taken index is out of the store until it is given back, so no two live requests share one.
+    Bounded by ``max_ids`` ids and ``max_indexes`` indexes, the least recently given dropped
+    first; an index over ``max_ids`` alone is not kept. Thread-safe."""
 
     def __init__(self, max_ids: int = STORE_INDEX_IDS, max_indexes: int = STORE_INDEXES) -> None:
         self.max_ids = max_ids
         self.max_indexes = max_indexes
-        self._indexes: list[EchoIndex] = []
+        self._kept: list[tuple[EchoIndex, int]] = []  # (index, the length of its served prompt)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        return len(self._indexes)
+        return len(self._kept)
 
     def take(self, prompt: Sequence[int]) -> EchoIndex:
-        """The stored index that keeps the most of ``prompt`` (removed from the store), or a new
-        one where none keeps at least as many ids as it would drop."""
+        """The stored index whose served prompt ``prompt`` extends that keeps the most of it
+        (removed from the store), or a new one where there is none."""
         with self._lock:
             best, kept = None, 0
-            for index in self._indexes:
+            for place, (index, served) in enumerate(self._kept):
                 keep = index.common_prefix(prompt)
-                if keep > kept and keep >= len(index) - keep:
-                    best, kept = index, keep
-            if best is None:
-                return EchoIndex()
-            self._indexes.remove(best)
-            return best
+                if keep >= served and keep > kept:
+                    best, kept = place, keep
+            return EchoIndex() if best is None else self._kept.pop(best)[0]
 
-    def give(self, index: EchoIndex) -> None:
-        """Keep ``index`` for the requests that follow, within the bounds."""
+    def give(self, index: EchoIndex, served: int) -> None:
+        """Keep ``index``, which served a prompt of ``served`` ids, for the requests that follow,
+        within the bounds (an index the store holds already is not kept twice)."""
         with self._lock:
-            self._indexes.append(index)
-            while self._indexes and (len(self._indexes) > self.max_indexes
-                                     or sum(map(len, self._indexes)) > self.max_ids):
-                self._indexes.pop(0)
+            if len(index) > self.max_ids or any(held is index for held, _ in self._kept):
+                return
+            self._kept.append((index, served))
+            while (len(self._kept) > self.max_indexes
+                   or sum(len(held) for held, _ in self._kept) > self.max_ids):
+                self._kept.pop(0)
 
 
 class IndexedDraft:

@@ -153,15 +153,21 @@ def chat_tools(tools: list) -> list[dict]:
     named as the tool, taking the object its calls' arguments are: ``local_shell`` an open
     object (its calls' ``action``), ``shell`` :data:`SHELL_SCHEMA`, ``apply_patch``
     :data:`PATCH_SCHEMA`. The other built-in tools (web search, file search, MCP servers, ...),
-    whose calls are read as no calls, and tools without a name, are dropped."""
-    out = []
+    whose calls are read as no calls, tools without a name, and a tool named as an earlier one
+    (a function ``shell`` beside the built-in ``shell``: the first is kept) are dropped."""
+    out, names = [], set()
     for tool in tools:
         kind = tool.get("type") if isinstance(tool, dict) else None
         if isinstance(kind, str) and kind in BUILT_IN_TOOLS:
-            out.append(function_tool(kind, None, BUILT_IN_TOOLS[kind]))
+            made = function_tool(kind, None, BUILT_IN_TOOLS[kind])
         elif kind in ("function", "custom") and isinstance(tool.get("name"), str):
             parameters = tool.get("parameters") if kind == "function" else CUSTOM_SCHEMA
-            out.append(function_tool(tool["name"], tool.get("description"), parameters))
+            made = function_tool(tool["name"], tool.get("description"), parameters)
+        else:
+            continue
+        if made["function"]["name"] not in names:
+            names.add(made["function"]["name"])
+            out.append(made)
     return out
 
 

@@ -1,7 +1,7 @@
 """A server's conversation indexes between requests (``IndexStore``): a request takes the index
-that keeps the most of its prompt, synced it equals one indexed anew, no two live requests share
-one, and the store stays within its bounds; sessions take and give back through
-``build_session`` / ``end_session``."""
+whose served prompt its own extends, synced it equals one indexed anew, another conversation's
+index is left alone, no two live requests share one, and the store stays within its bounds;
+sessions take and give back through ``build_session`` / ``end_session``."""
 
 from __future__ import annotations
 
@@ -23,12 +23,19 @@ def _state(index: EchoIndex):
     return index.seq, {k: {key: list(b) for key, b in m.items()} for k, m in index._maps.items()}
 
 
+def _served(seq: list[int], reply: list[int]) -> EchoIndex:
+    """An index as a request leaves it: its prompt ``seq`` and its reply."""
+    index = EchoIndex()
+    index.sync(seq + reply)
+    return index
+
+
 def test_a_taken_index_synced_to_the_prompt_equals_one_indexed_anew():
     store = IndexStore()
     first = _conversation(0, 400)
     index = store.take(first)
     index.sync(first + [7, 7, 7])  # the reply, as a request leaves its index
-    store.give(index)
+    store.give(index, len(first))
     later = first + [7, 9] + _conversation(1, 100)  # the next request: its reply re-rendered
     taken = store.take(later)
     assert taken is index and len(store) == 0
@@ -36,24 +43,26 @@ def test_a_taken_index_synced_to_the_prompt_equals_one_indexed_anew():
     assert _state(taken) == _state(EchoIndex(tokens=later))
 
 
-def test_the_longest_kept_prefix_wins_and_an_index_that_would_drop_more_is_left():
+def test_the_longest_kept_prompt_wins_and_an_index_whose_prompt_this_one_leaves_is_left():
     store = IndexStore()
-    a, b = _conversation(2, 300), _conversation(3, 300)
-    for seq in (a, b):
-        index = EchoIndex()
-        index.sync(seq)
-        store.give(index)
-    assert store.take(b + [1]).seq == b
-    assert store.take(a[:100] + [99]).seq == []  # keeps 100 of 300: a new index
+    shared = _conversation(2, 1000)  # a system prompt and tools two conversations share
+    a, b = shared + _conversation(3, 100), shared + _conversation(4, 100)
+    store.give(_served(a, [1, 2]), len(a))
+    assert store.take(b).seq == []  # b departs from the prompt a's index served: left for a
     assert len(store) == 1
+    store.give(_served(shared, [3]), len(shared))
+    assert store.take(a + [1, 2, 5]).seq == a + [1, 2]  # both served prompts kept: the longer
+    assert store.take(b).seq == shared + [3]  # b extends what this one served
+    assert len(store) == 0
 
 
 def test_live_requests_never_share_an_index():
     store = IndexStore()
-    seq = _conversation(4, 200)
-    index = EchoIndex()
-    index.sync(seq)
-    store.give(index)
+    seq = _conversation(5, 200)
+    index = _served(seq, [])
+    store.give(index, len(seq))
+    store.give(index, len(seq))  # given back twice: kept once
+    assert len(store) == 1
     first, second = store.take(seq), store.take(seq)
     assert first is index and second is not index and second.seq == []
 
@@ -62,17 +71,15 @@ def test_the_store_keeps_its_bounds_dropping_the_least_recently_given():
     store = IndexStore(max_ids=1000, max_indexes=3)
     given = []
     for seed in range(5):
-        index = EchoIndex()
-        index.sync(_conversation(10 + seed, 300))
-        store.give(index)
-        given.append(index)
+        seq = _conversation(10 + seed, 300)
+        given.append(_served(seq, []))
+        store.give(given[-1], len(seq))
     assert len(store) == 3  # 900 ids
     assert all(store.take(g.seq) is g for g in given[2:])
-    small = IndexStore(max_ids=100)
-    big = EchoIndex()
-    big.sync(_conversation(20, 101))
-    small.give(big)
-    assert len(small) == 0
+    for g in given[2:]:
+        store.give(g, len(g))
+    store.give(_served(_conversation(20, 1001), []), 1001)  # over the bound alone: not kept
+    assert len(store) == 3
 
 
 def test_sessions_borrow_the_conversation_index_and_give_it_back():
@@ -90,13 +97,13 @@ def test_sessions_borrow_the_conversation_index_and_give_it_back():
     end_session(first)  # idempotent: given back once
     assert len(store) == 1
     kept = store.take(prompt)
-    store.give(kept)
+    store.give(kept, len(prompt))
     second = session(prompt + [5, 6])
     assert len(store) == 0
     end_session(second)
     assert store.take(prompt + [5, 6]) is kept  # synced to the second request's prompt
     assert kept.seq[:len(prompt) + 2] == prompt + [5, 6]
-    store.give(kept)
+    store.give(kept, len(prompt) + 2)
     assert build_session("strict", model=model, tokenizer=tokenizer, prompt_ids=prompt,
                          indexes=store).release is None
     assert len(store) == 1

@@ -340,6 +340,21 @@ def test_the_shell_and_apply_patch_tools_are_functions_taking_what_their_calls_a
     assert compiled is not None and list(compiled.table.tools) == ["shell", "apply_patch"]
 
 
+def test_a_tool_named_as_an_earlier_one_is_dropped_so_the_tools_stay_a_valid_set():
+    """A function ``shell`` beside the built-in ``shell`` (or a custom ``apply_patch`` beside
+    the built-in) would be two tools of one name, which no strict table takes: the first wins."""
+    from mlx_fill.evidence.responses_items import chat_tools
+    from mlx_fill.strict.schema import tool_schemas
+
+    tools = chat_tools([{"type": "function", "name": "shell", "parameters": {"type": "object"}},
+                        {"type": "shell"}, {"type": "apply_patch"},
+                        {"type": "custom", "name": "apply_patch"}])
+    assert [(t["function"]["name"], t["function"]["parameters"]) for t in tools] == [
+        ("shell", {"type": "object"}), ("apply_patch", tools[1]["function"]["parameters"])]
+    assert tools[1]["function"]["parameters"]["required"] == ["type", "path"]
+    assert len(tool_schemas(tools)) == 2
+
+
 # ----------------------------------------------------------------------------- streamed
 
 def _events(response: dict) -> list[dict]:

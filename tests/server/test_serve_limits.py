@@ -456,10 +456,14 @@ def test_a_conversations_next_request_syncs_the_index_its_last_one_left(engine):
     prepared = engine.prepare(parse_chat_request({"messages": first, "max_tokens": 2}))
     engine.generate(prepared, threading.Event())
     held = len(engine.indexes)
+    kept = [index for index, _ in engine.indexes._kept]
     later = [*first, {"role": "assistant", "content": "src/a.py"},
              {"role": "user", "content": "And in tests/?"}]
+    prompt = engine.render(parse_chat_request({"messages": first, "max_tokens": 2}))
     prepared = engine.prepare(parse_chat_request({"messages": later, "max_tokens": 2}))
-    assert len(engine.indexes) == held - 1 and prepared.session.release is not None
+    assert len(engine.indexes) == held - 1
+    taken = prepared.session.release.args[0]
+    assert any(taken is index for index in kept) and taken.seq[:len(prompt)] == prompt
     engine.generate(prepared, threading.Event())
     assert len(engine.indexes) == held
 

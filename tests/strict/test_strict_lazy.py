@@ -124,14 +124,46 @@ def test_warming_pays_the_tokenizer_table_at_load_and_caches_no_rows():
 
 
 def test_warming_a_tokenizer_whose_template_cannot_be_probed_raises_nothing():
-    class Refusing:
-        chat_template = "{{ raise_exception('no') }}"
-        tool_call_start, tool_call_end = "<tool_call>", "</tool_call>"
+    """The template raises (no jinja error: a TypeError), after the vocabulary's table was
+    built: the warm-up swallows it, as the request that needs the rows will report it."""
+    rendered = []
 
-        def apply_chat_template(self, *args, **kwargs):
-            raise TypeError("refused")
+    class Refusing:
+        chat_template = "{{ messages }}"
+        tool_call_start, tool_call_end = "<tool_call>", "</tool_call>"
+        added_tokens_decoder: dict = {}
 
         def __len__(self) -> int:
-            raise TypeError("no vocabulary")
+            return 3
 
-    warm_strict(Refusing())
+        def convert_ids_to_tokens(self, ids):
+            return ["a", "b", "c"][:len(ids)]
+
+        def decode(self, ids):
+            return "abc"[ids[0]]
+
+        def apply_chat_template(self, *args, **kwargs):
+            rendered.append(kwargs.get("add_generation_prompt"))
+            raise TypeError("refused")
+
+    refusing = Refusing()
+    warm_strict(refusing)
+    assert rendered and tokenbytes._TABLES[refusing] == [b"a", b"b", b"c"]
+
+
+def test_warming_a_tokenizer_without_call_markers_costs_nothing():
+    read = []
+
+    class Markerless:
+        chat_template = "{{ messages }}"
+
+        def __len__(self) -> int:
+            read.append("vocabulary")
+            return 0
+
+        def apply_chat_template(self, *args, **kwargs):
+            read.append("template")
+            return ""
+
+    warm_strict(Markerless())
+    assert read == []
