@@ -268,14 +268,16 @@ def build_session(
     tokenizer) proposing :data:`DRAFT_TOKENS` ids per round after every other source.
     ``acceptance``: a dict the caller keeps for a server's lifetime (one per model), holding
     every cost-gated source's per-draft acceptance estimates across requests (None: each
-    request starts from the prior). ``indexes``: the server's :class:`~mlx_fill.core.index.IndexStore`
-    (one per model): the model-free sources' index is taken from it, synced from the longest
-    indexed prefix of the prompt, and given back by :func:`end_session` (None: indexed anew). The session carries the dispatch plan (:func:`~mlx_fill.core.resolve.plan_for`: looked up once
-    per configuration and process, quick-qualified on the loaded model the first time no plan
-    applies). Raises ValueError for a bad mode or ``max_span``, malformed messages, tools/schemas or
-    a malformed prediction; TypeError for ``prompt_ids`` that are no token ids, an
-    ``acceptance`` that is no dict, or no ``tokenizer`` (a Hugging Face tokenizer is wrapped
-    as mlx-lm's ``stream_generate`` wraps it).
+    request starts from the prior). ``indexes``: the server's
+    :class:`~mlx_fill.core.index.IndexStore` (one per model): the model-free sources' index is
+    taken from it (the one whose served prompt this prompt extends, synced to it) and given
+    back by :func:`end_session` (None: indexed anew). The session carries the dispatch plan
+    (:func:`~mlx_fill.core.resolve.plan_for`: looked up once per configuration and process,
+    quick-qualified on the loaded model the first time no plan applies). Raises ValueError for
+    a bad mode or ``max_span``, malformed messages, tools/schemas or a malformed prediction;
+    TypeError for ``prompt_ids`` that are no token ids, an ``acceptance`` that is no dict, or no
+    ``tokenizer`` (a Hugging Face tokenizer is wrapped as mlx-lm's ``stream_generate`` wraps
+    it).
     The caller ends it with :func:`end_session` when generation ends.
 
     ``group``: the ``mx.distributed`` group a sharded ``model`` spans (``sharded_load`` under
@@ -365,7 +367,7 @@ def build_session(
                           pace=pace, compete=names)
     if refusal is not None:
         session.refuse(refusal)
-    if indexes is not None and index is not None:
+    if index is not None:  # taken from ``indexes``
         session.release = functools.partial(indexes.give, index, len(prompt_ids))
     return attach_shared(session, group)
 
