@@ -358,6 +358,8 @@ def build_session(
         trace = (open(trace_path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 -- closed by finish_session
                  if trace_path else None)
     except OSError as e:
+        if index is not None:  # synced to this prompt by make_sources; its conversation keeps it
+            indexes.give(index, len(prompt_ids))
         if not from_env:
             raise
         raise BadEnvironment(f"MLX_FILL_TRACE={trace_path} cannot be appended to ({e.strerror}); "

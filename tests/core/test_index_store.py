@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from adapter_models import random_qwen3_dir
 from mlx_lm import load
 
@@ -107,3 +109,14 @@ def test_sessions_borrow_the_conversation_index_and_give_it_back():
     assert build_session("strict", model=model, tokenizer=tokenizer, prompt_ids=prompt,
                          indexes=store).release is None
     assert len(store) == 1
+
+
+def test_a_session_whose_trace_cannot_be_opened_gives_its_index_back(tmp_path):
+    """The build fails after the index was taken and synced: the conversation keeps it."""
+    model, tokenizer = load(str(random_qwen3_dir()))
+    store, prompt = IndexStore(), _conversation(31, 400)
+    with pytest.raises(OSError):
+        build_session("all", model=model, tokenizer=tokenizer, prompt_ids=prompt, indexes=store,
+                      trace_path=str(tmp_path / "gone" / "trace.jsonl"))
+    assert len(store) == 1
+    assert store.take(prompt + [7]).seq[:len(prompt)] == prompt
