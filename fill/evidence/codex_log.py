@@ -82,9 +82,14 @@ def sessions_from_rollout(lines: list[dict]) -> list[tuple[int, dict]]:
     TEXT}``, a ``local_shell_call`` or ``shell_call`` as a call of ``local_shell`` or ``shell``
     whose arguments are its ``action`` as logged, an ``apply_patch_call`` as a call of
     ``apply_patch`` whose arguments are its ``operation``, an output as a ``tool`` message
-    bound to its call; the items the model gave with no input between are one assistant
-    message. Reasoning, web searches and other items, and lines that hold no item
-    (``event_msg``, ``turn_context``, state lines), are dropped.
+    bound to its call, an ``mcp_call`` as a call (named by its ``id``) followed by the ``tool``
+    message of its output (else its error); the items the model gave with no input between are
+    one assistant message. Reasoning, web searches, MCP tool lists and approvals and other
+    items, and lines that hold no item (``event_msg``, ``turn_context``, state lines), are
+    dropped. A session has no ``tools``: a rollout logs none of those the model was given
+    (they are synthesized from its calls when it is replayed), and the tools an
+    ``mcp_list_tools`` lists, given as the session's, would stand for all of them, leaving the
+    calls of the others no schema.
 
     A rollout is one session, named by its first session meta: a fork logs its own meta, then
     its parent's lines (their metas too) as the history it went on from. A ``compacted`` line

@@ -19,12 +19,13 @@ as JSON text. :func:`exchange_session` makes a session of the line, in the forms
   request's ``instructions`` as a system message, then the chat messages of its ``input``
   (text: one user message; items, a message's ``type`` optional) and of the response's
   ``output`` items, as :mod:`.responses_items` makes them (the Codex reader's mapping: the
-  items the model gave are its assistant message, reasoning dropped); its ``tools`` as
+  items the model gave are its assistant message, reasoning dropped); its ``tools``, then the
+  tools the ``mcp_list_tools`` items of its conversation list, as
   :func:`~.responses_items.chat_tools` gives them. A request that goes on from an earlier
   response (``previous_response_id``) sends only what it adds, the server holding the rest:
   where an earlier line of the file holds that response, the line's conversation is the items
-  of that line's followed by its own, its instructions its own (the API does not carry a
-  previous response's instructions over).
+  of that line's followed by its own (an MCP server's tools listed there among them), its
+  instructions its own (the API does not carry a previous response's instructions over).
 
 What is not read, each a reason the line is skipped for: an error response (an ``error``,
 Anthropic's ``type: error``, an HTTP status of 400 or more, an error a stream carries); a
@@ -61,7 +62,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .log_formats import quoted
-from .responses_items import add_item, chat_tools, item_problem
+from .responses_items import add_item, chat_tools, item_problem, listed_tools
 from .streamed import is_stream, whole_body
 
 __all__ = ["ProxyLog", "exchange_session", "is_exchange", "latest_conversations"]
@@ -98,13 +99,17 @@ class _Answered:
     """A Responses API line's conversation, kept as what it adds to the one it goes on from:
     ``own`` its chat messages after ``earlier``'s (the first of them, where it goes on from
     one, a copy of ``earlier``'s last, which its first items may add to) and after its system
-    message (``system``, none without instructions); ``tools`` None without; ``place`` the
-    line's among the log's sessions. So a chain of n lines keeps n lines' messages, not the
-    n²/2 of each line's whole conversation."""
+    message (``system``, none without instructions); ``listed`` the tools the
+    ``mcp_list_tools`` items of the whole conversation list
+    (:func:`~.responses_items.listed_tools`); ``tools`` the request's, then those (None where
+    it declares none and none are listed); ``place`` the line's among the log's sessions. So a
+    chain of n lines keeps n lines' messages, not the n²/2 of each line's whole
+    conversation."""
 
     place: int
     system: list[dict]
     tools: list[dict] | None
+    listed: list[dict]
     earlier: _Answered | None
     own: list[dict]
 
@@ -327,8 +332,11 @@ def _responses_session(request: dict, response: dict, answered: dict[str, _Answe
     _add_items(own, given)
     if not _add_items(own, output):
         return NO_OUTPUT
-    tools = chat_tools(request["tools"]) if isinstance(request.get("tools"), list) else None
-    conversation = _Answered(place, system, tools, earlier, own)
+    listed = [*(earlier.listed if earlier is not None else []), *listed_tools([*given, *output])]
+    declared = request.get("tools")
+    tools = (chat_tools(declared if isinstance(declared, list) else [], listed)
+             if isinstance(declared, list) or listed else None)
+    conversation = _Answered(place, system, tools, listed, earlier, own)
     if isinstance(response.get("id"), str):
         answered[response["id"]] = conversation
     fields = {"tools": tools} if tools is not None else {}

@@ -28,11 +28,15 @@ those of the rollout in ``test_replay.py``. The built-in ``shell`` and ``apply_p
 (``{"type": "shell", "environment"?}``, ``{"type": "apply_patch"}``), their ``shell_call`` and
 ``shell_call_output`` (entries of ``stdout``, ``stderr`` and an ``exit`` or ``timeout``
 ``outcome``), ``apply_patch_call`` and ``apply_patch_call_output`` (``output`` optional), and
-the ``mcp`` tool with its ``mcp_list_tools`` and ``mcp_call`` items: openai-python's
-``function_shell_tool_param.py``, ``apply_patch_tool_param.py``, ``tool_param.py``,
-``response_function_shell_tool_call.py``, ``response_function_shell_tool_call_output.py``,
-``response_apply_patch_tool_call.py``, ``response_apply_patch_tool_call_output.py`` and
-``response_output_item.py``.
+the ``mcp`` tool with its ``mcp_list_tools`` (``tools`` of ``name``, ``input_schema``,
+``description``?, ``annotations``?; ``error``?), ``mcp_call`` (``id``, ``server_label``,
+``name``, ``arguments`` text, ``output``?, ``error``?: an object, text in SDKs before
+f38355e, ``status``?, ``approval_request_id``?), ``mcp_approval_request`` and
+``mcp_approval_response`` items: openai-python's ``function_shell_tool_param.py``,
+``apply_patch_tool_param.py``, ``tool_param.py``, ``response_function_shell_tool_call.py``,
+``response_function_shell_tool_call_output.py``, ``response_apply_patch_tool_call.py``,
+``response_apply_patch_tool_call_output.py``, ``response_output_item.py``,
+``response_input_item_param.py`` and ``mcp_tool_call_error.py``.
 """
 
 from __future__ import annotations
@@ -260,10 +264,6 @@ BUILT_IN = [  # a GPT-5.1 agent's turns with the shell and apply_patch tools, th
     {"type": "shell_call", "call_id": "c4", "action": SLEEP, "status": "completed"},
     {"type": "shell_call_output", "call_id": "c4", "output": [
         {"stdout": "", "stderr": "", "outcome": {"type": "timeout"}}]},
-    {"type": "mcp_list_tools", "id": "mcpl_1", "server_label": "docs", "tools": [
-        {"name": "search", "input_schema": {"type": "object"}}]},
-    {"type": "mcp_call", "id": "mcp_1", "server_label": "docs", "name": "search", "arguments": '{"q": "a"}',
-     "output": "a.py: x = a + b", "error": None, "status": "completed"},
     _said("assistant", "Fixed.")]
 BUILT_IN_TOOLS = [{"type": "shell", "environment": {"type": "local"}}, {"type": "apply_patch"},
                   {"type": "mcp", "server_label": "docs", "server_url": "https://docs.example/mcp",
@@ -292,20 +292,19 @@ def test_the_shell_and_apply_patch_tools_calls_read_as_calls_and_their_outputs_a
     ``apply_patch_call`` one of ``apply_patch`` whose arguments are its ``operation``, as
     given; an output is a ``tool`` message bound by ``call_id``: a shell output's entries as
     their stdout, stderr and outcome each starting a line, a patch output without an
-    ``output`` as its status. An ``mcp_call`` (a call of a tool the request declares no
-    function of, run by the server) adds nothing. The same in a Responses API line, in a Codex
-    rollout, and in a rollout written before the envelope."""
-    line = _line(BUILT_IN[:-3], BUILT_IN[-3:], "resp_1", tools=BUILT_IN_TOOLS, model="gpt-5.1")
+    ``output`` as its status. The same in a Responses API line, in a Codex rollout, and in a
+    rollout written before the envelope."""
+    line = _line(BUILT_IN[:-1], BUILT_IN[-1:], "resp_1", tools=BUILT_IN_TOOLS, model="gpt-5.1")
     sessions, corrupt = replay.load_recordings(_write(tmp_path / "p.jsonl", [line]))
     assert corrupt == [] and len(sessions) == 1
     assert replay._render_history(sessions[0]) == BUILT_IN_HISTORY
     enveloped = [{"timestamp": "t", "type": "session_meta", "payload": {"id": "s"}},
                  *({"timestamp": "t", "type": "response_item", "payload": item} for item in BUILT_IN)]
-    bare = [{"id": "s", "timestamp": "t"}, *BUILT_IN[:-3], BUILT_IN[-1]]
+    bare = [{"id": "s", "timestamp": "t"}, *BUILT_IN]
     for name, rollout in (("rollout.jsonl", enveloped), ("bare.jsonl", bare)):
         codex, corrupt = replay.load_recordings(_write(tmp_path / name, rollout))
         assert corrupt == [] and replay._render_history(codex[0]) == BUILT_IN_HISTORY[1:], name
-    assert all(codex_log.is_rollout_line(item) for item in BUILT_IN[1:-4])
+    assert all(codex_log.is_rollout_line(item) for item in BUILT_IN[1:-1])
     turns, origin = replay.recording_turns(sessions[0])
     assert origin == "recorded" and [t.expected["tool_calls"] for t in turns[:3]] == [
         [{"name": "shell", "arguments": ACTION}],
@@ -316,13 +315,14 @@ def test_the_shell_and_apply_patch_tools_calls_read_as_calls_and_their_outputs_a
 def test_the_shell_and_apply_patch_tools_are_functions_taking_what_their_calls_are_read_as(tmp_path):
     """``{"type": "shell"}`` and ``{"type": "apply_patch"}`` are function tools whose schemas
     are their calls' ``action`` and ``operation`` (the SDK's ``Action`` and ``Operation``);
-    an ``mcp`` tool, whose tools the request does not name, is dropped. The recording renders
-    through a template with them and its strict rows compile for both tools."""
+    an ``mcp`` tool, a server whose tools no ``mcp_list_tools`` item lists here, is none. The
+    recording renders through a template with them and its strict rows compile for both
+    tools."""
     from mlx_fill.assets.store import load_tokenizer
     from mlx_fill.evidence.transcripts import markers, render_recording
     from mlx_fill.strict.source import compile_strict
 
-    line = _line(BUILT_IN[:-3], BUILT_IN[-3:], "resp_1", tools=BUILT_IN_TOOLS, model="gpt-5.1")
+    line = _line(BUILT_IN[:-1], BUILT_IN[-1:], "resp_1", tools=BUILT_IN_TOOLS, model="gpt-5.1")
     (session,), _ = replay.load_recordings(_write(tmp_path / "p.jsonl", [line]))
     assert session["tools"] == [
         {"type": "function", "function": {"name": "shell", "parameters": {"type": "object", "properties": {
@@ -353,6 +353,144 @@ def test_a_tool_named_as_an_earlier_one_is_dropped_so_the_tools_stay_a_valid_set
         ("shell", {"type": "object"}), ("apply_patch", tools[1]["function"]["parameters"])]
     assert tools[1]["function"]["parameters"]["required"] == ["type", "path"]
     assert len(tool_schemas(tools)) == 2
+
+
+# ----------------------------------------------------------------------------- MCP servers' tools
+
+SEARCH = {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}
+FETCH = {"type": "object", "properties": {"url": {"type": "string"}}, "required": ["url"]}
+MCP_SERVERS = [{"type": "mcp", "server_label": "docs", "server_url": "https://docs.example/mcp",
+                "require_approval": "never"},
+               {"type": "mcp", "server_label": "wiki", "server_url": "https://wiki.example/mcp"},
+               {"type": "mcp", "server_label": "down", "server_url": "https://down.example/mcp"}]
+LISTINGS = [  # what the servers list, as the response's first items: a name listed twice, or named as a
+    # declared function, is the first tool of that name; a server that could not list gives none
+    {"type": "mcp_list_tools", "id": "mcpl_1", "server_label": "docs", "tools": [
+        {"name": "search_docs", "input_schema": SEARCH, "description": "Search the docs",
+         "annotations": {"readOnlyHint": True}},
+        {"name": "fetch_page", "input_schema": FETCH, "annotations": None}], "error": None},
+    {"type": "mcp_list_tools", "id": "mcpl_2", "server_label": "wiki", "tools": [
+        {"name": "search_docs", "input_schema": {"type": "object"}, "description": "Search the wiki"},
+        {"name": "shell", "input_schema": {"type": "object"}}]},
+    {"type": "mcp_list_tools", "id": "mcpl_3", "server_label": "down", "tools": [],
+     "error": "Error retrieving tool list from MCP server: 'down'"}]
+
+
+def _mcp_call(cid: str, name: str, arguments: dict, **result) -> dict:
+    return {"type": "mcp_call", "id": cid, "server_label": "docs", "name": name, "arguments": json.dumps(arguments),
+            **result}
+
+
+HTTP_ERROR = {"type": "http_error", "code": 404, "message": "Not Found"}
+APPROVAL = {"type": "mcp_approval_request", "id": "mcpr_1", "server_label": "wiki", "name": "search_docs",
+            "arguments": '{"q": "Y"}'}
+MCP_TURNS = [  # (what the agent adds to the input, what the model gives) as the SDK types them
+    ([_said("user", "how do I configure X?")],
+     [*LISTINGS, _mcp_call("mcp_1", "search_docs", {"q": "X"}, output="x.toml: enabled = true", error=None,
+                           status="completed"),
+      _mcp_call("mcp_2", "fetch_page", {"url": "/x"}, output=None, error=HTTP_ERROR, status="failed"),
+      _said("assistant", "X is set in x.toml.")]),
+    ([_said("user", "and Y?")], [APPROVAL]),  # the call waits for the user's approval
+    ([{"type": "mcp_approval_response", "approval_request_id": "mcpr_1", "approve": True}],
+     [{**_mcp_call("mcp_3", "search_docs", {"q": "Y"}, status="completed"), "server_label": "wiki",
+       "approval_request_id": "mcpr_1"},
+      _mcp_call("mcp_4", "fetch_page", {"url": "/y"}, error="Request timed out"),  # as earlier SDKs typed it
+      _call("c1", "cat y.toml")])]
+MCP_HISTORY = [  # the conversation the agent's last line holds, as chat messages
+    {"role": "system", "content": SYSTEM}, {"role": "user", "content": "how do I configure X?"},
+    {"role": "assistant", "content": "", "tool_calls": [_built_in_call("mcp_1", "search_docs", {"q": "X"})]},
+    {"role": "tool", "tool_call_id": "mcp_1", "content": "x.toml: enabled = true"},
+    {"role": "assistant", "content": "", "tool_calls": [_built_in_call("mcp_2", "fetch_page", {"url": "/x"})]},
+    {"role": "tool", "tool_call_id": "mcp_2", "content": json.dumps(HTTP_ERROR)},
+    {"role": "assistant", "content": "X is set in x.toml."}, {"role": "user", "content": "and Y?"},
+    {"role": "assistant", "content": "", "tool_calls": [_built_in_call("mcp_3", "search_docs", {"q": "Y"})]},
+    {"role": "tool", "tool_call_id": "mcp_3", "content": ""},
+    {"role": "assistant", "content": "", "tool_calls": [_built_in_call("mcp_4", "fetch_page", {"url": "/y"})]},
+    {"role": "tool", "tool_call_id": "mcp_4", "content": "Request timed out"},
+    {"role": "assistant", "content": "", "tool_calls": [_built_in_call("c1", "shell", {"command": "cat y.toml"})]}]
+MCP_CHAT_TOOLS = [CHAT_TOOLS[0],
+                  {"type": "function", "function": {"name": "search_docs", "description": "Search the docs",
+                                                    "parameters": SEARCH}},
+                  {"type": "function", "function": {"name": "fetch_page", "parameters": FETCH}}]
+AWAITING = "a response without an assistant message (no output item of a message or a call)"
+
+
+def _mcp_agent(chained: bool) -> list[dict]:
+    """An agent given a function and three MCP servers, resending its history, or letting the
+    server keep it: then its last line goes on from its first with the question the approval
+    was asked for (a line going on from the line awaiting approval, which holds no
+    conversation, would be none to read)."""
+    tools = [TOOLS[0], *MCP_SERVERS]
+    if chained:
+        (first, output), _, (_, last) = MCP_TURNS
+        return [_line(first, output, "resp_1", tools=tools),
+                _line([_said("user", "and Y?")], last, "resp_3", tools=tools, previous_response_id="resp_1")]
+    lines, history = [], []
+    for number, (added, output) in enumerate(MCP_TURNS, 1):
+        history = [*history, *added]
+        lines.append(_line(history, output, f"resp_{number}", tools=tools))
+        history = [*history, *output]
+    return lines
+
+
+def test_an_mcp_call_reads_as_a_call_and_its_result_and_the_listed_tools_as_functions(tmp_path):
+    """An ``mcp_call`` is a call of the function named as its ``name`` (arguments as written,
+    bound by its ``id``) followed by a ``tool`` message of its output, else its error (an
+    object as its JSON text, text as written), else empty text; the next item the model gives
+    starts another assistant message. The tools ``mcp_list_tools`` items list follow the
+    request's, the first of a name kept. Approval requests and responses add nothing: the line
+    awaiting approval is a skipped line, the call read where the server made it."""
+    sessions, corrupt = replay.load_recordings(_write(tmp_path / "p.jsonl", _mcp_agent(chained=False)))
+    assert [(c.line, c.reason) for c in corrupt] == [(2, AWAITING)] and len(sessions) == 1
+    assert replay._render_history(sessions[0]) == MCP_HISTORY
+    assert sessions[0]["tools"] == MCP_CHAT_TOOLS
+    turns, origin = replay.recording_turns(sessions[0])
+    assert origin == "recorded" and [t.expected["tool_calls"] for t in turns[:2]] == [
+        [{"name": "search_docs", "arguments": {"q": "X"}}], [{"name": "fetch_page", "arguments": {"url": "/x"}}]]
+    chained, corrupt = replay.load_recordings(_write(tmp_path / "c.jsonl", _mcp_agent(chained=True)))
+    assert corrupt == [] and chained == sessions
+
+
+def test_the_tools_an_earlier_response_listed_are_the_tools_of_a_line_going_on_from_it(tmp_path):
+    """The API lists an MCP server's tools once, in a response: a later line naming that
+    response has them among its tools, one naming none has only its own; a request declaring
+    no tools has those the listing in its input gives."""
+    first, last = _mcp_agent(chained=True)
+    assert proxy_log.exchange_session(first)["tools"] == MCP_CHAT_TOOLS
+    assert proxy_log.exchange_session({**last, "request": {**last["request"], "previous_response_id": None}})[
+        "tools"] == CHAT_TOOLS[:1]
+    given = {**first, "request": {**first["request"], "tools": None, "input": [
+        *first["request"]["input"], LISTINGS[0]]}, "response": _response("resp_1", [_said("assistant", "ok")])}
+    assert proxy_log.exchange_session(given)["tools"] == MCP_CHAT_TOOLS[1:]
+
+
+def test_a_conversation_of_mcp_calls_renders_through_a_template_and_its_strict_rows_compile(tmp_path):
+    from mlx_fill.assets.store import load_tokenizer
+    from mlx_fill.evidence.transcripts import markers, render_recording
+    from mlx_fill.strict.source import compile_strict
+
+    (session,), _ = replay.load_recordings(_write(tmp_path / "p.jsonl", _mcp_agent(chained=True)))
+    tok = load_tokenizer("qwen3")
+    rendered = render_recording(session, tok, markers(tok))
+    assert rendered.tools_origin == "recorded" and len(rendered.turns) == 6
+    first = tok.decode(rendered.tokens[rendered.turns[0].start:rendered.turns[0].end])
+    assert json.dumps({"name": "search_docs", "arguments": {"q": "X"}}) in first
+    compiled = compile_strict(tok, rendered.messages[:rendered.turns[0].message_index], rendered.tools)
+    assert compiled is not None and list(compiled.table.tools) == ["shell", "search_docs", "fetch_page"]
+
+
+def test_a_codex_rollout_reads_mcp_calls_as_a_responses_line_does(tmp_path):
+    """The same calls and results; the rollout's session has no tools (a rollout logs none of
+    the model's, and the listed ones alone would stand for all): they are synthesized from its
+    calls, the MCP tools' among them."""
+    items = [item for added, output in MCP_TURNS for item in (*added, *output)]
+    rollout = [{"timestamp": "t", "type": "session_meta", "payload": {"id": "s"}},
+               *({"timestamp": "t", "type": "response_item", "payload": item} for item in items)]
+    (session,), corrupt = replay.load_recordings(_write(tmp_path / "rollout.jsonl", rollout))
+    assert corrupt == [] and replay._render_history(session) == MCP_HISTORY[1:] and "tools" not in session
+    tools, origin = replay.session_tools(session)
+    assert origin == "synthesized" and [t["function"]["name"] for t in tools] == ["search_docs", "fetch_page", "shell"]
+    assert codex_log.is_rollout_line(MCP_TURNS[0][1][3])
 
 
 # ----------------------------------------------------------------------------- streamed
@@ -499,12 +637,27 @@ MALFORMED = [  # a built-in tool's call or output that cannot be read, and why
         {**UPDATE, "type": "rename_file"}, {**UPDATE, "path": None}, {"type": "create_file", "path": "c.py"}]),
     ({**BUILT_IN[6], "output": 3}, PATCHED),
     ({"type": "apply_patch_call_output", "call_id": "c2"}, PATCHED)]
+SEARCH_CALL = MCP_TURNS[0][1][3]
+LISTED = "mcp_list_tools whose tools are not a list of tools with names as text"
+MCP_MALFORMED = [  # an MCP server's call or list of tools that cannot be read, and why
+    *(({**SEARCH_CALL, "name": name}, "mcp_call without a name") for name in (None, 3)),
+    ({k: v for k, v in SEARCH_CALL.items() if k != "name"}, "mcp_call without a name"),
+    ({k: v for k, v in SEARCH_CALL.items() if k != "id"}, "mcp_call without an id"),
+    *(({**SEARCH_CALL, "arguments": arguments}, "mcp_call whose arguments are not a JSON string")
+      for arguments in (None, {"q": "X"})),
+    ({**SEARCH_CALL, "output": ["x.toml"]}, "mcp_call whose output is neither text nor null"),
+    ({**SEARCH_CALL, "output": None, "error": 404}, "mcp_call whose error is neither text, an object nor null"),
+    *(({**LISTINGS[0], "tools": tools}, LISTED) for tools in (
+        None, "search_docs", {"name": "search_docs"}, ["search_docs"], [{"input_schema": SEARCH}],
+        [*LISTINGS[0]["tools"], {"name": 3, "input_schema": SEARCH}])),
+    ({k: v for k, v in LISTINGS[2].items() if k != "tools"}, LISTED)]
 
 
-@pytest.mark.parametrize(("item", "why"), MALFORMED)
-def test_a_built_in_tools_call_or_output_that_cannot_be_read_is_a_skipped_line_saying_why(tmp_path, item, why):
-    """In a Responses API line's input or output and in a Codex rollout (its line skipped, the
-    rest read)."""
+@pytest.mark.parametrize(("item", "why"), [*MALFORMED, *MCP_MALFORMED])
+def test_a_tools_call_output_or_list_that_cannot_be_read_is_a_skipped_line_saying_why(tmp_path, item, why):
+    """A built-in tool's call or output, an MCP server's call or list of tools: in a
+    Responses API line's input or output and in a Codex rollout (its line skipped, the rest
+    read)."""
     assert proxy_log.exchange_session(_line([_said("user", "hi"), item], [_said("assistant", "ok")], "r1")) == (
         f"a Responses API {why}")
     assert proxy_log.exchange_session(_line([_said("user", "hi")], [item], "r1")) == f"a Responses API {why}"
