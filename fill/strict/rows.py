@@ -80,6 +80,7 @@ CLOSE_TOOLS = 3
 EXTRA_KEY = "zq_extra"
 CONTENT_PROBE = "Hello."
 REASONING_PROBE = "Thinking."
+RESULT_PROBE = "Done."  # the tool message answering each call of a batch of turns
 MIN_SPAN = 2
 
 Certainty = Literal["determined", "likely"]
@@ -315,15 +316,17 @@ class _Prober:
             self.call_ids = True
             return rendered
 
-    def reply(self, message: dict) -> Rendered:
-        """The probe's reply. A template whose generation prompt opens reasoning but that drops
-        an empty think block from a rendered turn (GLM-4.7-Flash) is probed with a reasoning
-        placeholder, so the rendered turn extends the generation prompt."""
-        full = _render(self.tokenizer, [*self.messages, message], self.tools, self.kwargs, False)
+    def reply(self, message: dict, *after: dict) -> Rendered:
+        """The probe's reply: the assistant turn ``message`` and the messages ``after`` it. A
+        template whose generation prompt opens reasoning but that drops an empty think block
+        from a rendered turn (GLM-4.7-Flash) is probed with a reasoning placeholder, so the
+        rendered turn extends the generation prompt."""
+        full = _render(self.tokenizer, [*self.messages, message, *after], self.tools,
+                       self.kwargs, False)
         if not full.startswith(self.primer) and "reasoning_content" not in message:
             message = {**message, "reasoning_content": REASONING_PROBE}
-            full = _render(self.tokenizer, [*self.messages, message], self.tools, self.kwargs,
-                           False)
+            full = _render(self.tokenizer, [*self.messages, message, *after], self.tools,
+                           self.kwargs, False)
         if not full.startswith(self.primer):
             raise TemplateError("the rendered assistant turn does not extend the generation prompt")
         text = full[len(self.primer):]
@@ -337,18 +340,43 @@ class _Prober:
         """Bodies of ``calls`` rendered as one assistant turn (one render for many probes)."""
         return _bodies(self.turn(calls), markers, [name for name, _ in calls])
 
+    def turns(self, calls: list[tuple[str, dict]], markers: Markers) -> list[_Body]:
+        """Bodies of ``calls`` rendered as consecutive assistant turns of one call each, every
+        one but the last answered by a :data:`RESULT_PROBE` tool message (one render for many
+        probes where a template renders one call per turn)."""
+        if len(calls) < 2:
+            return self.calls(calls, markers)
+        messages = []
+        for call in calls:
+            turn = _turn([call], "", self.call_ids)
+            call_id = turn["tool_calls"][0].get("id")
+            messages += [turn, {"role": "tool", "content": RESULT_PROBE,
+                                **({"tool_call_id": call_id} if call_id else {})}]
+        rendered = self.reply(*messages[:-1])
+        if rendered.text.count(markers.call_start) != len(calls):
+            raise TemplateError("a batch of turns renders call markers of its own")
+        return _bodies(rendered, markers, [name for name, _ in calls])
+
     def probe(self, calls: list[tuple[str, dict]], markers: Markers) -> list[_Body]:
-        """Bodies of ``calls``, batched into one turn when the template renders each call of
-        a turn exactly as it renders that call alone (checked on the first and last call);
-        otherwise (or when the template renders one call per turn) one render per call."""
-        try:
-            batch = self.calls(calls, markers)
-        except (TemplateError, jinja2.TemplateError):
-            return [self.calls([c], markers)[0] for c in calls]
-        ends = {0, len(calls) - 1}
-        if all(self.calls([calls[i]], markers)[0] == batch[i] for i in ends):
-            return batch
-        return [self.calls([c], markers)[0] for c in calls]
+        """Bodies of ``calls``, from one render of them all where the template renders the
+        first and the last call there exactly as it renders that call alone: as one turn, else
+        as consecutive turns (:meth:`turns`, for a template that renders one call per turn);
+        otherwise one render per call."""
+        alone: dict[int, _Body] = {}
+
+        def single(i: int) -> _Body:
+            if i not in alone:
+                alone[i] = self.calls([calls[i]], markers)[0]
+            return alone[i]
+
+        for batched in (self.calls, self.turns):
+            try:
+                batch = batched(calls, markers)
+            except (TemplateError, jinja2.TemplateError):
+                continue
+            if all(single(i) == batch[i] for i in {0, len(calls) - 1}):
+                return batch
+        return [single(i) for i in range(len(calls))]
 
 
 def initial_role(tokenizer, messages, tools, kwargs, markers: Markers,

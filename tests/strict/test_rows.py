@@ -329,6 +329,35 @@ def test_a_cached_table_costs_a_request_three_renders(monkeypatch):
     assert sorted(renders) == [False, False, True]
 
 
+@pytest.mark.parametrize("family", ["gpt-oss", "llama3.x"])
+def test_one_call_per_turn_templates_probe_in_batches_of_turns_to_the_same_rows(family,
+                                                                                monkeypatch):
+    """A template that renders one call per turn gets its probes from one render of many
+    turns, and every row (head, close, keys) equals what rendering each probe alone gives."""
+    from mlx_fill.strict.rows import TemplateError, _Prober
+
+    tok = tokenizer(family)
+    renders = []
+    render = tok.apply_chat_template
+
+    def counted(*args, **kwargs):
+        renders.append(kwargs["add_generation_prompt"])
+        return render(*args, **kwargs)
+
+    monkeypatch.setattr(tok, "apply_chat_template", counted)
+    batched = compile_all_keys(compile_table(tok, USER, tools("keys")), tok, USER, tools("keys"))
+    batched_renders = len(renders)
+
+    def refuse(self, calls, markers):
+        raise TemplateError("probed one call at a time")
+
+    monkeypatch.setattr(_Prober, "turns", refuse)
+    renders.clear()
+    alone = compile_all_keys(compile_table(tok, USER, tools("keys")), tok, USER, tools("keys"))
+    assert batched is not None and repr(batched) == repr(alone)
+    assert batched_renders * 3 < len(renders), (batched_renders, len(renders))
+
+
 def _extra_templates() -> list[tuple[str, Path]]:
     out = []
     for root in _template_roots():
