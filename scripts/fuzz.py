@@ -37,6 +37,7 @@ from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -49,6 +50,7 @@ TOOLS = [{"type": "function", "function": {
                    "required": ["city"]}}}]
 BASE = {"messages": USER, "max_tokens": 4, "temperature": 0}
 OUTCOMES = ("2xx", "4xx shaped", "4xx unshaped", "5xx", "no response", "hangs", "crashes")
+SERVERS = ("serve", "hook", "stock")
 CLASSES = ("malformed", "types", "completions", "schemas", "unicode", "cut", "concurrent", "huge")
 FIELDS = ("messages", "model", "tools", "tool_choice", "stop", "max_tokens",
           "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stream",
@@ -363,21 +365,54 @@ def table(rows: dict[str, Counter]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def _names(known: tuple[str, ...], what: str) -> Callable[[str], list[str]]:
+    """argparse ``type=``: a non-empty comma-separated list of names from ``known``."""
+    def parse(value: str) -> list[str]:
+        names = [n.strip() for n in value.split(",") if n.strip()]
+        if not names or any(n not in known for n in names):
+            raise argparse.ArgumentTypeError(f"{value!r}: name {what} of {','.join(known)}")
+        return names
+    return parse
+
+
+def _parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, str]:
+    """The arguments and the model folder; a mistake exits 2 with argparse's usage and one
+    line naming the argument, before any server starts."""
+    from mlx_fill.assets.fixtures import FIXTURES, REAL_FIXTURES
+    from mlx_fill.core.errors import float_in, model_dir, non_negative_int, output_file
+
+    ap = argparse.ArgumentParser(prog="python -m scripts.fuzz", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-json", help="fixture name or model directory")
-    ap.add_argument("--servers", default="serve,hook", help="of serve,hook,stock")
-    ap.add_argument("--classes", default=",".join(CLASSES))
-    ap.add_argument("--limit", type=int, default=0, help="at most N cases per class (0: all)")
-    ap.add_argument("--timeout", type=float, default=60, help="seconds before a request is a hang")
-    ap.add_argument("--budget-s", type=float, default=1500, help="stop starting cases after this")
-    ap.add_argument("--json", default=None, help="write every outcome here")
+    ap.add_argument("--servers", type=_names(SERVERS, "servers"), default="serve,hook",
+                    help=f"of {','.join(SERVERS)}")
+    ap.add_argument("--classes", type=_names(CLASSES, "classes"), default=",".join(CLASSES))
+    ap.add_argument("--limit", type=non_negative_int, default=0, help="at most N cases per class (0: all)")
+    ap.add_argument("--timeout", type=float_in(0.0, low_open=True), default=60,
+                    help="seconds before a request is a hang")
+    ap.add_argument("--budget-s", type=float_in(0.0, low_open=True), default=1500,
+                    help="stop starting cases after this")
+    ap.add_argument("--json", type=output_file, default=None, help="write every outcome here")
     args = ap.parse_args(argv)
-    model = args.model if Path(args.model).is_dir() else subprocess.run(
-        [str(BIN / "mlx-fill"), "fixture", args.model], check=True, capture_output=True,
-        text=True).stdout.strip()
+    fixtures = (*FIXTURES, *REAL_FIXTURES)
+    if not Path(args.model).exists() and "/" not in args.model and args.model not in fixtures:
+        ap.error(f"argument --model: {args.model!r} is neither a fixture ({', '.join(fixtures)}) "
+                 f"nor a folder; pass one of those")
+    if Path(args.model).exists() or args.model not in fixtures:
+        try:
+            return args, str(model_dir(args.model))
+        except argparse.ArgumentTypeError as e:
+            ap.error(f"argument --model: {e}")
+    found = subprocess.run([str(BIN / "mlx-fill"), "fixture", args.model], capture_output=True,
+                           text=True)
+    if found.returncode:
+        ap.error(f"argument --model: {found.stderr.strip() or 'mlx-fill fixture failed'}")
+    return args, found.stdout.strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, model = _parse_args(argv)
     VOCAB[0] = json.loads((Path(model) / "config.json").read_text()).get("vocab_size")
-    all_cases = cases(tuple(args.classes.split(",")))
+    all_cases = cases(tuple(args.classes))
     if args.limit:
         per: dict[str, int] = Counter()
         all_cases = [c for c in all_cases if (per.update([c.cls]) or per[c.cls] <= args.limit)]
@@ -388,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
              "stock": ([str(BIN / "mlx_lm.server"), "--model", model, "--max-tokens", "4"], {})}
     start = time.monotonic()
     report: dict = {"model": model, "servers": {}}
-    for name in args.servers.split(","):
+    for name in args.servers:
         server = Server(name, *specs[name], log_dir)
         rows: dict[str, dict[str, Counter]] = {"handled": defaultdict(Counter),
                                                "stock mlx-lm": defaultdict(Counter)}
@@ -422,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  [{o['who']}] {o['class']}/{o['case']}: {o['outcome']}")
         print(f"\n{name}: {len(outcomes)} cases, {server.restarts} restarts, logs in {log_dir}")
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
     return 0
 
 

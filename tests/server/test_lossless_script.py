@@ -1,11 +1,12 @@
 """``scripts.lossless``: fill on against fill off through real servers. The comparison names
-every field that differs, and a short run on the embedded fixture finds none."""
+every field that differs, and a short run on the embedded fixture finds none. Both it and
+``scripts.fuzz`` answer a bad argument with one line before any server starts."""
 
 from __future__ import annotations
 
 import pytest
 
-from scripts import lossless
+from scripts import fuzz, lossless
 
 REPLY = {"content": "hi", "tool_calls": [("f", "{}")], "finish": "stop",
          "usage": {"prompt_tokens": 9, "completion_tokens": 3}}
@@ -52,5 +53,25 @@ def test_a_short_run_through_both_servers_finds_no_difference(capsys):
 def test_bad_arguments_are_one_line_before_any_server_starts(argv, needle, capsys):
     with pytest.raises(SystemExit) as stop:
         lossless.main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "Traceback" not in err and needle in err.splitlines()[-1], err
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--model", "nosuch"], "argument --model: 'nosuch' is neither a fixture (qwen3-json"),
+    (["--model", "./nosuch"], "argument --model: ./nosuch does not exist"),
+    (["--model", "{folder}"], "has no config.json"),
+    (["--servers", "bogus"], "argument --servers: 'bogus': name servers of serve,hook,stock"),
+    (["--classes", "types,bogus"], "argument --classes: 'types,bogus': name classes of malformed,"),
+    (["--limit", "-1"], "argument --limit: -1 is not at least 0"),
+    (["--timeout", "nan"], "argument --timeout: nan is not a finite number"),
+    (["--budget-s", "0"], "argument --budget-s: 0 is not above 0"),
+    (["--json", "{folder}"], "argument --json: cannot write"),
+])
+def test_fuzz_bad_arguments_are_one_line_before_any_server_starts(argv, needle, tmp_path,
+                                                                  monkeypatch, capsys):
+    monkeypatch.setattr(fuzz, "Server", lambda *a, **k: pytest.fail("a server started"))
+    with pytest.raises(SystemExit) as stop:
+        fuzz.main([a.format(folder=tmp_path) for a in argv])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "Traceback" not in err and needle in err.splitlines()[-1], err
