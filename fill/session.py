@@ -99,11 +99,15 @@ def env_store_tokens() -> int:
 
 
 def source_names(names: str | Sequence[str] | None) -> list[str]:
-    """Extra source names from ``names`` (a list or comma-separated string), else ``MLX_FILL_SOURCES``."""
+    """Extra source names from ``names`` (a list or comma-separated string), else
+    ``MLX_FILL_SOURCES``; TypeError for anything else, or a list holding a non-string."""
     if names is None:
         names = os.environ.get("MLX_FILL_SOURCES", "")
     if isinstance(names, str):
         names = names.split(",")
+    if not isinstance(names, (list, tuple)) or not all(isinstance(s, str) for s in names):
+        raise TypeError(f"extra_sources: expected source names (a comma-separated string or a "
+                        f"list of strings), got {names!r:.60}")
     return [s.strip() for s in names if s and s.strip()]
 
 
@@ -274,10 +278,11 @@ def build_session(
     back by :func:`end_session` (None: indexed anew). The session carries the dispatch plan
     (:func:`~mlx_fill.core.resolve.plan_for`: looked up once per configuration and process,
     quick-qualified on the loaded model the first time no plan applies). Raises ValueError for
-    a bad mode or ``max_span``, malformed messages, tools/schemas or a malformed prediction;
-    TypeError for ``prompt_ids`` that are no token ids, an ``acceptance`` that is no dict, or no
-    ``tokenizer`` (a Hugging Face tokenizer is wrapped as mlx-lm's ``stream_generate`` wraps
-    it).
+    a bad mode or ``max_span``, malformed messages, tools/schemas, ``template_kwargs`` that are
+    no object or a malformed prediction; TypeError for ``prompt_ids`` that are no token ids, an
+    ``acceptance`` that is no dict, a ``trace_path`` that is no path, ``extra_sources`` that
+    are no names, or no ``tokenizer`` (a Hugging Face tokenizer is wrapped as mlx-lm's
+    ``stream_generate`` wraps it).
     The caller ends it with :func:`end_session` when generation ends.
 
     ``group``: the ``mx.distributed`` group a sharded ``model`` spans (``sharded_load`` under
@@ -294,6 +299,10 @@ def build_session(
     if acceptance is not None and not isinstance(acceptance, dict):
         raise TypeError(f"acceptance: expected a dict kept across requests (or None), got "
                         f"{type(acceptance).__name__}")
+    if trace_path is not None and not isinstance(trace_path, (str, bytes, os.PathLike)):
+        # an int would be opened as that file descriptor, and closed by end_session
+        raise TypeError(f"trace_path: expected a file path (a str or os.PathLike, or None), got "
+                        f"{type(trace_path).__name__}")
     if mode == "off":
         return None
     from mlx_fill.core.shared import ranks_of
@@ -317,6 +326,9 @@ def build_session(
                             "it), got None")
         tool_schemas(tools)  # ValueError naming the path of a malformed tool
         _check_messages(messages)
+        if template_kwargs is not None and not isinstance(template_kwargs, dict):
+            raise ValueError(f"template_kwargs: must be an object of chat template variables, "
+                             f"got {type(template_kwargs).__name__}")
         if isinstance(prediction, (list, tuple)):  # the ids, from a caller that encoded them
             predicted = token_ids(prediction, vocab_size(model) or _tokenizer_size(tokenizer),
                                   "prediction")

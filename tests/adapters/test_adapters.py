@@ -157,6 +157,34 @@ def test_an_acceptance_that_is_not_a_dict_is_one_type_error(lm, bad):
     assert kept, "the gates' estimates are kept in the caller's dict"
 
 
+@pytest.mark.parametrize("bad", [2, True, 1.5])
+def test_a_trace_path_that_is_no_path_is_one_type_error(lm, bad):
+    """``open`` takes an int as a file descriptor: ``trace_path=2`` wrote the trace into stderr
+    and ``end_session`` closed it."""
+    model, tok, prompt = lm
+    with pytest.raises(TypeError, match="trace_path: expected a file path"):
+        build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt, trace_path=bad)
+
+
+@pytest.mark.parametrize("bad", [[("enable_thinking", False)], "enable_thinking=False", 0])
+def test_template_kwargs_that_are_no_object_are_one_value_error(lm, bad):
+    """The strict source renders the template with ``**template_kwargs``; anything but a dict
+    failed there and left the request without strict rows, saying nothing."""
+    model, tok, prompt = lm
+    with pytest.raises(ValueError, match="template_kwargs: must be an object of chat template "
+                                         f"variables, got {type(bad).__name__}"):
+        build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt, messages=[],
+                      template_kwargs=bad)
+
+
+@pytest.mark.parametrize("bad", [["echo", 5], 5, {"echo"}])
+def test_extra_sources_that_are_no_names_are_one_type_error(lm, bad):
+    """A list holding a non-string failed with ``'int' object has no attribute 'strip'``."""
+    model, tok, prompt = lm
+    with pytest.raises(TypeError, match="extra_sources: expected source names"):
+        build_session("all", model=model, tokenizer=tok, prompt_ids=prompt, extra_sources=bad)
+
+
 def test_fill_with_draft_model_is_rejected(lm):
     model, tok, prompt = lm
     session = build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt)
