@@ -92,6 +92,18 @@ def test_serve_bad_model_path(tmp_path, capsys):
     one_error_line(capsys, ["serve", "--model", str(tmp_path), "--draft-model", "./none"], "has no config.json")
 
 
+def test_serve_draft_model_without_fill(monkeypatch, capsys):
+    """``--fill off`` builds no session, so a draft model would be loaded and never run; said
+    before either model loads."""
+    from mlx_fill.assets.fixtures import fixture_path
+    model = str(fixture_path("qwen3-json"))
+    monkeypatch.setattr("mlx_fill.core.model_folder.load_model_folder",
+                        lambda *a, **k: pytest.fail("a model loaded"))
+    one_error_line(capsys, ["serve", "--model", model, "--port", "0", "--fill", "off",
+                            "--draft-model", model], "--draft-model proposes through fill",
+                   "drop --draft-model")
+
+
 def test_serve_store_seed_errors(tmp_path, capsys):
     """Said before the model loads."""
     from mlx_fill.assets.fixtures import fixture_path

@@ -71,8 +71,7 @@ def test_serve_a_template_that_does_not_compile_or_no_tokenizer_files(tmp_path, 
 
 def test_serve_draft_model_with_another_tokenizer(capsys):
     one_error_line(capsys, ["serve", "--model", str(fixture_path("qwen3-json")), "--port",
-                            str(free_port()), "--fill", "off", "--draft-model",
-                            str(fixture_path("smollm2-135m"))],
+                            str(free_port()), "--draft-model", str(fixture_path("smollm2-135m"))],
                    "--draft-model", "tokenizer differs")
 
 

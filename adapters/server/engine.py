@@ -20,6 +20,8 @@ from .template_vars import tokenizer_template_variables
 DEFAULT_MAX_TOKENS = 512
 STORE_SEED_NEEDS_ALL = ("--store-seed fills the cross-request store, which only --fill all drafts "
                         "from; pass --fill all")
+DRAFT_MODEL_NEEDS_FILL = ("--draft-model proposes through fill, which --fill off turns off; pass "
+                          "--fill strict, echo or all, or drop --draft-model")
 DEFAULT_PREFILL_STEP = 2048
 DEFAULT_PROMPT_CACHE_BYTES = 8 << 30
 
@@ -46,7 +48,7 @@ class Engine:
     drafts from a cross-request store bounded by ``store_tokens`` ids (default
     ``MLX_FILL_STORE_TOKENS``, as the in-server hook's store), which ``store_seed``
     (called once with the tokenizer and the empty store; refused in other modes) fills at
-    start."""
+    start. ``draft_model`` proposes through fill: refused with mode ``off``."""
 
     def __init__(self, model_path: str, *, mode: str = "strict", draft_model: str | None = None,
                  prompt_cache_size: int = 8, max_tokens: int = DEFAULT_MAX_TOKENS,
@@ -63,6 +65,8 @@ class Engine:
         self.mode = check_mode(mode)
         if store_seed is not None and self.mode != "all":
             raise UserError(STORE_SEED_NEEDS_ALL)
+        if draft_model is not None and self.mode == "off":
+            raise UserError(DRAFT_MODEL_NEEDS_FILL)
         check_env()
         from mlx_fill.core.resolve import prepare  # dispatch plans: qualified at start-up, not in a request
         from mlx_fill.strict.source import warm_strict  # a tokenizer's strict costs: at start-up too
