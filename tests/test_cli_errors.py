@@ -120,6 +120,24 @@ def test_serve_store_seed_errors(tmp_path, capsys):
                    "generation prompt rewrites the messages before it")
 
 
+def test_serve_store_seed_with_a_template_that_refuses_one_user_message(tmp_path, capsys):
+    """The store is seeded by cutting replies out of rendered conversations; a template that
+    raises on the probe conversation (its own ``raise_exception``) was a Jinja traceback."""
+    from mlx_fill.assets.fixtures import fixture_path
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in fixture_path("qwen3-json").iterdir():
+        if f.name != "chat_template.jinja":
+            (model / f.name).symlink_to(f)
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m.content }}{% endfor %}{{ raise_exception('no turns here') }}")
+    (tmp_path / "one.jsonl").write_text(json.dumps({"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n")
+    one_error_line(capsys, ["serve", "--model", str(model), "--port", "0", "--fill", "all",
+                            "--store-seed", str(tmp_path / "one.jsonl")],
+                   "the chat template refuses a conversation of one user message (no turns here)")
+
+
 def test_transcripts_that_are_no_regular_file_are_named_so(capsys):
     """A device or a pipe (the shell's ``<(zcat FILE)``) exists: it is not called missing, and
     it is not read as a file of no session (the reader opens a file twice)."""

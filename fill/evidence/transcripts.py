@@ -51,13 +51,18 @@ def markers(tokenizer: Any) -> TemplateMarkers:
     and a reply in the history. Raises ValueError, saying why, for a template whose replies
     cannot be cut into turns this way: one whose generation prompt writes nothing, one whose
     non-thinking generation prompt rewrites the messages before it, a tokenizer with no
-    end-of-turn token, or a template that ends an earlier reply with another token (or refuses
-    a conversation of a user message, a reply and a user message)."""
+    end-of-turn token, a template that ends an earlier reply with another token, or one that
+    refuses a conversation of one user message, or of a user message, a reply and a user
+    message."""
     msgs = [{"role": "user", "content": "x"}]
-    base = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
-    gen = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    nothink = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
-                                            enable_thinking=False)
+    try:
+        base = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
+        gen = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        nothink = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
+                                                enable_thinking=False)
+    except (jinja2.TemplateError, TypeError) as e:
+        raise ValueError(f"the chat template refuses a conversation of one user message ({e}), "
+                         f"so its replies cannot be cut into turns") from e
     if not gen.startswith(base) or not nothink.startswith(gen):
         raise ValueError("the chat template's generation prompt rewrites the "
                          "messages before it, so its replies cannot be cut into turns")
