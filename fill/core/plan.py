@@ -191,7 +191,18 @@ class DispatchPlan:
         one of :data:`PlanMode`; ``max_chunk`` a whole number from 1 to ``FAST_MAX_CHUNK``;
         chunk sizes (``cost`` / ``long_cost`` / ``shapes`` keys, ``pending``) at least 1; KV
         lengths at least 0; c(M) values finite and above 0; ``round_overhead`` finite and at
-        least 0; ``shapes`` values among :data:`~mlx_fill.core.shapes.SHAPES`."""
+        least 0; ``shapes`` values among :data:`~mlx_fill.core.shapes.SHAPES`; ``d`` itself, the
+        maps and the lists of the JSON type they are, and ``max_chunk`` present."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a plan is a JSON object, got {type(d).__name__}")
+        if "max_chunk" not in d:
+            raise ValueError("max_chunk: missing")
+        for name, kind, what in (("key", dict, "object"), ("cost", dict, "object"),
+                                 ("long_cost", dict, "object"), ("shapes", dict, "object"),
+                                 ("pending", (list, tuple), "array"),
+                                 ("kv_boundaries", (list, tuple), "array")):
+            if d.get(name) is not None and not isinstance(d[name], kind):
+                raise ValueError(f"{name}: {d[name]!r:.40} is not a JSON {what}")
         key = PlanKey.from_json(d["key"]) if d.get("key") else None
         mode = d.get("mode", "exact")
         if mode not in get_args(PlanMode):

@@ -178,7 +178,10 @@ def test_plan_file_of_the_old_key_format_is_refused(model, plan_dirs):
     ("round_overhead", -0.5, "round_overhead: -0.5 is not a finite number at least 0"),
     ("shapes", {"4": "sideways"}, "shapes[4]: 'sideways' is not one of"),
     ("pending", [0], "pending: 0 is not a whole number at least 1"),
-    ("kv_boundaries", [-1], "kv_boundaries: -1 is not a whole number at least 0")])
+    ("kv_boundaries", [-1], "kv_boundaries: -1 is not a whole number at least 0"),
+    ("cost", [1.2, 1.5], "cost: [1.2, 1.5] is not a JSON object"),
+    ("key", "cpu", "key: 'cpu' is not a JSON object"),
+    ("pending", 4, "pending: 4 is not a JSON array")])
 def test_a_plan_file_with_values_out_of_range_is_refused_in_one_line(field, value, needle, tmp_path,
                                                                      monkeypatch, capsys):
     """Read as ``mlx-fill plan`` lists it, and named in one line when ``MLX_FILL_PLAN`` points
@@ -190,6 +193,23 @@ def test_a_plan_file_with_values_out_of_range_is_refused_in_one_line(field, valu
     monkeypatch.setenv("MLX_FILL_PLAN", str(path))
     one_error_line(capsys, ["serve", "--model", str(fixture_path("qwen3-json")), "--port", "0"],
                    f"MLX_FILL_PLAN={path} is unreadable (ValueError: {needle}")
+
+
+@pytest.mark.parametrize(("content", "needle"), [
+    ([1, 2], "a plan is a JSON object, got list"), ({"cost": {"2": 1.5}}, "max_chunk: missing")])
+def test_a_plan_file_of_another_shape_is_refused_saying_what_it_lacks(content, needle, tmp_path):
+    """A list or an object without ``max_chunk`` said ``'list' object has no attribute 'get'``
+    and ``KeyError: 'max_chunk'``."""
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(content))
+    assert read_plan_file(path) == f"unreadable (ValueError: {needle})"
+
+
+def test_a_plan_reads_back_from_to_json_unserialized():
+    """``study`` hands its workers ``to_json()`` as it is, lists still tuples."""
+    plan = DispatchPlan(key=None, max_chunk=8, kv_boundaries=(0, 512), cost={2: 1.4},
+                        pending=(4, 8))
+    assert DispatchPlan.from_json(plan.to_json()) == plan
 
 
 def test_shipped_plans_and_every_size_qualify_measures_fit_a_plan_file():
