@@ -177,10 +177,13 @@ def _header_problem(header: dict) -> str | None:
 def load_runs(path: str | Path) -> Runs:
     """Read a runs JSONL file; lines that are no record (not JSON, or JSON that is not an object
     of ``kind`` ``run`` or ``turn``) are counted in ``corrupt_lines``, not fatal. A line that is not
-    UTF-8 text, or a turn record or run header without the fields ``replay`` writes (of their
-    types), is a ``UserError`` naming the file and line."""
+    UTF-8 text, a turn record or run header without the fields ``replay`` writes (of their
+    types), or a turn record of an arm, session, turn and repetition an earlier line holds (two
+    runs' records in one file, which pairing would read as one), is a ``UserError`` naming the
+    file and line."""
     runs = Runs([], [], [])
     fix = "pass the runs.jsonl that `mlx-fill replay` or `mlx-fill ab` wrote"
+    recorded: dict[tuple, int] = {}  # (arm, session, turn, rep) -> the line that holds it
     with open(path, "rb") as fh:
         for number, raw in enumerate(fh, 1):
             try:
@@ -205,6 +208,13 @@ def load_runs(path: str | Path) -> Runs:
                 problem = _turn_problem(obj)
                 if problem:
                     raise UserError(f"{path} line {number} is not a turn record ({problem}); {fix}")
+                key = (obj["arm"], obj["session_id"], obj["turn"], obj.get("rep", 0))
+                if key in recorded:
+                    raise UserError(f"{path} line {number} repeats the record of line "
+                                    f"{recorded[key]} (arm {key[0]}, session {key[1]!r}, turn "
+                                    f"{key[2]}, rep {key[3]}): the file holds two runs; pass one "
+                                    f"run's runs.jsonl")
+                recorded[key] = number
                 runs.turns.append(obj)
     return runs
 

@@ -384,6 +384,16 @@ def test_report_names_the_line_and_field_of_an_edited_turn(field, value, needle,
                    needle, "mlx-fill replay")
 
 
+def test_report_refuses_a_file_holding_two_runs_records(tmp_path, capsys):
+    """Two runs concatenated would pair the second run's records in place of the first's."""
+    records = _ab(4, b_agree=lambda i: True, b_wall=lambda i: 1.0).turns
+    runs_path = tmp_path / "runs.jsonl"
+    runs_path.write_text("\n".join(json.dumps(r) for r in records + records) + "\n")
+    one_error_line(capsys, ["report", str(runs_path)],
+                   f"{runs_path} line {len(records) + 1} repeats the record of line 1",
+                   "the file holds two runs")
+
+
 def test_report_reads_a_reply_without_content(tmp_path, capsys):
     records = _ab(8, b_agree=lambda i: True, b_wall=lambda i: 1.0).turns
     records[1]["output"] = {}
