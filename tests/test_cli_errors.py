@@ -113,6 +113,7 @@ def test_serve_store_seed_errors(tmp_path, capsys):
     one_error_line(capsys, [*serve, "--store-seed", str(tmp_path / "bad.jsonl")], "holds no session", "line 1")
     one_error_line(capsys, [*serve, "--store-tokens", "0"], "--store-tokens: 0 is not at least 1")
     one_error_line(capsys, [*serve[:-2], "--store-seed", str(tmp_path / "bad.jsonl")], "pass --fill all")
+    one_error_line(capsys, [*serve[:-2], "--store-tokens", "1000"], "pass --fill all")
     (tmp_path / "one.jsonl").write_text(json.dumps({"messages": [
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n")
     glm = ["serve", "--model", str(fixture_path("glm-xml")), "--port", "0", "--fill", "all"]

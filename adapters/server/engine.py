@@ -20,6 +20,8 @@ from .template_vars import tokenizer_template_variables
 DEFAULT_MAX_TOKENS = 512
 STORE_SEED_NEEDS_ALL = ("--store-seed fills the cross-request store, which only --fill all drafts "
                         "from; pass --fill all")
+STORE_TOKENS_NEEDS_ALL = ("--store-tokens bounds the cross-request store, which only --fill all "
+                          "keeps; pass --fill all or drop --store-tokens")
 DRAFT_MODEL_NEEDS_FILL = ("--draft-model proposes through fill, which --fill off turns off; pass "
                           "--fill strict, echo or all, or drop --draft-model")
 DEFAULT_PREFILL_STEP = 2048
@@ -48,7 +50,8 @@ class Engine:
     drafts from a cross-request store bounded by ``store_tokens`` ids (default
     ``MLX_FILL_STORE_TOKENS``, as the in-server hook's store), which ``store_seed``
     (called once with the tokenizer and the empty store; refused in other modes) fills at
-    start. ``draft_model`` proposes through fill: refused with mode ``off``."""
+    start. ``store_tokens`` and ``draft_model`` are refused in a mode that does not use them
+    (``store_tokens`` outside ``all``, ``draft_model`` with ``off``)."""
 
     def __init__(self, model_path: str, *, mode: str = "strict", draft_model: str | None = None,
                  prompt_cache_size: int = 8, max_tokens: int = DEFAULT_MAX_TOKENS,
@@ -65,6 +68,8 @@ class Engine:
         self.mode = check_mode(mode)
         if store_seed is not None and self.mode != "all":
             raise UserError(STORE_SEED_NEEDS_ALL)
+        if store_tokens is not None and self.mode != "all":
+            raise UserError(STORE_TOKENS_NEEDS_ALL)
         if draft_model is not None and self.mode == "off":
             raise UserError(DRAFT_MODEL_NEEDS_FILL)
         check_env()
