@@ -307,6 +307,19 @@ def test_plan_cache_is_keyed_on_exact_identity_and_reused_across_conversations()
     assert table_for(tok, USER, tools("single")) is not first
 
 
+def _count_renders(tok, monkeypatch) -> list[bool]:
+    """The renders ``tok`` makes from now on, each as its ``add_generation_prompt``."""
+    renders = []
+    render = tok.apply_chat_template
+
+    def counted(*args, **kwargs):
+        renders.append(kwargs["add_generation_prompt"])
+        return render(*args, **kwargs)
+
+    monkeypatch.setattr(tok, "apply_chat_template", counted)
+    return renders
+
+
 def test_a_cached_table_costs_a_request_three_renders(monkeypatch):
     """A request whose tool set's table is cached renders its conversation with the generation
     prompt once (the probe's reply extends it and it says the role the reply opens in), the
@@ -316,14 +329,7 @@ def test_a_cached_table_costs_a_request_three_renders(monkeypatch):
              {"role": "user", "content": "and now?"}]
     cached = compile_strict(tok, USER, tools())
     assert cached is not None
-    renders = []
-    render = tok.apply_chat_template
-
-    def counted(*args, **kwargs):
-        renders.append(kwargs["add_generation_prompt"])
-        return render(*args, **kwargs)
-
-    monkeypatch.setattr(tok, "apply_chat_template", counted)
+    renders = _count_renders(tok, monkeypatch)
     compiled = compile_strict(tok, multi, tools())
     assert compiled is not None and compiled.table is cached.table
     assert sorted(renders) == [False, False, True]
@@ -337,14 +343,7 @@ def test_one_call_per_turn_templates_probe_in_batches_of_turns_to_the_same_rows(
     from mlx_fill.strict.rows import TemplateError, _Prober
 
     tok = tokenizer(family)
-    renders = []
-    render = tok.apply_chat_template
-
-    def counted(*args, **kwargs):
-        renders.append(kwargs["add_generation_prompt"])
-        return render(*args, **kwargs)
-
-    monkeypatch.setattr(tok, "apply_chat_template", counted)
+    renders = _count_renders(tok, monkeypatch)
     batched = compile_all_keys(compile_table(tok, USER, tools("keys")), tok, USER, tools("keys"))
     batched_renders = len(renders)
 
