@@ -92,10 +92,15 @@ def verify(folder: Path, family: str, names: list[str] | None = None) -> None:
 
 
 def search_roots() -> list[Path]:
-    """Candidate asset roots, in resolution order (only those that exist)."""
+    """Candidate asset roots, in resolution order (only those that exist); a ``UserError`` where
+    ``MLX_FILL_ASSETS`` names something that is not a folder."""
     roots = []
     if os.environ.get("MLX_FILL_ASSETS"):
-        roots.append(Path(os.environ["MLX_FILL_ASSETS"]))
+        named = Path(os.environ["MLX_FILL_ASSETS"])
+        if named.exists() and not named.is_dir():
+            raise UserError(f"MLX_FILL_ASSETS={named} is not a folder; name a folder holding "
+                            f"family folders (qwen3/, ...) or unset it")
+        roots.append(named)
     roots.append(cache_root())
     return [root for root in roots if root.is_dir()]
 

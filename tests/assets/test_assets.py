@@ -140,6 +140,13 @@ def test_env_root_comes_first(tmp_path, monkeypatch):
     assert assets.family_dir("qwen3") == dest
 
 
+def test_an_assets_root_that_is_a_file_is_one_line(tmp_path, monkeypatch):
+    (tmp_path / "assets.tar").write_text("not a folder")
+    monkeypatch.setenv("MLX_FILL_ASSETS", str(tmp_path / "assets.tar"))
+    with pytest.raises(assets.UserError, match=r"MLX_FILL_ASSETS=.*assets.tar is not a folder"):
+        assets.family_dir("qwen3")
+
+
 def test_tampered_file_is_rejected(tmp_path, monkeypatch):
     dest = _copy_family("qwen3", tmp_path)
     data = bytearray((dest / "merges.txt").read_bytes())
