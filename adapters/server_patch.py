@@ -77,6 +77,7 @@ from mlx_fill.session import (
     check_env,
     end_session,
     env_store_tokens,
+    keeps_index,
     prediction_ids,
     server_ledger,
     usage_extra,
@@ -183,7 +184,7 @@ class ServerFill:
     def indexes_for(self, model_key: str) -> IndexStore | None:
         """The model-free sources' conversation indexes for ``model_key`` in modes ``echo`` and
         ``all`` (one store, the model last served), else None."""
-        if self.mode not in ("echo", "all"):
+        if not keeps_index(self.mode):
             return None
         if self.indexes is None or self.indexes[0] != model_key:
             self.indexes = (model_key, IndexStore())

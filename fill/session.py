@@ -64,6 +64,12 @@ DRAFT_TOKENS = 4  # ids a draft model proposes per round (``--draft-model``)
 _MODE_SOURCES = {"strict": (), "echo": ("echo",), "all": ("echo", "suffix", "ngram")}
 
 
+def keeps_index(mode: str) -> bool:
+    """Whether sessions in ``mode`` build the model-free sources, whose conversation index a
+    server keeps between requests (:class:`~mlx_fill.core.index.IndexStore`)."""
+    return bool(_MODE_SOURCES.get(mode))
+
+
 MAX_SPAN_CEILING = 4096  # ids one proposal may hold (MLX_FILL_MAX_SPAN)
 
 

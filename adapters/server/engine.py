@@ -63,7 +63,7 @@ class Engine:
 
         from mlx_fill.core.model_folder import load_model_folder
 
-        from mlx_fill.session import check_env, check_mode, env_store_tokens
+        from mlx_fill.session import check_env, check_mode, env_store_tokens, keeps_index
         self.model_path = model_path
         self.mode = check_mode(mode)
         if store_seed is not None and self.mode != "all":
@@ -114,7 +114,7 @@ class Engine:
                 raise UserError(f"{e}; move the file away to start a new ledger") from None
         self.acceptance: dict = {}  # per-draft acceptance estimates, kept for the server's lifetime
         # the model-free sources' conversation indexes, kept between requests
-        self.indexes = IndexStore() if self.mode in ("echo", "all") else None
+        self.indexes = IndexStore() if keeps_index(self.mode) else None
         self.global_tree = None
         if self.mode == "all":
             from mlx_fill.spec.suffix import GlobalSuffixTree
