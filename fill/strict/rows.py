@@ -344,8 +344,6 @@ class _Prober:
         """Bodies of ``calls`` rendered as consecutive assistant turns of one call each, every
         one but the last answered by a :data:`RESULT_PROBE` tool message (one render for many
         probes where a template renders one call per turn)."""
-        if len(calls) < 2:
-            return self.calls(calls, markers)
         messages = []
         for call in calls:
             turn = _turn([call], "", self.call_ids)
@@ -361,7 +359,9 @@ class _Prober:
         """Bodies of ``calls``, from one render of them all where the template renders the
         first and the last call there exactly as it renders that call alone: as one turn, else
         as consecutive turns (:meth:`turns`, for a template that renders one call per turn);
-        otherwise one render per call."""
+        otherwise one render per call. A single call is rendered alone, once."""
+        if len(calls) == 1:
+            return self.calls(calls, markers)
         alone: dict[int, _Body] = {}
 
         def single(i: int) -> _Body:
