@@ -378,8 +378,8 @@ def _names(known: tuple[str, ...], what: str) -> Callable[[str], list[str]]:
 def _parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, str]:
     """The arguments and the model folder; a mistake exits 2 with argparse's usage and one
     line naming the argument, before any server starts."""
-    from mlx_fill.assets.fixtures import FIXTURES, REAL_FIXTURES
-    from mlx_fill.core.errors import float_in, model_dir, non_negative_int, output_file
+    from mlx_fill.assets.fixtures import FIXTURES, REAL_FIXTURES, fixture_path
+    from mlx_fill.core.errors import UserError, float_in, model_dir, non_negative_int, output_file
 
     ap = argparse.ArgumentParser(prog="python -m scripts.fuzz", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-json", help="fixture name or model directory")
@@ -394,19 +394,17 @@ def _parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, str]:
     ap.add_argument("--json", type=output_file, default=None, help="write every outcome here")
     args = ap.parse_args(argv)
     fixtures = (*FIXTURES, *REAL_FIXTURES)
-    if not Path(args.model).exists() and "/" not in args.model and args.model not in fixtures:
-        ap.error(f"argument --model: {args.model!r} is neither a fixture ({', '.join(fixtures)}) "
-                 f"nor a folder; pass one of those")
-    if Path(args.model).exists() or args.model not in fixtures:
-        try:
-            return args, str(model_dir(args.model))
-        except argparse.ArgumentTypeError as e:
-            ap.error(f"argument --model: {e}")
-    found = subprocess.run([str(BIN / "mlx-fill"), "fixture", args.model], capture_output=True,
-                           text=True)
-    if found.returncode:
-        ap.error(f"argument --model: {found.stderr.strip() or 'mlx-fill fixture failed'}")
-    return args, found.stdout.strip()
+    here = Path(args.model).exists()  # a folder of a fixture's name wins over the fixture
+    try:
+        if args.model in fixtures and not here:
+            return args, str(fixture_path(args.model))
+        if not here and "/" not in args.model:
+            raise argparse.ArgumentTypeError(f"{args.model!r} is neither a fixture "
+                                             f"({', '.join(fixtures)}) nor a folder; pass one "
+                                             f"of those")
+        return args, str(model_dir(args.model))
+    except (argparse.ArgumentTypeError, UserError) as e:
+        ap.error(f"argument --model: {e}")
 
 
 def main(argv: list[str] | None = None) -> int:
