@@ -51,8 +51,14 @@ def test_a_short_run_through_both_servers_finds_no_difference(capsys):
     (["--timeout", "0"], "argument --timeout: 0"),
 ])
 def test_bad_arguments_are_one_line_before_any_server_starts(argv, needle, capsys):
+    _usage_error(capsys, lambda: lossless.main(argv), needle)
+
+
+def _usage_error(capsys, call, needle: str) -> None:
+    """``call()`` (a script's ``main``) exits 2 through argparse, no traceback, its last stderr
+    line holding ``needle``."""
     with pytest.raises(SystemExit) as stop:
-        lossless.main(argv)
+        call()
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "Traceback" not in err and needle in err.splitlines()[-1], err
 
@@ -71,7 +77,4 @@ def test_bad_arguments_are_one_line_before_any_server_starts(argv, needle, capsy
 def test_fuzz_bad_arguments_are_one_line_before_any_server_starts(argv, needle, tmp_path,
                                                                   monkeypatch, capsys):
     monkeypatch.setattr(fuzz, "Server", lambda *a, **k: pytest.fail("a server started"))
-    with pytest.raises(SystemExit) as stop:
-        fuzz.main([a.format(folder=tmp_path) for a in argv])
-    err = capsys.readouterr().err
-    assert stop.value.code == 2 and "Traceback" not in err and needle in err.splitlines()[-1], err
+    _usage_error(capsys, lambda: fuzz.main([a.format(folder=tmp_path) for a in argv]), needle)
