@@ -390,9 +390,11 @@ def test_transcripts_that_are_no_regular_file_are_one_error_line(capsys):
                   f"it holds to a file and pass that\n", err
 
 
-def test_sessions_without_an_assistant_turn_are_one_error_line(tmp_path, capsys):
+def test_sessions_without_an_assistant_turn_are_one_error_line(tmp_path, capsys, monkeypatch):
+    """Said before the model loads: a first use would download it for nothing."""
     path = tmp_path / "no_reply.jsonl"
     path.write_text(json.dumps({"messages": [{"role": "user", "content": "hello"}]}) + "\n")
+    monkeypatch.setattr(forced, "load_model", lambda *a: pytest.fail("the model was loaded"))
     assert forced.main(["--transcripts", str(path), "--surrogate"]) == 2
     assert capsys.readouterr().err == (f"forced: no assistant turn to replay in {path}; pass "
                                        f"sessions with assistant replies\n")
