@@ -365,7 +365,7 @@ def table(rows: dict[str, Counter]) -> str:
     return "\n".join(lines)
 
 
-def _names(known: tuple[str, ...], what: str) -> Callable[[str], list[str]]:
+def names_arg(known: tuple[str, ...], what: str) -> Callable[[str], list[str]]:
     """argparse ``type=``: a non-empty comma-separated list of names from ``known``."""
     def parse(value: str) -> list[str]:
         names = [n.strip() for n in value.split(",") if n.strip()]
@@ -383,9 +383,9 @@ def _parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, str]:
 
     ap = argparse.ArgumentParser(prog="python -m scripts.fuzz", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-json", help="fixture name or model directory")
-    ap.add_argument("--servers", type=_names(SERVERS, "servers"), default="serve,hook",
+    ap.add_argument("--servers", type=names_arg(SERVERS, "servers"), default="serve,hook",
                     help=f"of {','.join(SERVERS)}")
-    ap.add_argument("--classes", type=_names(CLASSES, "classes"), default=",".join(CLASSES))
+    ap.add_argument("--classes", type=names_arg(CLASSES, "classes"), default=",".join(CLASSES))
     ap.add_argument("--limit", type=non_negative_int, default=0, help="at most N cases per class (0: all)")
     ap.add_argument("--timeout", type=float_in(0.0, low_open=True), default=60,
                     help="seconds before a request is a hang")

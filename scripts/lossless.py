@@ -38,7 +38,7 @@ from mlx_fill.assets.fixtures import FIXTURES, REAL_FIXTURES, fixture_path
 from mlx_fill.core.errors import float_in, model_ref, output_file, positive_int
 from mlx_fill.evidence.demo import DEFAULT_MESSAGES, DEFAULT_TOOLS, TOOL_RESULT
 from mlx_fill.modes import MODES
-from scripts.fuzz import BIN, Server
+from scripts.fuzz import BIN, Server, names_arg
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the weather for a city",
@@ -50,6 +50,7 @@ SEARCH = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {
         "query": {"type": "string"}, "limit": {"type": "integer"}}, "required": ["query"]}}}
 TOOLS = [WEATHER, SEARCH]
+ON_MODES = tuple(m for m in MODES if m != "off")  # each compared with off
 CODE = "def foo(x):\n    return foo_helper(x) + 1\n\n\nprint(foo(2))\n"
 EDITED = CODE.replace("foo", "bar")
 
@@ -190,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="qwen3-json",
                     help="a fixture name, an mlx-lm model directory or a Hugging Face repo id")
     ap.add_argument("--servers", default="serve,hook", help="of serve,hook")
-    ap.add_argument("--modes", default="strict,echo,all", help="fill modes to compare with off")
+    ap.add_argument("--modes", type=names_arg(ON_MODES, "modes"), default=",".join(ON_MODES),
+                    help="fill modes to compare with off")
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                     help="cast the weights (mlx-fill serve only)")
     ap.add_argument("--limit", type=positive_int, default=None,
@@ -200,12 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=output_file, default=None, help="write every reply here")
     args = ap.parse_args(argv)
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not servers or any(s not in ("serve", "hook") for s in servers):
         ap.error(f"argument --servers: {args.servers!r}: name serve, hook or both")
-    if not modes or any(m not in MODES or m == "off" for m in modes):
-        on_modes = ",".join(m for m in MODES if m != "off")
-        ap.error(f"argument --modes: {args.modes!r}: name modes of {on_modes}")
     if args.model in (*FIXTURES, *REAL_FIXTURES):
         model = str(fixture_path(args.model))
     else:
@@ -231,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         off = run_server(spec(path, "off"), cases, sets, args.timeout)
         report["paths"][path] = {"off": off}
-        for mode in modes:
+        for mode in args.modes:
             on = run_server(spec(path, mode), cases, sets, args.timeout)
             report["paths"][path][mode] = on
             bad = {k: d for k in off if (d := differences(off[k], on[k]))}
