@@ -769,10 +769,10 @@ def main(argv: list[str] | None = None) -> int:
         seed_sessions = sessions_of(args.store_seed) if args.store_seed is not None else []
     except UserError as e:
         return fail(str(e))
-    where = args.transcripts or "the held-back sessions"
+    no_reply = (f"no assistant turn to replay in {args.transcripts or 'the held-back sessions'}",
+                "pass sessions with assistant replies")
     if not any(m.get("role") == "assistant" for s in sessions for m in s["messages"]):
-        return fail(f"no assistant turn to replay in {where}; pass sessions with assistant "
-                    f"replies")  # before the model loads (a first use downloads it)
+        return fail("; ".join(no_reply))  # before the model loads (a first use downloads it)
     try:
         model, tok, model_dir = load_model(args.model, None if args.dtype == "none" else args.dtype)
     except UserError as e:
@@ -795,8 +795,7 @@ def main(argv: list[str] | None = None) -> int:
     if not turns:
         what, todo = (("no turn rewrites a file a read tool returned earlier (--rewrites)",
                        "drop --rewrites or pass sessions with such turns") if args.rewrites
-                      else (f"no assistant turn to replay in {where}",
-                            "pass sessions with assistant replies"))
+                      else no_reply)
         return fail("; ".join([what, *not_rendered[:1], todo]))
     for line in not_rendered:
         print(f"forced: {line}", file=sys.stderr)
