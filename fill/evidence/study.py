@@ -48,7 +48,7 @@ from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.cost import CostGate, RoundCosts
 from mlx_fill.core.proposal import DecodeView, FillSession, Pace
 
-from .replay import CorruptLine, check_transcripts, path_text
+from .replay import CorruptLine, path_text, read_sessions
 from .transcripts import markers
 
 if TYPE_CHECKING:
@@ -273,10 +273,10 @@ def _worker(args: tuple) -> dict:
 
 def run_study(path: Path, family: str, row_names: list[str], *, sessions: int | None = None,
               per_source: int | None = None, plan: DispatchPlan | None = None, max_span: int = LOOKUP_MAX_SPAN, workers: int = 2,
-              progress: bool = True) -> dict:
-    """Run the study and return the JSON-able result (see the module contract)."""
-    from .replay import read_sessions
-    all_sessions, corrupt = read_sessions(path)
+              progress: bool = True, recordings: tuple[list[dict], list] | None = None) -> dict:
+    """Run the study and return the JSON-able result (see the module contract).
+    ``recordings``: ``read_sessions(path)`` when the caller has already read it."""
+    all_sessions, corrupt = recordings if recordings is not None else read_sessions(path)
     picks = list(range(len(all_sessions)))[:sessions] if sessions else list(range(len(all_sessions)))
     if per_source:
         taken: dict[str, int] = defaultdict(int)
@@ -443,7 +443,6 @@ def run(args: argparse.Namespace) -> int:
     if args.transcripts is None and not path.is_file():
         raise UserError(f"no transcripts at {path} (an installed package has none); pass "
                         f"--transcripts FILE, e.g. a clone's fixtures/transcripts/dev.jsonl.gz")
-    check_transcripts(path)
     plan = None
     if args.cost_curve is not None:
         try:
@@ -453,6 +452,10 @@ def run(args: argparse.Namespace) -> int:
                             f"with `mlx-fill qualify`") from err
         if not plan.cost:
             raise UserError(f"{args.cost_curve} has no cost map; write one with `mlx-fill qualify`")
+    recordings = read_sessions(path)
+    no_turn = (f"no assistant turn to study in {path}", "pass sessions with assistant replies")
+    if not any(m.get("role") == "assistant" for s in recordings[0] for m in s["messages"]):
+        raise UserError("; ".join(no_turn))  # before the family's tokenizer is fetched
     try:
         markers(load_tokenizer(args.family))
     except ValueError as err:
@@ -460,12 +463,12 @@ def run(args: argparse.Namespace) -> int:
     result = run_study(path, args.family, names, sessions=args.sessions,
                        per_source=args.per_source, plan=plan,
                        max_span=args.max_span, workers=args.workers,
-                       progress=not args.no_progress)
+                       progress=not args.no_progress, recordings=recordings)
     if not result["rows"][BASELINE]["total"]["turns"]:
         skipped = result["skipped_sessions"]
         why = f"; {len(skipped)} sessions not rendered (the first: {skipped[0]})" if skipped else ""
-        raise UserError(f"no assistant turn to study in {path}{why}; pass sessions with "
-                        f"assistant replies" + (", or another --family" if skipped else ""))
+        raise UserError(f"{no_turn[0]}{why}; {no_turn[1]}"
+                        + (", or another --family" if skipped else ""))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "study.json").write_text(json.dumps(result, indent=2) + "\n")
     report = markdown_report(result)

@@ -156,14 +156,19 @@ def test_arguments_a_template_cannot_write_are_a_session_refused_saying_why():
         render_recording(session, coder, markers(coder))
 
 
-def test_sessions_without_a_turn_to_study_are_one_error_line(tmp_path, capsys):
-    """No assistant reply, or none the template renders: one line saying so, no empty report."""
+def test_sessions_without_a_turn_to_study_are_one_error_line(tmp_path, capsys, monkeypatch):
+    """No assistant reply (said before the family's tokenizer is fetched), or none the template
+    renders: one line saying so, no empty report."""
+    from mlx_fill.evidence import study
     path = tmp_path / "no_turn.jsonl"
     path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     out = tmp_path / "study"
     argv = ["study", "--transcripts", str(path), "--sources", "ngram", "--workers", "1",
             "--out", str(out), "--no-progress"]
-    one_error_line(capsys, argv, f"no assistant turn to study in {path}; pass sessions with")
+    with monkeypatch.context() as patched:
+        patched.setattr(study, "load_tokenizer", lambda *a: pytest.fail("a tokenizer was loaded"))
+        one_error_line(capsys, argv, f"no assistant turn to study in {path}; pass sessions with "
+                       "assistant replies")
     session = _sessions()[0]
     session["messages"][2]["tool_calls"] *= 2  # Llama 3's template takes one call per reply
     path.write_text(json.dumps(session) + "\n")
