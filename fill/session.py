@@ -287,7 +287,8 @@ def build_session(
     a bad mode or ``max_span``, malformed messages, tools/schemas, ``template_kwargs`` that are
     no object or a malformed prediction; TypeError for ``prompt_ids`` that are no token ids, an
     ``acceptance`` that is no dict, a ``trace_path`` that is no path, ``extra_sources`` that
-    are no names, or no ``tokenizer`` (a Hugging Face tokenizer is wrapped as mlx-lm's
+    are no names, ``indexes``, ``global_tree``, ``ledger``, ``group`` or ``draft_model`` of
+    another kind, or no ``tokenizer`` (a Hugging Face tokenizer is wrapped as mlx-lm's
     ``stream_generate`` wraps it).
     The caller ends it with :func:`end_session` when generation ends.
 
@@ -309,6 +310,8 @@ def build_session(
         # an int would be opened as that file descriptor, and closed by end_session
         raise TypeError(f"trace_path: expected a file path (a str or os.PathLike, or None), got "
                         f"{type(trace_path).__name__}")
+    _check_kept_objects(indexes=indexes, global_tree=global_tree, ledger=ledger, group=group,
+                        draft_model=draft_model)
     if mode == "off":
         return None
     from mlx_fill.core.shared import ranks_of
@@ -390,6 +393,25 @@ def build_session(
     if index is not None:  # taken from ``indexes``
         session.release = functools.partial(indexes.give, index, len(prompt_ids))
     return attach_shared(session, group)
+
+
+def _check_kept_objects(**given: Any) -> None:
+    """TypeError naming the first of the objects a caller keeps for :func:`build_session`
+    (``indexes``, ``global_tree``, ``ledger``, ``group``, ``draft_model``) that is not what
+    it must be (each may be None)."""
+    from mlx_fill.sources.ledger import Ledger
+    from mlx_fill.spec.suffix import GlobalSuffixTree
+    expected = {"indexes": (IndexStore, "the server's IndexStore, one per model"),
+                "global_tree": (GlobalSuffixTree, "a GlobalSuffixTree kept across requests"),
+                "ledger": (Ledger, "an evidence Ledger (server_ledger returns one)"),
+                "group": (mx.distributed.Group, "an mx.distributed group"),
+                "draft_model": (None, "a loaded mlx-lm model (an mlx.nn.Module)")}
+    for name, value in given.items():
+        kind, what = expected[name]
+        if value is None or (isinstance(value, kind) if kind is not None
+                             else callable(getattr(value, "parameters", None))):
+            continue
+        raise TypeError(f"{name}: expected {what}, or None; got {type(value).__name__}")
 
 
 def attach_shared(session: FillSession, group: Any) -> FillSession:

@@ -157,6 +157,18 @@ def test_an_acceptance_that_is_not_a_dict_is_one_type_error(lm, bad):
     assert kept, "the gates' estimates are kept in the caller's dict"
 
 
+@pytest.mark.parametrize("name", ["indexes", "global_tree", "ledger", "group", "draft_model"])
+@pytest.mark.parametrize("bad", ["kept", [1], 3])
+def test_a_kept_object_of_another_kind_is_one_type_error(lm, name, bad):
+    """The objects a server keeps across requests failed inside a source with ``'str' object
+    has no attribute 'take'`` (or were accepted and failed mid-decode); in every mode, off too."""
+    model, tok, prompt = lm
+    for mode in ("off", "strict", "all"):
+        with pytest.raises(TypeError, match=rf"^{name}: expected .*, or None; got "
+                                            rf"{type(bad).__name__}$"):
+            build_session(mode, model=model, tokenizer=tok, prompt_ids=prompt, **{name: bad})
+
+
 @pytest.mark.parametrize("bad", [2, True, 1.5])
 def test_a_trace_path_that_is_no_path_is_one_type_error(lm, bad):
     """``open`` takes an int as a file descriptor: ``trace_path=2`` wrote the trace into stderr
