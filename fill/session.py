@@ -387,7 +387,7 @@ def build_session(
                              f"name a file in an existing folder") from None
     session = FillSession(sources, prompt_ids=prompt_ids, eos_ids=eos_ids, plan=plan,
                           max_span=max_span, allow_assert=temperature == 0, trace=trace,
-                          pace=pace, compete=names)
+                          pace=pace, compete=names, cap_in_deficit=True)
     if refusal is not None:
         session.refuse(refusal)
     if index is not None:  # taken from ``indexes``

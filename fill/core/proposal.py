@@ -25,6 +25,14 @@ Policy = Literal["assert", "verify"]
 MEDIA_REFUSAL = "media"
 # ids one proposal may hold (a session's cap; ``MLX_FILL_MAX_SPAN`` overrides it per process)
 DEFAULT_MAX_SPAN = 64
+# A session that caps in deficit (``FillSession(cap_in_deficit=True)``, as ``build_session``
+# makes every request's): while its verify rounds have cost more than DEFICIT one-row forwards
+# beyond what plain decoding would have spent on the ids they emitted, its verify proposals
+# hold at most DEFICIT_SPAN ids. A long draft priced on estimates learned over other requests
+# and rejected after an id or two costs several forwards at once; accepted capped rounds pay
+# the deficit back, and the cap lifts.
+DEFICIT = 2.0
+DEFICIT_SPAN = 4
 
 
 @dataclass(frozen=True)
@@ -156,7 +164,9 @@ class FillSession:
     ``compete``: names of sources asked together, the model-free roster, whose gates each price
     their own draft (as far as it pays), so the longest ``verify`` proposal among them, the one
     whose evidence reaches furthest, is made (the earlier source's of equal ones), and the others
-    are withdrawn (``withdraw()``: a declined draft, scored as a shadow).
+    are withdrawn (``withdraw()``: a declined draft, scored as a shadow). ``cap_in_deficit``:
+    verify proposals are cut to :data:`DEFICIT_SPAN` ids while the request's rounds are more
+    than :data:`DEFICIT` one-row forwards in deficit (``balance``, priced by ``plan``).
     """
 
     def __init__(
@@ -171,6 +181,7 @@ class FillSession:
         trace: IO[str] | None = None,
         pace: Pace | None = None,
         compete: Collection[str] = (),
+        cap_in_deficit: bool = False,
     ) -> None:
         """``prompt_ids``: the full rendered prompt (the decode loop may only see the suffix
         after a prompt-cache hit); ``plan``: the dispatch plan (``build_session`` resolves it once per
@@ -184,7 +195,12 @@ class FillSession:
         self.trace = trace
         self.pace = pace if pace is not None else Pace()
         self.compete = frozenset(compete)
+        self.cap_in_deficit = cap_in_deficit
         self.stats = FillStats()
+        # one-row forwards the request's verify rounds saved so far against plain decoding, as
+        # the plan prices them (negative: they cost more than they emitted)
+        self.balance = 0.0
+        self._chained = False  # whether the last view asked ends with a pending sample
         # the ids the consumer received, in order (the decode loop's list, shared: written only
         # where a token is emitted)
         self.emitted_ids: list[int] = []
@@ -213,6 +229,7 @@ class FillSession:
         if self.refused is not None or (view.emitted and view.emitted[-1] in view.eos_ids):
             return None
         self.pace.first_in_flight = not view.pending
+        self._chained = bool(view.pending)
         self.pace.kv_length = len(view.prompt) + len(view.emitted)
         t0 = time.perf_counter()
         try:
@@ -223,6 +240,8 @@ class FillSession:
     def _propose(self, view: DecodeView) -> Proposal | None:
         held = None  # the first yielding proposal, made if no later source proposes
         drafts: list[tuple[ProposalSource, Proposal]] = []  # the competing sources' verify spans
+        verify_cap = (min(self.max_span, DEFICIT_SPAN)
+                      if self.cap_in_deficit and self.balance < -DEFICIT else self.max_span)
         for src in list(self.sources):
             competes = src.name in self.compete
             if drafts and not competes:
@@ -236,7 +255,7 @@ class FillSession:
                 continue
             if p.policy == "assert" and not self.allow_assert:
                 continue
-            ids = list(p.ids[: self.max_span])
+            ids = list(p.ids[: verify_cap if p.policy == "verify" else self.max_span])
             for i, t in enumerate(ids):
                 if t in view.eos_ids:
                     ids = ids[:i]
@@ -288,6 +307,24 @@ class FillSession:
             pass
         self.trace = None
 
+    def _saved(self, proposed: int, accepted: int) -> float:
+        """One-row forwards a verify round of ``proposed`` ids, ``accepted`` of them kept, saved
+        against plain decoding (0 without a plan to price it): a chained round feeds its
+        pending sample and the ids (``proposed + 1`` rows) and emits the sample and the kept
+        ids; a view-end round whose first id equals the in-flight sample feeds ``proposed``
+        rows in place of that sample's plain step and emits the kept ids; one whose first id
+        does not costs the round overhead (decoding waited for the sample)."""
+        if self.plan is None:
+            return 0.0
+        kv = self.pace.kv_length
+        if self._chained:
+            rows, emitted = self.plan.rows_cost(proposed + 1, kv), accepted + 1
+        elif accepted:
+            rows, emitted = self.plan.rows_cost(proposed, kv), accepted
+        else:
+            rows, emitted = 0.0, 0
+        return emitted - rows - self.pace.round_overhead
+
     def _assert_pays(self, m: int) -> bool:
         """Whether asserting ``m`` ids (``m`` rows in the plan's chunks plus the round's
         overhead, every id emitted) beats ``pace``. Always at ``min_gain <= 1`` with no round
@@ -316,6 +353,7 @@ class FillSession:
             s.verify_accepted += accepted
             s.verify_rejected += len(proposal.ids) - accepted
             s.injected += accepted
+            self.balance += self._saved(len(proposal.ids), accepted)
         for src in self.sources:
             if proposal.origin == src.name or proposal.origin.startswith(src.name + ":"):
                 try:

@@ -367,7 +367,7 @@ def arm_session(arm: str, turn: ForcedTurn, *, model, tok, plan: DispatchPlan,
         sources = make_sources([arm], plan=plan, tokenizer=tok, prompt_ids=turn.prompt,
                                global_tree=store, acceptance=acceptance, pace=pace)
         return FillSession(sources, prompt_ids=turn.prompt, eos_ids=tok.eos_token_ids,
-                           plan=plan, pace=pace)
+                           plan=plan, pace=pace, cap_in_deficit=True)
     prediction = None
     if arm == PREDICTION:
         arm = "all"

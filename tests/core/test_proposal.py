@@ -96,3 +96,39 @@ def test_a_source_whose_withdraw_raises_is_disarmed_and_the_view_still_gets_its_
     made = session.propose(DecodeView([], [7], ()))
     assert made is not None and made.origin == "suffix"
     assert session.stats.source_errors == {"echo:RuntimeError": 1} and session.sources == [suffix]
+
+
+def test_a_request_in_deficit_proposes_short_verify_spans_until_accepted_rounds_repay_it():
+    """With ``cap_in_deficit`` (every request ``build_session`` makes), rounds that cost more
+    than plain decoding would have spent on what they emitted cap the request's verify proposals at ``DEFICIT_SPAN`` ids while the deficit exceeds ``DEFICIT``
+    one-row forwards; accepted capped rounds pay it back and the cap lifts. Asserted spans and
+    a session without a plan are never capped."""
+    from mlx_fill.core.plan import DispatchPlan
+    from mlx_fill.core.proposal import DEFICIT, DEFICIT_SPAN
+    plan = DispatchPlan(key=None, max_chunk=16, qualified=True,
+                        cost={2: 1.26, 4: 2.15, 8: 3.62, 16: 6.54})
+    long = _Fixed("echo", tuple(range(1, 11)))
+    session = FillSession([long], plan=plan, cap_in_deficit=True)
+    chained = DecodeView([], [7], (), pending=True)
+    made = session.propose(chained)
+    assert made is not None and len(made.ids) == 10
+    session.feedback(made, 0, 1)  # 11 rows fed, the pending sample alone emitted
+    assert session.balance < -DEFICIT, session.balance
+    made = session.propose(chained)
+    assert made is not None and made.ids == long.ids[:DEFICIT_SPAN]
+    session.feedback(made, DEFICIT_SPAN, 1)
+    assert session.balance >= -DEFICIT, session.balance
+    made = session.propose(chained)
+    assert made is not None and len(made.ids) == 10
+
+    strict = _Fixed("strict", ())
+    strict.propose = lambda view: Proposal(long.ids, "assert", "strict")
+    in_deficit = FillSession([strict], plan=plan, cap_in_deficit=True)
+    in_deficit.balance = -10 * DEFICIT
+    assert in_deficit.propose(chained).ids == long.ids
+    unpriced = FillSession([long], cap_in_deficit=True)
+    unpriced.feedback(unpriced.propose(chained), 0, 1)
+    assert unpriced.balance == 0.0 and len(unpriced.propose(chained).ids) == 10
+    uncapped = FillSession([long], plan=plan)  # a peer as it ships
+    uncapped.feedback(uncapped.propose(chained), 0, 1)
+    assert uncapped.balance < -DEFICIT and len(uncapped.propose(chained).ids) == 10
