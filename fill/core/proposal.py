@@ -200,7 +200,6 @@ class FillSession:
         # one-row forwards the request's verify rounds saved so far against plain decoding, as
         # the plan prices them (negative: they cost more than they emitted)
         self.balance = 0.0
-        self._chained = False  # whether the last view asked ends with a pending sample
         # the ids the consumer received, in order (the decode loop's list, shared: written only
         # where a token is emitted)
         self.emitted_ids: list[int] = []
@@ -229,7 +228,6 @@ class FillSession:
         if self.refused is not None or (view.emitted and view.emitted[-1] in view.eos_ids):
             return None
         self.pace.first_in_flight = not view.pending
-        self._chained = bool(view.pending)
         self.pace.kv_length = len(view.prompt) + len(view.emitted)
         t0 = time.perf_counter()
         try:
@@ -317,7 +315,7 @@ class FillSession:
         if self.plan is None:
             return 0.0
         kv = self.pace.kv_length
-        if self._chained:
+        if not self.pace.first_in_flight:  # the round's view ended with its pending sample
             rows, emitted = self.plan.rows_cost(proposed + 1, kv), accepted + 1
         elif accepted:
             rows, emitted = self.plan.rows_cost(proposed, kv), accepted

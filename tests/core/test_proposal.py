@@ -100,9 +100,10 @@ def test_a_source_whose_withdraw_raises_is_disarmed_and_the_view_still_gets_its_
 
 def test_a_request_in_deficit_proposes_short_verify_spans_until_accepted_rounds_repay_it():
     """With ``cap_in_deficit`` (every request ``build_session`` makes), rounds that cost more
-    than plain decoding would have spent on what they emitted cap the request's verify proposals at ``DEFICIT_SPAN`` ids while the deficit exceeds ``DEFICIT``
-    one-row forwards; accepted capped rounds pay it back and the cap lifts. Asserted spans and
-    a session without a plan are never capped."""
+    than plain decoding would have spent on what they emitted cap the request's verify
+    proposals at ``DEFICIT_SPAN`` ids while the deficit exceeds ``DEFICIT`` one-row forwards;
+    accepted capped rounds pay it back and the cap lifts. Asserted spans and a session without
+    a plan are never capped."""
     from mlx_fill.core.plan import DispatchPlan
     from mlx_fill.core.proposal import DEFICIT, DEFICIT_SPAN
     plan = DispatchPlan(key=None, max_chunk=16, qualified=True,
