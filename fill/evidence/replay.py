@@ -297,6 +297,12 @@ def read_sessions(path: Path) -> tuple[list[dict], list[CorruptLine]]:
     return sessions, corrupt
 
 
+def has_reply(sessions: list[dict]) -> bool:
+    """Whether any of ``sessions`` (as :func:`read_sessions` returns them) holds an assistant
+    message: what a command checks before it loads a model or fetches a tokenizer."""
+    return any(m.get("role") == "assistant" for s in sessions for m in s["messages"])
+
+
 def _session_problem(obj) -> str | None:
     if not isinstance(obj, dict):
         return "not a JSON object"

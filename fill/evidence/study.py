@@ -48,7 +48,7 @@ from mlx_fill.core.plan import DispatchPlan
 from mlx_fill.core.cost import CostGate, RoundCosts
 from mlx_fill.core.proposal import DecodeView, FillSession, Pace
 
-from .replay import CorruptLine, path_text, read_sessions
+from .replay import CorruptLine, has_reply, path_text, read_sessions
 from .transcripts import markers
 
 if TYPE_CHECKING:
@@ -454,7 +454,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"{args.cost_curve} has no cost map; write one with `mlx-fill qualify`")
     recordings = read_sessions(path)
     no_turn = (f"no assistant turn to study in {path}", "pass sessions with assistant replies")
-    if not any(m.get("role") == "assistant" for s in recordings[0] for m in s["messages"]):
+    if not has_reply(recordings[0]):
         raise UserError("; ".join(no_turn))  # before the family's tokenizer is fetched
     try:
         markers(load_tokenizer(args.family))

@@ -77,7 +77,7 @@ from mlx_fill.core.primitive import checkpoint, restore
 from mlx_fill.core.proposal import FillSession, Pace
 from mlx_fill.core.resolve import plan_for
 from mlx_fill.evidence.log_formats import arguments_object
-from mlx_fill.evidence.replay import read_sessions, skipped_lines
+from mlx_fill.evidence.replay import has_reply, read_sessions, skipped_lines
 from mlx_fill.evidence.transcripts import TemplateMarkers, markers, render_recording, seed_store
 from mlx_fill.session import check_env
 from mlx_fill.spec.base import DraftProposalSource
@@ -771,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(e))
     no_reply = (f"no assistant turn to replay in {args.transcripts or 'the held-back sessions'}",
                 "pass sessions with assistant replies")
-    if not any(m.get("role") == "assistant" for s in sessions for m in s["messages"]):
+    if not has_reply(sessions):
         return fail("; ".join(no_reply))  # before the model loads (a first use downloads it)
     try:
         model, tok, model_dir = load_model(args.model, None if args.dtype == "none" else args.dtype)
