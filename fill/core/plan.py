@@ -24,13 +24,16 @@ import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import mlx.core as mx
 
 from . import kernels
 from .paths import user_cache_dir
 from .shapes import SHAPES
+
+if TYPE_CHECKING:
+    from .proposal import Round
 
 PlanMode = Literal["exact", "fast"]
 FAST_MAX_CHUNK = 64  # a fast plan's chunk size, and the largest max_chunk a plan file may hold
@@ -144,6 +147,19 @@ class DispatchPlan:
         full, rest = divmod(n, self._chunk_limit())
         return (full * self.cost_of(self._chunk_limit(), kv)
                 + (self.cost_of(rest, kv) if rest else 0.0))
+
+    def round_cost(self, r: Round, overhead: float | None = None) -> float:
+        """Round ``r`` in one-row forwards: its rows (:meth:`rows_cost`) plus ``overhead``
+        (None: the plan's ``round_overhead``); a draft rejected against the in-flight sample
+        (no rows) the overhead alone."""
+        over = self.round_overhead if overhead is None else overhead
+        return (self.rows_cost(r.rows, r.kv) if r.rows else 0.0) + over
+
+    def round_saving(self, r: Round, overhead: float | None = None) -> float:
+        """One-row forwards round ``r`` saved against plain decoding: the plain steps that
+        would have fed the ids it emitted, less :meth:`round_cost` (negative: the round cost
+        more than it emitted)."""
+        return r.emitted - self.round_cost(r, overhead)
 
     @property
     def kv_dependent(self) -> bool:

@@ -78,6 +78,34 @@ class Proposal:
             raise ValueError(f"unknown policy {self.policy!r}")
 
 
+@dataclass(frozen=True)
+class Round:
+    """One fill round as a plan prices it: ``chained`` (the view's last sample was still pending,
+    so it leads the feed), ``policy`` (``verify`` or ``assert``), ``proposed`` ids and how many
+    were ``accepted``; ``kv``: the KV length its rows were appended at, None: the plan's
+    ``cost_kv``."""
+
+    chained: bool
+    policy: Policy
+    proposed: int
+    accepted: int
+    kv: int | None = None
+
+    @property
+    def rows(self) -> int:
+        """Rows its forward ran: 0 for a view-end verify draft whose first id disagreed with
+        the in-flight sample (rejected before any forward)."""
+        if self.policy == "verify" and not self.chained and self.accepted == 0:
+            return 0
+        return self.proposed + int(self.chained)
+
+    @property
+    def emitted(self) -> int:
+        """Tokens the round yielded (the leading sample of a chained round included)."""
+        kept = self.proposed if self.policy == "assert" else self.accepted
+        return (kept + int(self.chained)) if self.rows else 0
+
+
 @runtime_checkable
 class ProposalSource(Protocol):
     """A fill source. ``propose`` must be cheap and must not mutate the view.
@@ -307,21 +335,12 @@ class FillSession:
 
     def _saved(self, proposed: int, accepted: int) -> float:
         """One-row forwards a verify round of ``proposed`` ids, ``accepted`` of them kept, saved
-        against plain decoding (0 without a plan to price it): a chained round feeds its
-        pending sample and the ids (``proposed + 1`` rows) and emits the sample and the kept
-        ids; a view-end round whose first id equals the in-flight sample feeds ``proposed``
-        rows in place of that sample's plain step and emits the kept ids; one whose first id
-        does not costs the round overhead (decoding waited for the sample)."""
+        against plain decoding as the plan prices it (:meth:`DispatchPlan.round_saving`; 0
+        without a plan), the round chained where its view ended with its pending sample."""
         if self.plan is None:
             return 0.0
-        kv = self.pace.kv_length
-        if not self.pace.first_in_flight:  # the round's view ended with its pending sample
-            rows, emitted = self.plan.rows_cost(proposed + 1, kv), accepted + 1
-        elif accepted:
-            rows, emitted = self.plan.rows_cost(proposed, kv), accepted
-        else:
-            rows, emitted = 0.0, 0
-        return emitted - rows - self.pace.round_overhead
+        r = Round(not self.pace.first_in_flight, "verify", proposed, accepted, self.pace.kv_length)
+        return self.plan.round_saving(r, self.pace.round_overhead)
 
     def _assert_pays(self, m: int) -> bool:
         """Whether asserting ``m`` ids (``m`` rows in the plan's chunks plus the round's

@@ -87,8 +87,7 @@ from mlx_fill.strict.schema import tool_schemas
 from mlx_fill.sources.echo import EchoDraft
 
 from .__main__ import forcing_processor, timed_decode
-from .oracle import (RoundRecord, accepted_prefix, curve_plan, oracle_cost, priced_cost,
-                     round_saving)
+from .oracle import RoundRecord, accepted_prefix, curve_plan, oracle_cost, priced_cost
 
 MAX_REPEATS = 1000  # timed decodes per arm and turn
 ARMS = ("plain", "off", "strict", "echo", "suffix", "ngram", "all", "peer-lookup", "peer-suffix")
@@ -549,7 +548,7 @@ def run(turns: list[ForcedTurn], *, model, tok, plan: DispatchPlan, repeats: int
                 for r in rounds:
                     tally.by_source[r.source].update({
                         "rounds": 1, "proposed": r.proposed, "accepted": r.accepted,
-                        "saved": round_saving(r, plan)})
+                        "saved": plan.round_saving(r)})
                 same = ids == last["plain"][0] and ids == turn.output
                 tally.mismatched += not same
                 identical &= same

@@ -19,35 +19,15 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from mlx_fill.core.plan import DispatchPlan
+from mlx_fill.core.proposal import Round
 
 
 @dataclass(frozen=True)
-class RoundRecord:
-    """One fill round as the session saw it: ``pending`` (chained: the round's sample leads
-    the feed), ``policy``, ``proposed`` ids and how many were ``accepted``; ``kv``: the KV
-    length its rows were appended at (the view's prompt and emitted ids), None: unknown;
-    ``source``: the source that proposed it (its origin's first ``:`` field)."""
+class RoundRecord(Round):
+    """A fill round as the forced replay logged it (:class:`~mlx_fill.core.proposal.Round`)
+    and ``source``, the source that proposed it (its origin's first ``:`` field)."""
 
-    pending: bool
-    policy: str
-    proposed: int
-    accepted: int
-    kv: int | None = None
     source: str = ""
-
-    @property
-    def rows(self) -> int:
-        """Rows its forward ran: 0 for a view-end verify draft whose first id disagreed with
-        the in-flight sample (rejected before any forward)."""
-        if self.policy == "verify" and not self.pending and self.accepted == 0:
-            return 0
-        return self.proposed + int(self.pending)
-
-    @property
-    def emitted(self) -> int:
-        """Tokens the round yielded (the leading sample of a chained round included)."""
-        kept = self.proposed if self.policy == "assert" else self.accepted
-        return (kept + int(self.pending)) if self.rows else 0
 
 
 def round_forwards(rounds: Sequence[RoundRecord], plan: DispatchPlan) -> int:
@@ -55,29 +35,17 @@ def round_forwards(rounds: Sequence[RoundRecord], plan: DispatchPlan) -> int:
     return sum(len(plan.chunks(0, r.rows)) for r in rounds if r.rows)
 
 
-def round_cost(r: RoundRecord, price: DispatchPlan) -> float:
-    """Round ``r`` in one-row forwards under ``price``: its rows plus the round overhead; a
-    draft rejected against the in-flight sample (no rows) the overhead alone."""
-    return (price.rows_cost(r.rows, r.kv) if r.rows else 0.0) + price.round_overhead
-
-
 def priced_cost(forwards: int, rounds: Sequence[RoundRecord], run_plan: DispatchPlan,
                 price: DispatchPlan) -> float:
     """An arm's decode in one-row forwards under ``price``'s curve and round overhead:
     ``forwards`` (every forward call the decode ran, as ``FillStats.forwards`` counts them,
     chunked by ``run_plan``) less the rounds' own are plain steps at 1 each, and every round
-    costs :func:`round_cost`."""
+    costs :meth:`~mlx_fill.core.plan.DispatchPlan.round_cost`. Over a whole reply the rounds'
+    savings (:meth:`~mlx_fill.core.plan.DispatchPlan.round_saving`) are plain decoding's cost
+    less this; a reply cut at a token limit inside a round also saves the step past its last
+    id."""
     steps = forwards - round_forwards(rounds, run_plan)
-    return float(steps) + sum(round_cost(r, price) for r in rounds)
-
-
-def round_saving(r: RoundRecord, price: DispatchPlan) -> float:
-    """One-row forwards round ``r`` saved under ``price``: the plain steps that would have fed
-    the ids it emitted, less :func:`round_cost` (negative: the round cost more than it
-    emitted). Over a whole reply, the rounds' savings are plain decoding's cost less the arm's
-    (:func:`priced_cost`); a reply cut at a token limit inside a round also saves the step
-    past its last id."""
-    return r.emitted - round_cost(r, price)
+    return float(steps) + sum(price.round_cost(r) for r in rounds)
 
 
 def accepted_prefix(ids: Sequence[int], recorded: Sequence[int], start: int) -> int:

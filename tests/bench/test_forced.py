@@ -13,7 +13,7 @@ from mlx_fill.assets.checkout import TRANSCRIPTS
 from scripts.bench import forced
 from scripts.bench.__main__ import forcing_processor
 from mlx_fill.core.plan import DispatchPlan
-from scripts.bench.oracle import RoundRecord, curve_plan, oracle_cost, priced_cost, round_saving
+from scripts.bench.oracle import RoundRecord, curve_plan, oracle_cost, priced_cost
 
 FLAT = curve_plan([1.0] * 15)  # any chunk up to 16 rows costs one forward, no round overhead
 LINEAR = curve_plan([float(m) for m in range(2, 17)], overhead=0.1)
@@ -45,9 +45,9 @@ def test_priced_cost_counts_steps_rounds_and_overhead():
     assert rounds[0].emitted == 3 and rounds[1].rows == 0
     # the 9 plain steps fed 8 ids (the first fed the prompt's last): 11 ids, 12 plain forwards;
     # what the rounds saved is what plain decoding spends beyond the arm
-    assert round_saving(rounds[0], plan) == pytest.approx(3 - 2.5 - 0.25)
-    assert round_saving(rounds[1], plan) == pytest.approx(-0.25)
-    assert sum(round_saving(r, plan) for r in rounds) == pytest.approx(
+    assert plan.round_saving(rounds[0]) == pytest.approx(3 - 2.5 - 0.25)
+    assert plan.round_saving(rounds[1]) == pytest.approx(-0.25)
+    assert sum(plan.round_saving(r) for r in rounds) == pytest.approx(
         12 - priced_cost(10, rounds, plan, plan))
 
 

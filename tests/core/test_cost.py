@@ -7,7 +7,7 @@ import random
 import pytest
 
 from mlx_fill.core.plan import DispatchPlan
-from mlx_fill.core.proposal import DecodeView, FillSession, Pace, Proposal
+from mlx_fill.core.proposal import DecodeView, FillSession, Pace, Proposal, Round
 from mlx_fill.core.cost import (PRICE_MARGIN, AcceptanceByPosition, CostGate, DraftAcceptance,
                                 batch_min_gain, best_length, choose_length, round_costs)
 
@@ -172,6 +172,23 @@ def test_a_round_is_priced_in_the_plans_chunks():
         gate.observe(16, 16)
     assert gate.length() == 0
     assert CostGate(FLAT, 16, acceptance=gate.acceptance).length() == 16
+
+
+def test_a_round_saves_the_steps_of_what_it_emitted_less_its_rows_and_overhead():
+    plan = DispatchPlan(key=None, max_chunk=16, cost={2: 1.5, 4: 2.5}, qualified=True,
+                        round_overhead=0.25)
+    chained = Round(True, "verify", 3, 2)  # the pending sample leads: 4 rows, 3 ids emitted
+    assert (chained.rows, chained.emitted) == (4, 3)
+    assert plan.round_saving(chained) == pytest.approx(3 - 2.5 - 0.25)
+    ended = Round(False, "verify", 4, 1)  # first id agreed with the sample in flight: 4 rows
+    assert (ended.rows, ended.emitted) == (4, 1)
+    assert plan.round_saving(ended) == pytest.approx(1 - 2.5 - 0.25)
+    refused = Round(False, "verify", 4, 0)  # rejected against the sample before any forward
+    assert (refused.rows, refused.emitted) == (0, 0)
+    assert plan.round_cost(refused) == pytest.approx(0.25)
+    asserted = Round(False, "assert", 2, 0)  # asserted ids are emitted whatever was accepted
+    assert (asserted.rows, asserted.emitted) == (2, 2)
+    assert plan.round_saving(asserted, overhead=0.0) == pytest.approx(2 - 1.5)
 
 
 def test_the_pace_raises_the_bar_for_every_gate_that_shares_it():
