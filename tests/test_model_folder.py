@@ -139,3 +139,30 @@ def test_a_trace_file_that_cannot_be_opened_at_a_request_is_named(tmp_path, monk
     monkeypatch.setenv("MLX_FILL_TRACE", str(tmp_path / "gone" / "trace.jsonl"))
     with pytest.raises(BadEnvironment, match=r"MLX_FILL_TRACE=.*gone/trace.jsonl cannot be appended"):
         build_session("strict", model=None, tokenizer=None, prompt_ids=[1], logprobs=True)
+
+
+def test_the_edit_benchmark_refuses_what_the_server_refuses(tmp_path, monkeypatch, capsys):
+    """``python -m scripts.bench.predict``: a bad ``MLX_FILL_*`` value (before any model
+    loads), a folder mlx-lm cannot load, one without a chat template: one line, exit 2."""
+    from scripts.bench import predict
+
+    def refused(argv: list[str], needle: str) -> None:
+        capsys.readouterr()
+        code = predict.main([*argv, "--max-tokens", "4", "--tasks", "rename-symbol"])
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert err.startswith("predict: ") and needle in err, err
+
+    folder = _copy("qwen3-json", tmp_path / "m")
+    config = (folder / "config.json").read_text()
+    (folder / "config.json").write_text("{}")
+    monkeypatch.setenv("MLX_FILL_MAX_SPAN", "abc")
+    refused(["--model", str(folder)], "MLX_FILL_MAX_SPAN='abc' is not a whole number")
+    monkeypatch.delenv("MLX_FILL_MAX_SPAN")
+    refused(["--model", str(folder)], f"{folder}: mlx-lm cannot load this model (")
+    (folder / "config.json").write_text(config)
+    for f in folder.glob("*.jinja"):
+        f.unlink()
+    tokenizer_config = folder / "tokenizer_config.json"
+    tokenizer_config.write_text(tokenizer_config.read_text().replace('"chat_template"', '"no_template"'))
+    refused(["--model", str(folder)], "has no chat template")

@@ -61,7 +61,7 @@ class Engine:
                  store_seed: Callable[[Any, Any], None] | None = None):
         from mlx_lm.models.cache import LRUPromptCache
 
-        from mlx_fill.core.model_folder import load_model_folder
+        from mlx_fill.core.model_folder import load_model_folder, require_chat_template
 
         from mlx_fill.session import check_env, check_mode, env_store_tokens, keeps_index
         self.model_path = model_path
@@ -76,9 +76,7 @@ class Engine:
         from mlx_fill.core.resolve import prepare  # dispatch plans: qualified at start-up, not in a request
         from mlx_fill.strict.source import warm_strict  # a tokenizer's strict costs: at start-up too
         self.model, self.tokenizer = load_model_folder(model_path)
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise UserError(f"{model_path} has no chat template (tokenizer_config.json "
-                            f"'chat_template' or chat_template.jinja); pass a chat model's folder")
+        require_chat_template(model_path, self.tokenizer)
         if dtype is not None:  # the floating-point weights cast, as model.set_dtype does
             import mlx.core as mx
             self.model.set_dtype(getattr(mx, dtype))

@@ -60,6 +60,14 @@ def check_tokenizer(ref: str | Path, tokenizer: Any) -> None:
         pass
 
 
+def require_chat_template(ref: str | Path, tokenizer: Any) -> None:
+    """:class:`UserError` when the folder's tokenizer has no chat template (a base model's: a
+    chat request cannot be rendered)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(f"{ref} has no chat template (tokenizer_config.json 'chat_template' or "
+                        f"chat_template.jinja); pass a chat model's folder")
+
+
 def vocab_size(model: Any) -> int | None:
     """The logits width of a loaded mlx-lm model (its ``args.vocab_size``, or its text
     model's for one that nests it under ``text_config``), or None."""

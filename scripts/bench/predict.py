@@ -47,7 +47,6 @@ Exits 1 when any arm's ids differ from ``off``.
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import json
 import platform
@@ -62,7 +61,9 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlx_fill.assets.fixtures import FIXTURES, REAL_FIXTURES
+from mlx_fill.cli import _Parser
 from mlx_fill.core.errors import UserError, existing_file, model_ref, output_file, positive_int
+from mlx_fill.session import check_env
 
 ROOT = Path(__file__).resolve().parents[2]
 ARMS = ("off", "prediction", "prediction+all")
@@ -439,15 +440,17 @@ def print_table(results: list[dict]) -> None:
 def run(model_ref: str, tasks: list[EditTask], repeats: int, dtype: str | None,
         max_tokens: int) -> dict:
     """Every task on the model at ``model_ref`` (a fixture name, a model directory or a Hugging
-    Face repo id); the report."""
-    from mlx_lm import load
-
+    Face repo id); the report. :class:`UserError` when mlx-lm cannot load it or it has no chat
+    template."""
     from mlx_fill.assets.fixtures import fixture_path
+    from mlx_fill.core.model_folder import load_model_folder, require_chat_template
     from mlx_fill.core.resolve import plan_for
     from mlx_fill.session import env_max_span
 
     known = model_ref in (*FIXTURES, *REAL_FIXTURES)
-    model, tok = load(str(fixture_path(model_ref)) if known else model_ref)
+    folder = str(fixture_path(model_ref)) if known else model_ref
+    model, tok = load_model_folder(folder)
+    require_chat_template(folder, tok)
     if dtype is not None:
         model.set_dtype(getattr(mx, dtype))
     plan = plan_for(model)
@@ -474,8 +477,7 @@ def run(model_ref: str, tasks: list[EditTask], repeats: int, dtype: str | None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m scripts.bench.predict",
-                                 description=__doc__.splitlines()[0])
+    ap = _Parser(prog="python -m scripts.bench.predict", description=__doc__.splitlines()[0])
     which = ap.add_mutually_exclusive_group()
     which.add_argument("--fixture", default="qwen25-coder-0.5b", choices=(*FIXTURES, *REAL_FIXTURES))
     which.add_argument("--model", type=model_ref, default=None,
@@ -491,20 +493,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--max-tokens", type=positive_int, default=1024)
     ap.add_argument("--json", type=output_file, default=None)
-    args = ap.parse_args(argv)
+
+    def fail(msg: str) -> int:
+        print(f"predict: {msg}", file=sys.stderr)
+        return 2
+
     try:
+        args = ap.parse_args(argv)
+        check_env()  # the arms read the MLX_FILL_* knobs a server reads
         known = load_edits(args.edits) if args.edits is not None else TASKS
     except UserError as e:
-        ap.error(str(e))
+        return fail(str(e))
     by_name = {t.name: t for t in known}
     names = args.tasks if args.tasks is not None else (
         list(by_name) if args.edits is not None else DEFAULT_TASKS)
+    if not names:
+        return fail(f"--tasks names no task; choose from {','.join(by_name)}")
     unknown = [n for n in names if n not in by_name]
-    if unknown or not names:
-        ap.error(f"argument --tasks: unknown tasks {unknown or args.tasks}; choose from "
-                 f"{','.join(by_name)}")
-    report = run(args.model or args.fixture, [by_name[n] for n in names], args.repeats,
-                 args.dtype, args.max_tokens)
+    if unknown:
+        return fail(f"--tasks: unknown tasks {unknown}; choose from {','.join(by_name)}")
+    if len(set(names)) != len(names):
+        return fail(f"--tasks names {sorted({n for n in names if names.count(n) > 1})} more "
+                    f"than once; name each task once")
+    try:
+        report = run(args.model or args.fixture, [by_name[n] for n in names], args.repeats,
+                     args.dtype, args.max_tokens)
+    except UserError as e:
+        return fail(str(e))
     print(f"plan: {report['plan']}")
     print(f"cost curve measured in this run (the bound's): {report['measured_cost']}")
     print_table(report["tasks"])

@@ -151,25 +151,24 @@ def test_an_edits_file_gives_tasks_read_from_its_folder(tmp_path):
 ])
 def test_a_bad_edit_task_is_one_line_naming_its_line(tmp_path, task, needle, capsys):
     path = _edits_file(tmp_path, task)
-    with pytest.raises(SystemExit) as stop:
-        predict.main(["--edits", str(path)])
+    assert predict.main(["--edits", str(path)]) == 2
     err = capsys.readouterr().err
-    last = err.strip().splitlines()[-1]
-    assert stop.value.code == 2 and "Traceback" not in err, err
-    assert f"--edits {path} line 1: " in last and needle in last, last
+    assert err.startswith("predict: ") and len(err.strip().splitlines()) == 1, err
+    assert f"--edits {path} line 1: " in err and needle in err, err
 
 
 def test_the_tasks_of_an_edits_file_are_the_names_tasks_chooses_from(tmp_path, capsys):
     path = _edits_file(tmp_path, {"name": "mine", "file": "src/a.py", "instruction": "x"},
                        {"name": "mine", "file": "src/a.py", "instruction": "y"})
-    with pytest.raises(SystemExit):
-        predict.main(["--edits", str(path)])
+    assert predict.main(["--edits", str(path)]) == 2
     assert "the name 'mine' is taken by an earlier task" in capsys.readouterr().err
     path = _edits_file(tmp_path, {"name": "mine", "file": "src/a.py", "instruction": "x"})
-    with pytest.raises(SystemExit):
-        predict.main(["--edits", str(path), "--tasks", "rename-symbol"])
-    assert "argument --tasks: unknown tasks ['rename-symbol']; choose from mine" in \
-        capsys.readouterr().err
+    assert predict.main(["--edits", str(path), "--tasks", "rename-symbol"]) == 2
+    assert "--tasks: unknown tasks ['rename-symbol']; choose from mine" in capsys.readouterr().err
+    assert predict.main(["--edits", str(path), "--tasks", "mine,mine"]) == 2
+    assert "--tasks names ['mine'] more than once" in capsys.readouterr().err
+    assert predict.main(["--edits", str(path), "--tasks", ","]) == 2
+    assert "--tasks names no task; choose from mine" in capsys.readouterr().err
 
 
 def test_an_edits_file_is_read_as_its_writers_write_it(tmp_path):
@@ -190,12 +189,9 @@ def test_an_edits_file_is_read_as_its_writers_write_it(tmp_path):
 def test_a_line_that_is_not_json_says_so(tmp_path, line, needle, capsys):
     path = _edits_file(tmp_path, {"name": "mine", "file": "src/a.py", "instruction": "x"})
     path.write_text(path.read_text() + line + "\n")
-    with pytest.raises(SystemExit) as stop:
-        predict.main(["--edits", str(path)])
+    assert predict.main(["--edits", str(path)]) == 2
     err = capsys.readouterr().err
-    last = err.strip().splitlines()[-1]
-    assert stop.value.code == 2 and "Traceback" not in err
-    assert f"--edits {path} line 3: {needle}" in last, last
+    assert len(err.strip().splitlines()) == 1 and f"--edits {path} line 3: {needle}" in err, err
 
 
 def test_an_edit_task_reads_its_files_as_they_are(tmp_path):
@@ -225,11 +221,10 @@ def test_a_file_or_replacement_that_does_not_fit_is_named(tmp_path, task, needle
     path = _edits_file(tmp_path, task)
     (tmp_path / "src" / "w.py").write_bytes(b"def f():\r\n    return 1\r\n")
     (tmp_path / "src" / "latin1.py").write_bytes("caf\u00e9 = 1\n".encode("latin-1"))
-    with pytest.raises(SystemExit) as stop:
-        predict.main(["--edits", str(path)])
-    last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert stop.value.code == 2
-    assert f"--edits {path} line 1: " in last and needle.format(folder=tmp_path) in last, last
+    assert predict.main(["--edits", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert f"--edits {path} line 1: " in err and needle.format(folder=tmp_path) in err, err
 
 
 def test_an_edit_is_made_whatever_line_ends_the_reply_writes():
