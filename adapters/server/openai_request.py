@@ -163,16 +163,17 @@ def _messages(value: Any) -> list[dict]:
 
 
 def _call_for_template(call: Any, where: str) -> dict:
-    """Templates expect ``function.arguments`` as a mapping; OpenAI sends a JSON string. A
-    string holding JSON other than an object stays the string (templates write a string
-    argument verbatim, so the prompt holds what the model wrote)."""
+    """Templates expect ``function.arguments`` as a mapping; OpenAI sends a JSON string (required,
+    as OpenAI requires it; null is passed on). A string holding JSON other than an object stays
+    the string (templates write a string argument verbatim, so the prompt holds what the model
+    wrote)."""
     if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
         raise RequestError(422, f"{where}.function: expected an object", f"{where}.function")
     fn = dict(call["function"])
     if not isinstance(fn.get("name"), str):
         raise RequestError(422, f"{where}.function.name: expected a string", f"{where}.function.name")
     args = fn.get("arguments")
-    if args is not None and not isinstance(args, (str, dict)):
+    if "arguments" not in fn or (args is not None and not isinstance(args, (str, dict))):
         raise RequestError(422, f"{where}.function.arguments: expected a JSON string or an object",
                            f"{where}.function.arguments")
     if isinstance(args, str):

@@ -163,6 +163,10 @@ BAD = [
         {"role": "user", "content": "x"},
         {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
                                               "function": {"name": "f", "arguments": 5}}]}]}),
+    (422, "messages[1].tool_calls[0].function.arguments", {"messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                              "function": {"name": "f"}}]}]}),
     (422, "messages[1].tool_calls[0].function.name", {"messages": [
         {"role": "user", "content": "x"},
         {"role": "assistant", "content": None, "tool_calls": [
