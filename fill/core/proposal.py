@@ -83,7 +83,10 @@ class Round:
     """One fill round as a plan prices it: ``chained`` (the view's last sample was still pending,
     so it leads the feed), ``policy`` (``verify`` or ``assert``), ``proposed`` ids and how many
     were ``accepted``; ``kv``: the KV length its rows were appended at, None: the plan's
-    ``cost_kv``."""
+    ``cost_kv``. A chained round feeds the sample and the ids and emits the sample and the kept
+    ids; a view-end round (its first id in the slot whose sample is in flight) feeds the ids in
+    place of that sample's plain step and emits the kept ones, or, its first id rejected by that
+    sample, runs nothing and has only made decoding wait."""
 
     chained: bool
     policy: Policy
