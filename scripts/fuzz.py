@@ -381,7 +381,8 @@ def _parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, str]:
     from mlx_fill.assets.fixtures import FIXTURES, REAL_FIXTURES, fixture_path
     from mlx_fill.core.errors import UserError, float_in, model_dir, non_negative_int, output_file
 
-    ap = argparse.ArgumentParser(prog="python -m scripts.fuzz", description=__doc__.split("\n\n")[0])
+    from mlx_fill.cli import _Parser
+    ap = _Parser(prog="python -m scripts.fuzz", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-json", help="fixture name or model directory")
     ap.add_argument("--servers", type=names_arg(SERVERS, "servers"), default="serve,hook",
                     help=f"of {','.join(SERVERS)}")
@@ -408,7 +409,12 @@ def _parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, model = _parse_args(argv)
+    from mlx_fill.core.errors import UserError
+    try:
+        args, model = _parse_args(argv)
+    except UserError as e:
+        print(f"fuzz: {e}", file=sys.stderr)
+        return 2
     VOCAB[0] = json.loads((Path(model) / "config.json").read_text()).get("vocab_size")
     all_cases = cases(tuple(args.classes))
     if args.limit:

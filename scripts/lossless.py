@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from mlx_fill.assets.fixtures import FIXTURES, REAL_FIXTURES, fixture_path
-from mlx_fill.core.errors import float_in, model_ref, output_file, positive_int
+from mlx_fill.cli import _Parser
+from mlx_fill.core.errors import UserError, float_in, model_ref, output_file, positive_int
 from mlx_fill.evidence.demo import DEFAULT_MESSAGES, DEFAULT_TOOLS, TOOL_RESULT
 from mlx_fill.modes import MODES
 from scripts.fuzz import BIN, Server, names_arg
@@ -186,8 +187,7 @@ def run_server(server: Server, cases: list[tuple[str, dict]], sets: list[list[tu
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m scripts.lossless",
-                                 description=__doc__.split("\n\n")[0])
+    ap = _Parser(prog="python -m scripts.lossless", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-json",
                     help="a fixture name, an mlx-lm model directory or a Hugging Face repo id")
     ap.add_argument("--servers", default="serve,hook", help="of serve,hook")
@@ -200,17 +200,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float_in(0.0, low_open=True), default=300,
                     help="seconds a request may take")
     ap.add_argument("--json", type=output_file, default=None, help="write every reply here")
-    args = ap.parse_args(argv)
-    servers = [s.strip() for s in args.servers.split(",") if s.strip()]
-    if not servers or any(s not in ("serve", "hook") for s in servers):
-        ap.error(f"argument --servers: {args.servers!r}: name serve, hook or both")
-    if args.model in (*FIXTURES, *REAL_FIXTURES):
-        model = str(fixture_path(args.model))
-    else:
-        try:
-            model = model_ref(args.model)
-        except argparse.ArgumentTypeError as e:
-            ap.error(f"argument --model: {e}")
+    try:
+        args = ap.parse_args(argv)
+        servers = [s.strip() for s in args.servers.split(",") if s.strip()]
+        if not servers or any(s not in ("serve", "hook") for s in servers):
+            ap.error(f"argument --servers: {args.servers!r}: name serve, hook or both")
+        if args.model in (*FIXTURES, *REAL_FIXTURES):
+            model = str(fixture_path(args.model))
+        else:
+            try:
+                model = model_ref(args.model)
+            except argparse.ArgumentTypeError as e:
+                ap.error(f"argument --model: {e}")
+    except UserError as e:
+        print(f"lossless: {e}", file=sys.stderr)
+        return 2
     cases = requests()[:args.limit]
     sets = [] if args.limit else groups()
     log_dir = Path(tempfile.mkdtemp(prefix="mlx-fill-lossless-"))
