@@ -26,11 +26,12 @@ MEDIA_REFUSAL = "media"
 # ids one proposal may hold (a session's cap; ``MLX_FILL_MAX_SPAN`` overrides it per process)
 DEFAULT_MAX_SPAN = 64
 # A session that caps in deficit (``FillSession(cap_in_deficit=True)``, as ``build_session``
-# makes every request's): while its verify rounds have cost more than DEFICIT one-row forwards
-# beyond what plain decoding would have spent on the ids they emitted, its verify proposals
-# hold at most DEFICIT_SPAN ids. A long draft priced on estimates learned over other requests
-# and rejected after an id or two costs several forwards at once; accepted capped rounds pay
-# the deficit back, and the cap lifts.
+# makes every request's) risks no more than its request has saved plus DEFICIT one-row forwards:
+# a verify proposal holds at most the ids whose worst outcome (the first id kept, every other
+# rejected) leaves the request's balance at -DEFICIT or above, and DEFICIT_SPAN ids whatever the
+# balance. A long draft priced on estimates learned over other requests and rejected after an id
+# or two costs several forwards at once, which a short reply never earns back; accepted rounds
+# raise the balance, and the spans with it.
 DEFICIT = 2.0
 DEFICIT_SPAN = 4
 
@@ -196,8 +197,8 @@ class FillSession:
     their own draft (as far as it pays), so the longest ``verify`` proposal among them, the one
     whose evidence reaches furthest, is made (the earlier source's of equal ones), and the others
     are withdrawn (``withdraw()``: a declined draft, scored as a shadow). ``cap_in_deficit``:
-    verify proposals are cut to :data:`DEFICIT_SPAN` ids while the request's rounds are more
-    than :data:`DEFICIT` one-row forwards in deficit (``balance``, priced by ``plan``).
+    verify proposals are cut to what the request can risk (:meth:`_verify_cap`: its ``balance``
+    and :data:`DEFICIT`, priced by ``plan``).
     """
 
     def __init__(
@@ -269,8 +270,7 @@ class FillSession:
     def _propose(self, view: DecodeView) -> Proposal | None:
         held = None  # the first yielding proposal, made if no later source proposes
         drafts: list[tuple[ProposalSource, Proposal]] = []  # the competing sources' verify spans
-        verify_cap = (min(self.max_span, DEFICIT_SPAN)
-                      if self.cap_in_deficit and self.balance < -DEFICIT else self.max_span)
+        verify_cap = self._verify_cap()
         for src in list(self.sources):
             competes = src.name in self.compete
             if drafts and not competes:
@@ -335,6 +335,28 @@ class FillSession:
         except OSError:
             pass
         self.trace = None
+
+    def _verify_cap(self) -> int:
+        """The most ids a verify proposal may hold in this view: ``max_span``; with
+        ``cap_in_deficit`` and a plan, the longest span, counting up from ``DEFICIT_SPAN``,
+        whose worst outcome (its first id kept, the rest rejected: ``c(rows) + overhead - 1``
+        one-row forwards lost, the pending sample among the rows of a chained round) leaves
+        ``balance`` at ``-DEFICIT`` or above; ``DEFICIT_SPAN`` where none does."""
+        if not self.cap_in_deficit or self.plan is None:
+            return self.max_span
+        room = self.balance + DEFICIT
+        chained = int(not self.pace.first_in_flight)
+        kv, overhead = self.pace.kv_length, self.pace.round_overhead
+
+        def risks(m: int) -> bool:  # whether a span of m ids may lose more than the room
+            return self.plan.rows_cost(m + chained, kv) + overhead - 1.0 > room
+
+        if not risks(self.max_span):
+            return self.max_span
+        m = min(self.max_span, DEFICIT_SPAN)
+        while m < self.max_span and not risks(m + 1):
+            m += 1
+        return m
 
     def _saved(self, proposed: int, accepted: int) -> float:
         """One-row forwards a verify round of ``proposed`` ids, ``accepted`` of them kept, saved

@@ -98,29 +98,30 @@ def test_a_source_whose_withdraw_raises_is_disarmed_and_the_view_still_gets_its_
     assert session.stats.source_errors == {"echo:RuntimeError": 1} and session.sources == [suffix]
 
 
-def test_a_request_in_deficit_proposes_short_verify_spans_until_accepted_rounds_repay_it():
-    """With ``cap_in_deficit`` (every request ``build_session`` makes), rounds that cost more
-    than plain decoding would have spent on what they emitted cap the request's verify
-    proposals at ``DEFICIT_SPAN`` ids while the deficit exceeds ``DEFICIT`` one-row forwards;
-    accepted capped rounds pay it back and the cap lifts. Asserted spans and a session without
-    a plan are never capped."""
+def test_a_request_risks_no_more_than_it_has_saved_plus_the_deficit_it_may_run_to():
+    """With ``cap_in_deficit`` (every request ``build_session`` makes), a verify proposal holds
+    the longest span whose worst outcome (one id kept) leaves the request's balance at
+    ``-DEFICIT`` or above, ``DEFICIT_SPAN`` at least: a request that has saved nothing proposes
+    a short span, accepted rounds let the spans grow, a rejected one shrinks them. Asserted
+    spans, a session without a plan and one without the cap are never cut."""
     from mlx_fill.core.plan import DispatchPlan
     from mlx_fill.core.proposal import DEFICIT, DEFICIT_SPAN
+    # c(M) between measured sizes is interpolated: c(6) 2.885, c(7) 3.253, c(14) 5.815, c(15) 6.18
     plan = DispatchPlan(key=None, max_chunk=16, qualified=True,
                         cost={2: 1.26, 4: 2.15, 8: 3.62, 16: 6.54})
     long = _Fixed("echo", tuple(range(1, 11)))
     session = FillSession([long], plan=plan, cap_in_deficit=True)
-    chained = DecodeView([], [7], (), pending=True)
+    chained = DecodeView([], [7], (), pending=True)  # the pending sample leads a round's rows
     made = session.propose(chained)
+    assert made is not None and made.ids == long.ids[:5]  # c(6) - 1 <= DEFICIT < c(7) - 1
+    session.feedback(made, 5, 1)  # saved 6 - c(6)
+    assert abs(session.balance - (6 - 2.885)) < 1e-3, session.balance
+    made = session.propose(chained)  # room 5.1 would allow 13 ids: the draft's 10
     assert made is not None and len(made.ids) == 10
-    session.feedback(made, 0, 1)  # 11 rows fed, the pending sample alone emitted
-    assert session.balance < -DEFICIT, session.balance
-    made = session.propose(chained)
+    session.feedback(made, 0, 1)  # 11 rows for the pending sample alone
+    assert -DEFICIT < session.balance < 0, session.balance
+    made = session.propose(chained)  # room under c(5) - 1: the floor
     assert made is not None and made.ids == long.ids[:DEFICIT_SPAN]
-    session.feedback(made, DEFICIT_SPAN, 1)
-    assert session.balance >= -DEFICIT, session.balance
-    made = session.propose(chained)
-    assert made is not None and len(made.ids) == 10
 
     strict = _Fixed("strict", ())
     strict.propose = lambda view: Proposal(long.ids, "assert", "strict")
