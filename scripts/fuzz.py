@@ -379,9 +379,9 @@ def _parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, str]:
     """The arguments and the model folder; a mistake exits 2 with argparse's usage and one
     line naming the argument, before any server starts."""
     from mlx_fill.assets.fixtures import FIXTURES, REAL_FIXTURES, fixture_path
+    from mlx_fill.cli import _Parser
     from mlx_fill.core.errors import UserError, float_in, model_dir, non_negative_int, output_file
 
-    from mlx_fill.cli import _Parser
     ap = _Parser(prog="python -m scripts.fuzz", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-json", help="fixture name or model directory")
     ap.add_argument("--servers", type=names_arg(SERVERS, "servers"), default="serve,hook",
