@@ -505,15 +505,24 @@ def test_bench_arguments(argv, needle, capsys):
                        needle)
 
 
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--fixture", "nosuch"], "argument --fixture: invalid choice: 'nosuch'"),
+    (["--tasks", "bogus"], "--tasks: unknown tasks ['bogus']"),
+    (["--tasks", "rename-symbol,rename-symbol"], "--tasks names ['rename-symbol'] more than once"),
+    (["--repeats", "0"], "argument --repeats: 0 is not at least 1"),
+])
+def test_predict_arguments(argv, needle, capsys):
+    from scripts.bench import predict
+
+    _no_traceback_line(capsys, lambda: predict.main(argv), "predict: ", needle)
+
+
 @pytest.mark.parametrize(("module", "argv", "needle"), [
     ("concurrency", ["--clients", "0"], "argument --clients: 0 is not at least 1"),
     ("concurrency", ["--modes", "unset,bogus"], "argument --modes: unknown modes ['bogus']; choose from"),
     ("concurrency", ["--json", "/proc/x.json"], "argument --json: cannot write /proc/x.json"),
     ("draft", ["--lengths", "-5"], "argument --lengths: -5 is not at least 1"),
     ("draft", ["--tokens", "0"], "argument --tokens: 0 is not at least 1"),
-    ("predict", ["--fixture", "nosuch"], "argument --fixture: invalid choice: 'nosuch'"),
-    ("predict", ["--tasks", "bogus"], "argument --tasks: unknown tasks ['bogus']"),
-    ("predict", ["--repeats", "0"], "argument --repeats: 0 is not at least 1"),
     ("heldout_sessions", ["out.jsonl", "--seed", "-1"], "argument --seed: -1 is not at least 0"),
 ])
 def test_benchmark_script_arguments_are_checked_before_any_work(module, argv, needle, capsys):
