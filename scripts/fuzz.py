@@ -376,8 +376,8 @@ def names_arg(known: tuple[str, ...], what: str) -> Callable[[str], list[str]]:
 
 
 def _parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, str]:
-    """The arguments and the model folder; a mistake exits 2 with argparse's usage and one
-    line naming the argument, before any server starts."""
+    """The arguments and the model folder; a mistake is a :class:`UserError` naming the
+    argument, raised before any server starts."""
     from mlx_fill.assets.fixtures import FIXTURES, REAL_FIXTURES, fixture_path
     from mlx_fill.cli import _Parser
     from mlx_fill.core.errors import UserError, float_in, model_dir, non_negative_int, output_file

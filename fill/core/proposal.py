@@ -27,9 +27,9 @@ MEDIA_REFUSAL = "media"
 DEFAULT_MAX_SPAN = 64
 # A session that caps in deficit (``FillSession(cap_in_deficit=True)``, as ``build_session``
 # makes every request's) risks no more than its request has saved plus DEFICIT one-row forwards:
-# a verify proposal holds at most the ids whose worst outcome (the first id kept, every other
-# rejected) leaves the request's balance at -DEFICIT or above, and DEFICIT_SPAN ids whatever the
-# balance. A long draft priced on estimates learned over other requests and rejected after an id
+# a verify proposal holds at most the ids whose worst outcome (every id rejected that its
+# round's rows are fed for) leaves the request's balance at -DEFICIT or above, and DEFICIT_SPAN
+# ids whatever the balance. A long draft priced on estimates learned over other requests and rejected after an id
 # or two costs several forwards at once, which a short reply never earns back; accepted rounds
 # raise the balance, and the spans with it.
 DEFICIT = 2.0
@@ -339,17 +339,15 @@ class FillSession:
     def _verify_cap(self) -> int:
         """The most ids a verify proposal may hold in this view: ``max_span``; with
         ``cap_in_deficit`` and a plan, the longest span, counting up from ``DEFICIT_SPAN``,
-        whose worst outcome (its first id kept, the rest rejected: ``c(rows) + overhead - 1``
-        one-row forwards lost, the pending sample among the rows of a chained round) leaves
-        ``balance`` at ``-DEFICIT`` or above; ``DEFICIT_SPAN`` where none does."""
+        whose worst outcome among rounds that run their rows (a chained round emitting only its
+        pending sample, a view-end round only its first id) leaves ``balance`` at ``-DEFICIT``
+        or above; ``DEFICIT_SPAN`` where none does."""
         if not self.cap_in_deficit or self.plan is None:
             return self.max_span
-        room = self.balance + DEFICIT
-        chained = int(not self.pace.first_in_flight)
-        kv, overhead = self.pace.kv_length, self.pace.round_overhead
+        worst_kept = int(self.pace.first_in_flight)
 
         def risks(m: int) -> bool:  # whether a span of m ids may lose more than the room
-            return self.plan.rows_cost(m + chained, kv) + overhead - 1.0 > room
+            return self.balance + self._saved(m, worst_kept) < -DEFICIT
 
         if not risks(self.max_span):
             return self.max_span
@@ -359,9 +357,10 @@ class FillSession:
         return m
 
     def _saved(self, proposed: int, accepted: int) -> float:
-        """One-row forwards a verify round of ``proposed`` ids, ``accepted`` of them kept, saved
-        against plain decoding as the plan prices it (:meth:`DispatchPlan.round_saving`; 0
-        without a plan), the round chained where its view ended with its pending sample."""
+        """One-row forwards a verify round of ``proposed`` ids in this view, ``accepted`` of
+        them kept, saves against plain decoding as the plan prices it
+        (:meth:`DispatchPlan.round_saving`; 0 without a plan), the round chained where the
+        view ends with its pending sample."""
         if self.plan is None:
             return 0.0
         r = Round(not self.pace.first_in_flight, "verify", proposed, accepted, self.pace.kv_length)

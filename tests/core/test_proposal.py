@@ -100,10 +100,11 @@ def test_a_source_whose_withdraw_raises_is_disarmed_and_the_view_still_gets_its_
 
 def test_a_request_risks_no_more_than_it_has_saved_plus_the_deficit_it_may_run_to():
     """With ``cap_in_deficit`` (every request ``build_session`` makes), a verify proposal holds
-    the longest span whose worst outcome (one id kept) leaves the request's balance at
-    ``-DEFICIT`` or above, ``DEFICIT_SPAN`` at least: a request that has saved nothing proposes
-    a short span, accepted rounds let the spans grow, a rejected one shrinks them. Asserted
-    spans, a session without a plan and one without the cap are never cut."""
+    the longest span whose worst outcome (here, chained: the pending sample alone emitted)
+    leaves the request's balance at ``-DEFICIT`` or above, ``DEFICIT_SPAN`` at least: a request
+    that has saved nothing proposes a short span, accepted rounds let the spans grow, a rejected
+    one shrinks them. Asserted spans, a session without a plan and one without the cap are
+    never cut."""
     from mlx_fill.core.plan import DispatchPlan
     from mlx_fill.core.proposal import DEFICIT, DEFICIT_SPAN
     # c(M) between measured sizes is interpolated: c(6) 2.885, c(7) 3.253, c(14) 5.815, c(15) 6.18
