@@ -14,7 +14,9 @@ one append-and-rewind primitive. The steps, as in mlx-lm's ``speculative_generat
   consumer received when it stops mid-burst.
 
 Invariants: at every yield and when the consumer stops (``close()``, ``max_tokens`` inside a
-span, an exception), the cache holds exactly prompt + yielded tokens; a proposed EOS is never
+span, an exception), the cache holds exactly prompt + yielded tokens (mid-burst, on models with
+recurrent layers, it holds the burst's ids ahead until the burst ends or the consumer stops:
+:func:`~mlx_fill.core.primitive.showing`); a proposed EOS is never
 committed (the session cuts spans at EOS); every token not yielded by ``assert`` is a target
 sample.
 """
@@ -36,7 +38,8 @@ from mlx_lm.sample_utils import greedy_sampler
 from .acceptance import Sampler
 from .model_folder import vocab_size
 from .plan import DispatchPlan
-from .primitive import Checkpoint, Unsupported, cache_kinds, check_supported, id_range, rewind
+from .primitive import (Checkpoint, Unsupported, cache_kinds, check_supported, id_range, rewind,
+                        showing)
 from .proposal import MEDIA_REFUSAL, FillSession, FillStats
 from .resolve import plan_for
 from .round import Asking, CacheView, Round, Sample, execute, settle
@@ -174,16 +177,20 @@ class _Output:
 
     def burst(self, rnd: Round, cp: Checkpoint, ids: Sequence[int],
               logprobs: Sequence[mx.array]) -> Iterator[tuple[int, mx.array]]:
-        """Yield a round's committed ids one at a time. If the consumer stops mid-burst
-        (``close()`` or an exception at a yield), the ``finally`` rewinds the cache to exactly
-        the ids it received and reports the proposal's share of them as the round's outcome."""
+        """Yield a round's committed ids one at a time, the cache holding at each yield the ids
+        received so far (:func:`~mlx_fill.core.primitive.showing`: the rest of the burst is
+        hidden while the consumer holds the generator, as serial decoding has not fed them
+        yet). If the consumer stops mid-burst (``close()`` or an exception at a yield), the
+        ``finally`` rewinds the cache to exactly the ids it received and reports the
+        proposal's share of them as the round's outcome."""
         received = 0
         finished = False
         try:
             for t, lp in zip(ids, logprobs):
                 self.emit(t)
                 received += 1
-                yield t, lp
+                with showing(cp, received):
+                    yield t, lp
             finished = True
         finally:
             if not finished:

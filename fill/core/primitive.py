@@ -19,8 +19,9 @@ reproduce serial steps' logits, measured on a random-weight replica).
 from __future__ import annotations
 
 import operator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Iterator, Literal, Sequence
 
 import mlx.core as mx
 from mlx_lm.models import cache as C
@@ -227,6 +228,39 @@ def rewind(cp: Checkpoint, keep: int) -> None:
         if extra > 0:
             c.trim(extra)
     cp.appended = kept
+
+
+@contextmanager
+def showing(cp: Checkpoint, keep: int) -> Iterator[None]:
+    """Inside the block the cache holds exactly ``cp.appended[:keep]`` after the checkpoint (what
+    serial decoding holds once those ids are fed); on exit the ids after them are back, their
+    rows as written, with no forward: KV layers only move their offset, rotating ones restore
+    their ring by alias (:class:`~.ring.RingSnapshot`). With recurrent layers the state after
+    ``keep`` rows was never computed (a chunk's forward yields only its last), so the cache is
+    left holding every appended id. Nothing may write the cache inside the block."""
+    leaves = _leaves(cp.cache)
+    hide = len(cp.appended) - keep
+    slots = {i: ring.kept_slots(leaves[i], keep) for i, ring in enumerate(cp.rings)
+             if ring is not None and not leaves[i].is_trimmable()} if hide > 0 else {}
+    if (hide <= 0 or any(s is not None for s in cp.snapshots)
+            or any(k is None for k in slots.values())):
+        yield
+        return
+    shown = [RingSnapshot.of(c) if isinstance(c, C.RotatingKVCache) else int(c.offset)
+             for c in leaves]
+    for i, c in enumerate(leaves):
+        if i in slots:
+            cp.rings[i].unwind(c, slots[i])
+        else:
+            c.trim(hide)
+    try:
+        yield
+    finally:
+        for c, state in zip(leaves, shown):
+            if isinstance(state, RingSnapshot):
+                state.restore(c)
+            else:
+                c.offset = state
 
 
 def _split_head(model: Any) -> tuple[Any, Any] | None:

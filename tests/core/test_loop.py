@@ -75,6 +75,27 @@ def test_consumer_stop_mid_burst_leaves_prompt_plus_yielded(arch, policy, stop_a
     assert caches_equal(cache, ref_cache)
 
 
+@pytest.mark.parametrize("policy,corrupt", [("assert", 0.0), ("verify", 0.0), ("verify", 0.6)])
+@pytest.mark.parametrize("every", [5, 1])
+@pytest.mark.parametrize("max_kv_size", [None, 24])  # 24: a rotating cache that wraps mid-decode
+def test_at_every_yield_the_cache_is_what_plain_decoding_holds_there(policy, corrupt, every,
+                                                                      max_kv_size):
+    """A consumer holding the generator (and reusing its cache, say after a stop condition,
+    without closing it) sees at each yield the cache plain decoding has at that yield, also
+    inside a burst of a round's ids."""
+    model = tiny_model("qwen3")
+    ref = [t for t, _ in stock_generate_step(mx.array(PROMPT), model, max_tokens=40,
+                                             prompt_cache=make_prompt_cache(model, max_kv_size))]
+    s = session(ReferenceSource(ref, policy, corrupt, every=every))
+    cache, ref_cache = make_prompt_cache(model, max_kv_size), make_prompt_cache(model, max_kv_size)
+    plain = stock_generate_step(mx.array(PROMPT), model, max_tokens=40, prompt_cache=ref_cache)
+    fill = generate_step(mx.array(PROMPT), model, max_tokens=40, prompt_cache=cache, fill=s)
+    for i, ((t, _), (r, _)) in enumerate(zip(fill, plain)):
+        assert t == r
+        assert caches_equal(cache, ref_cache), f"yield {i}"
+    assert s.stats.injected > 0
+
+
 @pytest.mark.parametrize("policy", ["assert", "verify"])
 @pytest.mark.parametrize("max_tokens", [7, 8, 10, 13, 14])
 @pytest.mark.parametrize("every", [5, 1])
