@@ -59,11 +59,13 @@ def generate_step(
 
     ``stock_generate_step`` is bound when this module is first imported, before any patching,
     so delegation never recurses into a patched module attribute. Raises TypeError at the call
-    for a ``fill`` that is neither None nor a :class:`FillSession` (:func:`check_fill`).
+    for a ``fill`` that is neither None nor a :class:`FillSession` (:func:`check_fill`), and
+    ValueError for a session an earlier call took (:meth:`FillSession.begin`).
     """
     if fill is None:
         return stock_generate_step(prompt, model, stream, **kwargs)
     check_fill(fill)
+    fill.begin()
     return _fill_loop(prompt, model, stream, fill=fill, **kwargs)
 
 

@@ -242,9 +242,19 @@ class FillSession:
         # gives back what the session borrowed from its server (a conversation's index), run
         # once by ``end_session``; None when it borrowed nothing
         self.release: Callable[[], None] | None = None
+        self._begun = False  # whether a decode took this session (:meth:`begin`)
         for src in self.sources:  # sources that report their own counters (parse fallbacks)
             if hasattr(src, "bind_stats"):
                 src.bind_stats(self.stats)
+
+    def begin(self) -> None:
+        """Take the session for its one request's decode. ValueError when a decode already
+        took it: its telemetry, balance and sources' state are that request's, so a second
+        decode would report both as one and propose from the first one's state."""
+        if self._begun:
+            raise ValueError("fill: this FillSession already served a request; build one per "
+                             "request (build_session)")
+        self._begun = True
 
     def refuse(self, reason: str) -> None:
         """Turn fill off for this request with a counted reason (e.g. ``logprobs``)."""
