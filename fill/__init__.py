@@ -15,6 +15,7 @@ _EXPORTS = {
     # the mlx-lm drop-in
     "generate_step": "mlx_fill.adapters.mlx_lm",
     "stream_generate": "mlx_fill.adapters.mlx_lm",
+    "pure_processor": "mlx_fill.core.acceptance",
     # the composition root: one request -> one session
     "build_session": "mlx_fill.session",
     "end_session": "mlx_fill.session",

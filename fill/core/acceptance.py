@@ -18,6 +18,34 @@ import mlx.core as mx
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+# the attribute :func:`pure_processor` sets
+_PURE = "__mlx_fill_pure__"
+# the refusal name for a logits processor that may keep state between calls
+STATEFUL_PROCESSOR = "logits_processor"
+
+
+def pure_processor(processor: LogitsProcessor) -> LogitsProcessor:
+    """Declare ``processor`` a function of its ``(tokens, logits)`` alone, keeping no state
+    between calls, and return it: fill may then run it on a round's every row, rejected ones
+    included, as a verify round must. TypeError for an object that takes no attribute (a bound
+    method: declare the function it wraps)."""
+    try:
+        setattr(processor, _PURE, True)
+    except (AttributeError, TypeError):
+        raise TypeError(f"pure_processor: {processor!r:.60} takes no attribute; pass a function "
+                        f"(def or lambda) or a functools.partial") from None
+    return processor
+
+
+def is_pure(processor: LogitsProcessor) -> bool:
+    """Whether fill may run ``processor`` on rows it then rejects: mlx-lm's own
+    (``mlx_lm.sample_utils``: logit bias, repetition, presence and frequency penalties, each a
+    function of the tokens it is given; mlx-lm's speculative decoding runs them on rejected
+    rows too) and those declared with :func:`pure_processor`. Any other may keep state (a
+    grammar matcher advanced per call, a counter), which rejected rows would advance: plain
+    decoding calls it once per emitted token."""
+    return (getattr(processor, "__module__", None) == "mlx_lm.sample_utils"
+            or getattr(processor, _PURE, False) is True)
 
 
 def process_row(

@@ -35,7 +35,7 @@ from mlx_lm.generate import generation_stream, maybe_quantize_kv_cache
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
-from .acceptance import Sampler
+from .acceptance import STATEFUL_PROCESSOR, Sampler, is_pure
 from .model_folder import vocab_size
 from .plan import DispatchPlan
 from .primitive import (Checkpoint, Unsupported, cache_kinds, check_supported, id_range, rewind,
@@ -108,9 +108,13 @@ def _check_prompt(prompt: Any, model: nn.Module) -> None:
                          f"{prompt[i].item()}")
 
 
-def _refusal(prompt_cache: list, input_embeddings: Any) -> str | None:
+def _refusal(prompt_cache: list, input_embeddings: Any,
+             logits_processors: Sequence[Any] | None) -> str | None:
+    """Why this decode must run without fill (a refusal name), or None."""
     if input_embeddings is not None:
         return MEDIA_REFUSAL
+    if logits_processors and not all(is_pure(p) for p in logits_processors):
+        return STATEFUL_PROCESSOR
     try:
         check_supported(prompt_cache)
     except Unsupported as e:
@@ -235,7 +239,7 @@ def _fill_loop(
         _check_prompt(prompt, model)
     if prompt_cache is None:
         prompt_cache = make_prompt_cache(model, max_kv_size=max_kv_size)
-    reason = _refusal(prompt_cache, input_embeddings)
+    reason = _refusal(prompt_cache, input_embeddings, logits_processors)
     shared = fill.shared
     if shared is not None:  # a sharded model: every rank takes the same decision
         reason = shared.start(fill, reason, cache_kinds(prompt_cache), stream)

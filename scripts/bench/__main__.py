@@ -39,6 +39,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 from mlx_lm.generate import generate_step as stock_generate_step
 
+from mlx_fill.core.acceptance import pure_processor
 from mlx_fill.core.loop import generate_step
 from mlx_fill.core.resolve import plan_for
 from mlx_fill.core.proposal import FillSession
@@ -286,7 +287,7 @@ def forcing_processor(prompt_len: int, target: list[int]):
         want = target[min(pos, len(target) - 1)]
         forced = mx.where(mx.arange(logits.shape[-1]) == want, 0.0, -1e9).astype(logits.dtype)[None]
         return forced + 0 * logits
-    return force
+    return pure_processor(force)
 
 
 @dataclass

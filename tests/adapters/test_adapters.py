@@ -13,6 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from adapter_models import TOOLS, random_qwen3_dir
+from mlx_fill.core.acceptance import pure_processor
 from mlx_fill.adapters import autoload
 from mlx_fill.adapters.mlx_lm import generate_step, stream_generate
 from mlx_fill.sources.echo import EchoSource
@@ -446,6 +447,7 @@ def test_strict_fill_on_a_scripted_tool_call_is_lossless(lm, monkeypatch):
     script = full[len(prompt):]
     script = script[:next(i for i, t in enumerate(script) if t in tok.eos_token_ids) + 1]
 
+    @pure_processor  # a function of the tokens it is given: fill may run it on rejected rows
     def follow_script(tokens, logits):
         nxt = script[min(tokens.shape[-1] - len(prompt), len(script) - 1)]
         return mx.where(mx.arange(logits.shape[-1]) == nxt, 0.0, -mx.inf)[None] + 0 * logits

@@ -12,6 +12,7 @@ from mlx_lm.generate import generate_step as stock_generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
+from mlx_fill.core.acceptance import pure_processor
 from mlx_fill.core.exactness import caches_equal
 from mlx_fill.core.loop import generate_step
 from mlx_fill.core.plan import DispatchPlan
@@ -168,6 +169,35 @@ def test_logits_processors_see_the_same_history():
         assert out == ref and s.stats.injected > 0
 
 
+def test_a_processor_that_may_keep_state_is_served_without_fill_unless_declared_pure():
+    """Plain decoding calls a logits processor once per emitted token; a verify round calls it
+    on every row, rejected ones too, which would advance a stateful one (a grammar matcher, a
+    counter) past plain decoding's. Fill steps aside for a processor it cannot know is pure."""
+    calls = []
+
+    def counting(tokens, logits):
+        calls.append(tokens.shape[0])
+        return logits
+
+    model = tiny_model("qwen3")
+    ref, _ = decode(model, logits_processors=[counting])
+    plain_calls, calls[:] = list(calls), []
+    s = session(ReferenceSource(ref, "verify", corrupt=0.5))
+    out, _ = decode(model, s, logits_processors=[counting])
+    assert out == ref and calls == plain_calls
+    assert s.stats.refusals == {"logits_processor": 1} and s.stats.injected == 0
+    calls[:] = []
+    s = session(ReferenceSource(ref, "verify", corrupt=0.5))
+    out, _ = decode(model, s, logits_processors=[pure_processor(counting)])
+    assert out == ref and s.stats.injected > 0 and s.stats.verify_rejected > 0
+    assert len(calls) > len(plain_calls)  # run on the rejected rows: declared pure, so harmless
+
+
+def test_pure_processor_refuses_what_takes_no_attribute():
+    with pytest.raises(TypeError, match="pure_processor: .* takes no attribute"):
+        pure_processor([].append)
+
+
 def test_kv_quantization_threshold_inside_a_span():
     model, _ = build(dict(config_for("qwen3"), head_dim=32))
     kw = dict(kv_bits=4, kv_group_size=32, quantized_kv_start=27)
@@ -187,6 +217,15 @@ def test_media_input_refuses_fill_and_decodes_normally():
                                        input_embeddings=embeds)]
     assert out == ref
     assert s.stats.refusals == {"media": 1} and s.stats.injected == 0
+
+
+def test_a_session_serves_one_decode():
+    model = tiny_model("qwen3")
+    ref, _ = decode(model)
+    s = session(ReferenceSource(ref, "verify"))
+    assert decode(model, s)[0] == ref
+    with pytest.raises(ValueError, match="already served a request; build one per request"):
+        generate_step(mx.array(PROMPT), model, fill=s)
 
 
 @pytest.mark.parametrize("policy", ["assert", "verify"])
