@@ -284,7 +284,8 @@ def build_session(
     back by :func:`end_session` (None: indexed anew). The session carries the dispatch plan
     (:func:`~mlx_fill.core.resolve.plan_for`: looked up once per configuration and process,
     quick-qualified on the loaded model the first time no plan applies). Raises ValueError for
-    a bad mode or ``max_span``, malformed messages, tools/schemas, ``template_kwargs`` that are
+    a bad mode or ``max_span``, :class:`BadEnvironment` (a ValueError) for an
+    ``MLX_FILL_MAX_SPAN`` or ``MLX_FILL_PLAN`` that :func:`check_env` refuses, malformed messages, tools/schemas, ``template_kwargs`` that are
     no object or a malformed prediction; TypeError for ``prompt_ids`` that are no token ids, an
     ``acceptance`` that is no dict, a ``trace_path`` that is no path, ``extra_sources`` that
     are no names, ``indexes``, ``global_tree``, ``ledger``, ``group`` or ``draft_model`` of
@@ -321,6 +322,8 @@ def build_session(
     _check_prompt_ids(prompt_ids)
     tokenizer = _wrapped(tokenizer)
     max_span = max_span if max_span is not None else env_max_span()
+    if plan_problem := env_plan_problem():  # as check_env says it; the plan lookup would skip it
+        raise BadEnvironment(plan_problem)
     refusal = refuse or _refusal(logprobs=logprobs, seed=seed, response_format=response_format,
                                  media=media)
     eos_ids = sorted(getattr(tokenizer, "eos_token_ids", ()) or ())

@@ -65,8 +65,12 @@ def generate_step(
     if fill is None:
         return stock_generate_step(prompt, model, stream, **kwargs)
     check_fill(fill)
+    try:
+        steps = _fill_loop(prompt, model, stream, fill=fill, **kwargs)
+    except TypeError as e:  # binding the arguments: a generator's body runs at its first next()
+        raise TypeError(str(e).replace("_fill_loop()", "generate_step()")) from None
     fill.begin()
-    return _fill_loop(prompt, model, stream, fill=fill, **kwargs)
+    return steps
 
 
 def check_fill(fill: Any) -> None:

@@ -317,6 +317,12 @@ def test_temperature_disables_assert_and_env_knobs(lm, tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_FILL_MAX_SPAN", "0")
     with pytest.raises(ValueError, match="MLX_FILL_MAX_SPAN"):
         build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt)
+    monkeypatch.delenv("MLX_FILL_MAX_SPAN")
+    (tmp_path / "plan.json").write_text('{"bad": 1}')
+    for plan in (tmp_path / "plan.json", tmp_path / "missing.json"):  # as check_env refuses them
+        monkeypatch.setenv("MLX_FILL_PLAN", str(plan))
+        with pytest.raises(ValueError, match=f"^MLX_FILL_PLAN={plan} is .*; name a plan file"):
+            build_session("strict", model=model, tokenizer=tok, prompt_ids=prompt)
 
 
 def test_malformed_tools_raise_with_path(lm):

@@ -226,6 +226,10 @@ def test_a_session_serves_one_decode():
     assert decode(model, s)[0] == ref
     with pytest.raises(ValueError, match="already served a request; build one per request"):
         generate_step(mx.array(PROMPT), model, fill=s)
+    fresh = session(ReferenceSource(ref, "verify"))
+    with pytest.raises(TypeError, match=r"^generate_step\(\) got an unexpected keyword argument 'max_token'"):
+        generate_step(mx.array(PROMPT), model, fill=fresh, max_token=5)
+    assert decode(model, fresh)[0] == ref  # a call that failed to bind did not take the session
 
 
 @pytest.mark.parametrize("policy", ["assert", "verify"])
