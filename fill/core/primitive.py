@@ -99,6 +99,12 @@ class Checkpoint:
     rings: list[RingSnapshot | None]
     appended: list[int] = field(default_factory=list)
     replay: bool = False  # rewind by restore-and-replay even without recurrent layers
+    # the step appends run after each chunk (mlx-lm's KV quantization), run again on replayed ids
+    after_chunk: Callable[[list[Any]], None] | None = None
+    # when that step swapped cache entries (KVCache -> QuantizedKVCache): the ids appended since
+    # the checkpoint by then, and the entries as they were. Serial decoding holds those entries
+    # until it has fed that many ids, so a rewind or a view to fewer puts them back.
+    unswapped: tuple[int, list[Any]] | None = None
 
     @property
     def has_recurrent(self) -> bool:
@@ -149,9 +155,18 @@ def checkpoint(model: Any, cache: list[Any], plan: DispatchPlan) -> Checkpoint:
     return Checkpoint(model, cache, plan, offsets, snaps, rings)
 
 
+def _unswap(cp: Checkpoint, keep: int) -> None:
+    """Put back the cache entries an append's step swapped (:attr:`Checkpoint.unswapped`) when
+    serial decoding would not have swapped them yet after ``keep`` of the appended ids."""
+    if cp.unswapped is not None and keep < cp.unswapped[0]:
+        cp.cache[:] = cp.unswapped[1]
+        cp.unswapped = None
+
+
 def restore(cp: Checkpoint) -> None:
     """Put every layer back at the checkpoint (KV trim, recurrent restore), whatever was
     forwarded since, recorded or not."""
+    _unswap(cp, 0)
     for c, off, snap, ring in zip(_leaves(cp.cache), cp.offsets, cp.snapshots, cp.rings):
         if snap is not None:
             c.cache, c.left_padding, c.lengths = list(snap[0]), snap[1], snap[2]
@@ -210,6 +225,7 @@ def rewind(cp: Checkpoint, keep: int) -> None:
     keep = whole
     if keep == n:
         return
+    _unswap(cp, keep)
     kept = cp.appended[:keep]
     leaves = _leaves(cp.cache)
     rings = {i: ring.kept_slots(leaves[i], keep) for i, ring in enumerate(cp.rings)
@@ -218,7 +234,8 @@ def rewind(cp: Checkpoint, keep: int) -> None:
         restore(cp)
         cp.appended = []
         if kept:
-            append(cp.model, cp.cache, kept, plan=cp.plan, logits="none", record=cp)
+            append(cp.model, cp.cache, kept, plan=cp.plan, logits="none", record=cp,
+                   after_chunk=cp.after_chunk)
         return
     for i, (c, off) in enumerate(zip(leaves, cp.offsets)):
         if i in rings:
@@ -235,24 +252,30 @@ def showing(cp: Checkpoint, keep: int) -> Iterator[None]:
     """Inside the block the cache holds exactly ``cp.appended[:keep]`` after the checkpoint (what
     serial decoding holds once those ids are fed); on exit the ids after them are back, their
     rows as written, with no forward: KV layers only move their offset, rotating ones restore
-    their ring by alias (:class:`~.ring.RingSnapshot`). With recurrent layers the state after
-    ``keep`` rows was never computed (a chunk's forward yields only its last), so the cache is
-    left holding every appended id. Nothing may write the cache inside the block."""
+    their ring by alias (:class:`~.ring.RingSnapshot`), entries a KV-quantization step swapped
+    are swapped back and forth. With recurrent layers the state after ``keep`` rows was never
+    computed (a chunk's forward yields only its last), so the cache is left holding every
+    appended id. Nothing may write the cache inside the block."""
+    if keep >= len(cp.appended) or any(s is not None for s in cp.snapshots):
+        yield
+        return
+    entries = list(cp.cache)
+    if cp.unswapped is not None and keep < cp.unswapped[0]:
+        cp.cache[:] = cp.unswapped[1]
     leaves = _leaves(cp.cache)
-    hide = len(cp.appended) - keep
     slots = {i: ring.kept_slots(leaves[i], keep) for i, ring in enumerate(cp.rings)
-             if ring is not None and not leaves[i].is_trimmable()} if hide > 0 else {}
-    if (hide <= 0 or any(s is not None for s in cp.snapshots)
-            or any(k is None for k in slots.values())):
+             if ring is not None and not leaves[i].is_trimmable()}
+    if any(k is None for k in slots.values()):
+        cp.cache[:] = entries
         yield
         return
     shown = [RingSnapshot.of(c) if isinstance(c, C.RotatingKVCache) else int(c.offset)
              for c in leaves]
-    for i, c in enumerate(leaves):
+    for i, (c, off) in enumerate(zip(leaves, cp.offsets)):
         if i in slots:
             cp.rings[i].unwind(c, slots[i])
         else:
-            c.trim(hide)
+            c.trim(int(c.offset) - (off + keep))
     try:
         yield
     finally:
@@ -261,6 +284,7 @@ def showing(cp: Checkpoint, keep: int) -> Iterator[None]:
                 state.restore(c)
             else:
                 c.offset = state
+        cp.cache[:] = entries
 
 
 def _split_head(model: Any) -> tuple[Any, Any] | None:
@@ -310,6 +334,8 @@ def append(
         raise ValueError(f"logits: expected 'none', 'last' or 'all', got {logits!r}")
     leaves = _leaves(cache)
     entry = checkpoint(model, cache, plan)
+    if record is not None:
+        record.after_chunk = after_chunk
     split = _split_head(model)
     try:
         start = cache_offset(cache)
@@ -327,7 +353,12 @@ def append(
                 out = out if logits == "all" else out[:, -1:]
                 rows.append((out if split is None else split[1](out))[0])
             if after_chunk is not None:
+                before = list(cache)
                 after_chunk(cache)
+                if any(a is not b for a, b in zip(before, cache)):
+                    for cp in (entry, record):  # ids since each checkpoint: this append's pos
+                        if cp is not None and cp.unswapped is None:
+                            cp.unswapped = (len(cp.appended) + pos, before)
                 leaves = _leaves(cache)
             mx.eval([c.state for c in leaves] if not last_chunk else [])
         if record is not None:

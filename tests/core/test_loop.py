@@ -76,21 +76,26 @@ def test_consumer_stop_mid_burst_leaves_prompt_plus_yielded(arch, policy, stop_a
     assert caches_equal(cache, ref_cache)
 
 
+QUANTIZED = dict(kv_bits=4, kv_group_size=32, quantized_kv_start=27)  # quantized inside a span
+
+
 @pytest.mark.parametrize("policy,corrupt", [("assert", 0.0), ("verify", 0.0), ("verify", 0.6)])
 @pytest.mark.parametrize("every", [5, 1])
-@pytest.mark.parametrize("max_kv_size", [None, 24])  # 24: a rotating cache that wraps mid-decode
-def test_at_every_yield_the_cache_is_what_plain_decoding_holds_there(policy, corrupt, every,
-                                                                      max_kv_size):
+@pytest.mark.parametrize("kind", ["kv", "rotating", "quantized"])  # rotating: wraps mid-decode
+def test_at_every_yield_the_cache_is_what_plain_decoding_holds_there(policy, corrupt, every, kind):
     """A consumer holding the generator (and reusing its cache, say after a stop condition,
     without closing it) sees at each yield the cache plain decoding has at that yield, also
     inside a burst of a round's ids."""
-    model = tiny_model("qwen3")
-    ref = [t for t, _ in stock_generate_step(mx.array(PROMPT), model, max_tokens=40,
+    model = (build(dict(config_for("qwen3"), head_dim=32))[0] if kind == "quantized"
+             else tiny_model("qwen3"))
+    max_kv_size = 24 if kind == "rotating" else None
+    kw = QUANTIZED if kind == "quantized" else {}
+    ref = [t for t, _ in stock_generate_step(mx.array(PROMPT), model, max_tokens=40, **kw,
                                              prompt_cache=make_prompt_cache(model, max_kv_size))]
     s = session(ReferenceSource(ref, policy, corrupt, every=every))
     cache, ref_cache = make_prompt_cache(model, max_kv_size), make_prompt_cache(model, max_kv_size)
-    plain = stock_generate_step(mx.array(PROMPT), model, max_tokens=40, prompt_cache=ref_cache)
-    fill = generate_step(mx.array(PROMPT), model, max_tokens=40, prompt_cache=cache, fill=s)
+    plain = stock_generate_step(mx.array(PROMPT), model, max_tokens=40, prompt_cache=ref_cache, **kw)
+    fill = generate_step(mx.array(PROMPT), model, max_tokens=40, prompt_cache=cache, fill=s, **kw)
     for i, ((t, _), (r, _)) in enumerate(zip(fill, plain)):
         assert t == r
         assert caches_equal(cache, ref_cache), f"yield {i}"
@@ -196,6 +201,22 @@ def test_a_processor_that_may_keep_state_is_served_without_fill_unless_declared_
 def test_pure_processor_refuses_what_takes_no_attribute():
     with pytest.raises(TypeError, match="pure_processor: .* takes no attribute"):
         pure_processor([].append)
+
+
+@pytest.mark.parametrize("start", [24, 27, 30, 33])
+@pytest.mark.parametrize("every", [1, 3])
+def test_kv_quantization_threshold_inside_a_rejected_span(start, every):
+    """Serial decoding quantizes the cache once it holds ``quantized_kv_start`` ids; a round
+    whose rows cross that point and are rejected before it must leave the cache unquantized,
+    the rows after attending the same keys serial decoding's do."""
+    model, _ = build(dict(config_for("qwen3"), head_dim=32))
+    kw = dict(kv_bits=4, kv_group_size=32, quantized_kv_start=start)
+    ref, ref_cache = decode(model, **kw)
+    for seed in range(3):
+        s = session(ReferenceSource(ref, "verify", 0.6, every=every, seed=seed))
+        out, cache = decode(model, s, **kw)
+        assert out == ref and s.stats.verify_rejected > 0
+        assert caches_equal(cache, ref_cache)
 
 
 def test_kv_quantization_threshold_inside_a_span():
