@@ -254,8 +254,9 @@ def showing(cp: Checkpoint, keep: int) -> Iterator[None]:
     rows as written, with no forward: KV layers only move their offset, rotating ones restore
     their ring by alias (:class:`~.ring.RingSnapshot`), entries a KV-quantization step swapped
     are swapped back and forth. With recurrent layers the state after ``keep`` rows was never
-    computed (a chunk's forward yields only its last), so the cache is left holding every
-    appended id. Nothing may write the cache inside the block."""
+    computed (a chunk's forward yields only its last), and a rotating layer whose later rows
+    overwrote a shown one (a round longer than its window) has no copy of it: there the cache is
+    left holding every appended id. Nothing may write the cache inside the block."""
     if keep >= len(cp.appended) or any(s is not None for s in cp.snapshots):
         yield
         return
