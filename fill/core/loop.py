@@ -112,6 +112,20 @@ def _check_prompt(prompt: Any, model: nn.Module) -> None:
                          f"{prompt[i].item()}")
 
 
+def _check_cache(prompt_cache: Any) -> None:
+    """TypeError naming what is wrong unless ``prompt_cache`` is a non-empty list (or tuple) of
+    layer caches, as ``make_prompt_cache`` returns it (each has a ``state``). Stock mlx-lm
+    fails on another deep inside the model."""
+    if not isinstance(prompt_cache, (list, tuple)) or not prompt_cache:
+        got = "an empty list" if isinstance(prompt_cache, (list, tuple)) else type(prompt_cache).__name__
+        raise TypeError(f"prompt_cache: expected make_prompt_cache(model)'s list of layer caches, "
+                        f"got {got}")
+    for i, c in enumerate(prompt_cache):
+        if not hasattr(type(c), "state"):
+            raise TypeError(f"prompt_cache[{i}]: expected a layer cache (mlx_lm.models.cache), "
+                            f"got {type(c).__name__}")
+
+
 def _refusal(prompt_cache: list, input_embeddings: Any,
              logits_processors: Sequence[Any] | None) -> str | None:
     """Why this decode must run without fill (a refusal name), or None."""
@@ -243,6 +257,7 @@ def _fill_loop(
         _check_prompt(prompt, model)
     if prompt_cache is None:
         prompt_cache = make_prompt_cache(model, max_kv_size=max_kv_size)
+    _check_cache(prompt_cache)
     reason = _refusal(prompt_cache, input_embeddings, logits_processors)
     shared = fill.shared
     if shared is not None:  # a sharded model: every rank takes the same decision

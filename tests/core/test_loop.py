@@ -240,6 +240,18 @@ def test_media_input_refuses_fill_and_decodes_normally():
     assert s.stats.refusals == {"media": 1} and s.stats.injected == 0
 
 
+@pytest.mark.parametrize("cache,message", [
+    ([], r"^prompt_cache: expected make_prompt_cache\(model\)'s list of layer caches, got an empty list$"),
+    ("cache", r"^prompt_cache: expected .* got str$"),
+    ([None, None], r"^prompt_cache\[0\]: expected a layer cache \(mlx_lm.models.cache\), got NoneType$"),
+])
+def test_a_prompt_cache_that_is_no_layer_caches_is_one_line(cache, message):
+    model = tiny_model("qwen3")
+    s = session(ReferenceSource([1, 2, 3], "verify"))
+    with pytest.raises(TypeError, match=message):
+        next(generate_step(mx.array(PROMPT), model, prompt_cache=cache, fill=s))
+
+
 def test_a_session_serves_one_decode():
     model = tiny_model("qwen3")
     ref, _ = decode(model)
