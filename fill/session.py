@@ -284,9 +284,9 @@ def build_session(
     back by :func:`end_session` (None: indexed anew). The session carries the dispatch plan
     (:func:`~mlx_fill.core.resolve.plan_for`: looked up once per configuration and process,
     quick-qualified on the loaded model the first time no plan applies). Raises ValueError for
-    a bad mode or ``max_span``, :class:`BadEnvironment` (a ValueError) for an
-    ``MLX_FILL_MAX_SPAN`` or ``MLX_FILL_PLAN`` that :func:`check_env` refuses, malformed messages, tools/schemas, ``template_kwargs`` that are
-    no object or a malformed prediction; TypeError for ``prompt_ids`` that are no token ids, an
+    a bad mode or ``max_span``, an ``MLX_FILL_MAX_SPAN`` or ``MLX_FILL_PLAN`` that
+    :func:`check_env` refuses (:class:`BadEnvironment`), malformed messages, tools/schemas,
+    ``template_kwargs`` that are no object or a malformed prediction; TypeError for ``prompt_ids`` that are no token ids, an
     ``acceptance`` that is no dict, a ``trace_path`` that is no path, ``extra_sources`` that
     are no names, ``indexes``, ``global_tree``, ``ledger``, ``group`` or ``draft_model`` of
     another kind, or no ``tokenizer`` (a Hugging Face tokenizer is wrapped as mlx-lm's

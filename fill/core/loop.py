@@ -117,7 +117,9 @@ def _check_cache(prompt_cache: Any) -> None:
     layer caches, as ``make_prompt_cache`` returns it (each has a ``state``). Stock mlx-lm
     fails on another deep inside the model."""
     if not isinstance(prompt_cache, (list, tuple)) or not prompt_cache:
-        got = "an empty list" if isinstance(prompt_cache, (list, tuple)) else type(prompt_cache).__name__
+        got = type(prompt_cache).__name__
+        if isinstance(prompt_cache, (list, tuple)):
+            got = f"an empty {got}"
         raise TypeError(f"prompt_cache: expected make_prompt_cache(model)'s list of layer caches, "
                         f"got {got}")
     for i, c in enumerate(prompt_cache):

@@ -155,12 +155,40 @@ def checkpoint(model: Any, cache: list[Any], plan: DispatchPlan) -> Checkpoint:
     return Checkpoint(model, cache, plan, offsets, snaps, rings)
 
 
-def _unswap(cp: Checkpoint, keep: int) -> None:
-    """Put back the cache entries an append's step swapped (:attr:`Checkpoint.unswapped`) when
-    serial decoding would not have swapped them yet after ``keep`` of the appended ids."""
+def _entries_before_swap(cp: Checkpoint, keep: int) -> list[Any] | None:
+    """The cache entries serial decoding holds after ``keep`` of the appended ids where an
+    append's step has swapped them since (:attr:`Checkpoint.unswapped`); None where it holds
+    the current ones."""
     if cp.unswapped is not None and keep < cp.unswapped[0]:
-        cp.cache[:] = cp.unswapped[1]
+        return cp.unswapped[1]
+    return None
+
+
+def _unswap(cp: Checkpoint, keep: int) -> None:
+    """Put back, for good, the entries :func:`_entries_before_swap` names."""
+    entries = _entries_before_swap(cp, keep)
+    if entries is not None:
+        cp.cache[:] = entries
         cp.unswapped = None
+
+
+def _kept_slots(cp: Checkpoint, leaves: list[Any], keep: int) -> dict[int, list[int] | None]:
+    """For each rotating layer that cannot be trimmed (a wrapped ring), the slots now holding
+    the first ``keep`` appended ids (:meth:`~.ring.RingSnapshot.kept_slots`; None: overwritten)."""
+    return {i: ring.kept_slots(leaves[i], keep) for i, ring in enumerate(cp.rings)
+            if ring is not None and not leaves[i].is_trimmable()}
+
+
+def _cut(cp: Checkpoint, leaves: list[Any], keep: int, slots: dict[int, list[int]]) -> None:
+    """Leave ``leaves`` (no recurrent layer among them) holding the checkpoint's ids and the
+    first ``keep`` appended: KV layers trim, wrapped rings unwind to ``slots``."""
+    for i, (c, off) in enumerate(zip(leaves, cp.offsets)):
+        if i in slots:
+            cp.rings[i].unwind(c, slots[i])
+            continue
+        extra = int(c.offset) - (off + keep)
+        if extra > 0:
+            c.trim(extra)
 
 
 def restore(cp: Checkpoint) -> None:
@@ -228,22 +256,15 @@ def rewind(cp: Checkpoint, keep: int) -> None:
     _unswap(cp, keep)
     kept = cp.appended[:keep]
     leaves = _leaves(cp.cache)
-    rings = {i: ring.kept_slots(leaves[i], keep) for i, ring in enumerate(cp.rings)
-             if ring is not None and not leaves[i].is_trimmable()}
-    if cp.has_recurrent or any(slots is None for slots in rings.values()):
+    slots = _kept_slots(cp, leaves, keep)
+    if cp.has_recurrent or any(s is None for s in slots.values()):
         restore(cp)
         cp.appended = []
         if kept:
             append(cp.model, cp.cache, kept, plan=cp.plan, logits="none", record=cp,
                    after_chunk=cp.after_chunk)
         return
-    for i, (c, off) in enumerate(zip(leaves, cp.offsets)):
-        if i in rings:
-            cp.rings[i].unwind(c, rings[i])
-            continue
-        extra = int(c.offset) - (off + keep)
-        if extra > 0:
-            c.trim(extra)
+    _cut(cp, leaves, keep, slots)
     cp.appended = kept
 
 
@@ -261,22 +282,18 @@ def showing(cp: Checkpoint, keep: int) -> Iterator[None]:
         yield
         return
     entries = list(cp.cache)
-    if cp.unswapped is not None and keep < cp.unswapped[0]:
-        cp.cache[:] = cp.unswapped[1]
+    before = _entries_before_swap(cp, keep)
+    if before is not None:
+        cp.cache[:] = before
     leaves = _leaves(cp.cache)
-    slots = {i: ring.kept_slots(leaves[i], keep) for i, ring in enumerate(cp.rings)
-             if ring is not None and not leaves[i].is_trimmable()}
-    if any(k is None for k in slots.values()):
+    slots = _kept_slots(cp, leaves, keep)
+    if any(s is None for s in slots.values()):
         cp.cache[:] = entries
         yield
         return
     shown = [RingSnapshot.of(c) if isinstance(c, C.RotatingKVCache) else int(c.offset)
              for c in leaves]
-    for i, (c, off) in enumerate(zip(leaves, cp.offsets)):
-        if i in slots:
-            cp.rings[i].unwind(c, slots[i])
-        else:
-            c.trim(int(c.offset) - (off + keep))
+    _cut(cp, leaves, keep, slots)
     try:
         yield
     finally:

@@ -29,9 +29,9 @@ DEFAULT_MAX_SPAN = 64
 # makes every request's) risks no more than its request has saved plus DEFICIT one-row forwards:
 # a verify proposal holds at most the ids whose worst outcome (every id rejected that its
 # round's rows are fed for) leaves the request's balance at -DEFICIT or above, and DEFICIT_SPAN
-# ids whatever the balance. A long draft priced on estimates learned over other requests and rejected after an id
-# or two costs several forwards at once, which a short reply never earns back; accepted rounds
-# raise the balance, and the spans with it.
+# ids whatever the balance. A long draft priced on estimates learned over other requests and
+# rejected after an id or two costs several forwards at once, which a short reply never earns
+# back; accepted rounds raise the balance, and the spans with it.
 DEFICIT = 2.0
 DEFICIT_SPAN = 4
 
