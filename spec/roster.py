@@ -116,7 +116,7 @@ def make_sources(
     out: list[ProposalSource] = []
     for name in names:
         if name == "echo":
-            promoted = (lambda: ledger.promoted(ECHO_ORIGIN)) if ledger is not None else (lambda: False)
+            promoted = (lambda: ledger.asserts(ECHO_ORIGIN)) if ledger is not None else (lambda: False)
             out.append(EchoSource(EchoDraft(index, max_span=max_span, delimiters=delim),
                                   gate=gate(max_span, name), assert_allowed=promoted,
                                   record=ledger.record if ledger is not None else None))

@@ -7,7 +7,11 @@ row of the same origin that writes other ids (a scaffold row under another tool 
 Every ``verify`` outcome of a ledger-tracked row is an agreement (the target produced every
 proposed id) or a disagreement. A row is promoted from ``verify`` to ``assert`` only once it has
 ``promote_after`` agreements and zero disagreements, and only for rows in ``eligible``; the first
-disagreement demotes it for good (its counter stays nonzero). Promotion never applies at
+disagreement demotes it for good (its counter stays nonzero). A promoted row is written
+unchecked, so the evidence only says the model followed it so far: :meth:`Ledger.asserts`
+verifies a promoted claim again after every ``AUDIT_EVERY - 1`` asserts (per process), and a
+model that has stopped following it (compact JSON after a call-start token) is demoted by that
+check; the reply asserted before it keeps what was asserted. Promotion never applies at
 temperature > 0 (the session drops every ``assert`` there). Echo is not eligible unless the operator lists it (off by default). A strict
 row whose certainty class is ``likely`` (:func:`mlx_fill.strict.rows.certainty`: what follows a raw-text
 value, spacing inside a JSON arguments object) is never promoted, whatever ``eligible`` lists
@@ -36,6 +40,7 @@ from pathlib import Path
 from mlx_fill.core.paths import user_cache_dir
 
 DEFAULT_PROMOTE_AFTER = 50
+AUDIT_EVERY = 10  # a promoted claim's firings per process: all asserted but every AUDIT_EVERY-th
 LOCK_WAIT_S = 2.0  # the longest a save waits on another process's lock (a save takes milliseconds)
 log = logging.getLogger(__name__)
 
@@ -58,6 +63,9 @@ class Ledger:
     claims: dict[str, Evidence] = field(default_factory=dict)
     path: Path | None = None
     _refused: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
+    # asserts per claim since its last verified outcome in this process (:meth:`asserts`)
+    _unchecked: dict[str, int] = field(default_factory=dict, init=False, repr=False,
+                                       compare=False)
     # the counts as last read from or written to the file (what :meth:`save` adds to is the rest)
     _saved: dict[str, tuple[int, int]] = field(default_factory=dict, init=False, repr=False,
                                                compare=False)
@@ -69,6 +77,7 @@ class Ledger:
     def record(self, claim: str, agreed: bool) -> None:
         """One verified outcome of ``claim`` (an origin, or a strict row's claim)."""
         ev = self.claims.setdefault(claim, Evidence())
+        self._unchecked[claim] = 0
         if agreed:
             ev.agreements += 1
         else:
@@ -95,6 +104,21 @@ class Ledger:
             return False
         ev = self.claims.get(claim or origin)
         return ev is not None and ev.disagreements == 0 and ev.agreements >= self.promote_after
+
+    def asserts(self, origin: str, *, certainty: str | None = None,
+                claim: str | None = None) -> bool:
+        """Whether this firing of ``origin`` is asserted: it is :meth:`promoted`, and fewer than
+        ``AUDIT_EVERY - 1`` of its claim's firings were asserted since its last verified
+        outcome (:meth:`record`); otherwise it is verified, which keeps checking that the model
+        still writes the row and demotes it at the first disagreement."""
+        if not self.promoted(origin, certainty=certainty, claim=claim):
+            return False
+        key = claim or origin
+        n = self._unchecked.get(key, 0)
+        if n >= AUDIT_EVERY - 1:
+            return False
+        self._unchecked[key] = n + 1
+        return True
 
     def to_json(self) -> dict:
         return {"model": self.model, "template": self.template,

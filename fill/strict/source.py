@@ -143,6 +143,11 @@ class StrictSource:
         self.stats = StrictStats()
         self.armed = True
         self._verified: Row | None = None  # the row of the last verify proposal made
+        self._verified_at = 0  # the output index of that proposal's first id
+        # a row whose verified prefix (cut short by a gate or cap) was accepted whole, the
+        # output index of the row's first id and how many of its ids were verified: the next
+        # emitted id settles whether the model went on with the row (:meth:`_settle_partial`)
+        self._partial: tuple[Row, int, int] | None = None
         self._seen = 0
         self._fired_in_call = False
         self._calls_ended = 0
@@ -161,6 +166,7 @@ class StrictSource:
             raise ValueError("the emitted stream shrank; a source sees each position once")
         new = emitted[self._seen:]
         self._seen = len(emitted)
+        self._settle_partial(emitted)
         if self.gate is not None:
             self.gate.begin(new)
         if new:
@@ -171,6 +177,19 @@ class StrictSource:
             if self._fired_in_call and self.guard.syntax.parse(self.guard.last_body) is None:
                 self._disarm()
             self._fired_in_call = False
+
+    def _settle_partial(self, emitted) -> None:
+        """A row verified only in part, its prefix accepted, disagrees with the model when the
+        id emitted after that prefix is not the row's next one (a promoted row's check cut by
+        the request's cap would otherwise never find the model writing other spacing)."""
+        if self._partial is None:
+            return
+        row, at, verified = self._partial
+        if len(emitted) <= at + verified:
+            return
+        self._partial = None
+        if self.ledger is not None and emitted[at + verified] != row.span[verified]:
+            self.ledger.record(row.claim, False)
 
     def _row(self, emitted) -> Row | None:
         g = self.guard
@@ -249,21 +268,24 @@ class StrictSource:
         self.stats.fires += 1
         self._fired_in_call = True
         self._verified = row if policy == "verify" else None
+        self._verified_at = len(view.emitted)
         return Proposal(span, policy, row.origin, row.certainty, yields=row.yields)
 
     def _policy(self, row: Row) -> str:
-        """``assert`` only for a row whose claim the ledger promotes (the ledger refuses
-        ``likely`` rows), and never after a raw newline ended a JSON string of the turn
+        """``assert`` only for a row whose claim the ledger promotes and does not check this
+        time (:meth:`~mlx_fill.sources.ledger.Ledger.asserts`; the ledger refuses ``likely``
+        rows), and never after a raw newline ended a JSON string of the turn
         (:attr:`~mlx_fill.strict.guards.TurnGuard.string_broken`: the parser state that makes
         a row ``determined`` is then a guess)."""
         promoted = (not self.guard.string_broken and self.ledger is not None
-                    and self.ledger.promoted(row.origin, certainty=row.certainty, claim=row.claim))
+                    and self.ledger.asserts(row.origin, certainty=row.certainty, claim=row.claim))
         return "assert" if promoted else "verify"
 
     def feedback(self, proposal: Proposal, accepted: int) -> None:
         """Count committed ids; a verified row's outcome is evidence for the ledger, under the
         row's claim: a disagreement always, an agreement only where the whole span was verified
-        (a prefix the gate kept says nothing of the ids after it, which an assert would write)."""
+        (a prefix the gate kept says nothing of the ids after it, which an assert would write;
+        the id the model emits after that prefix is checked against the row's next one)."""
         self.stats.accepted += accepted
         if proposal.policy != "verify":
             return
@@ -276,6 +298,8 @@ class StrictSource:
         agreed = accepted == len(proposal.ids)
         if not agreed or len(proposal.ids) == len(row.span):
             self.ledger.record(row.claim, agreed)
+        else:
+            self._partial = (row, self._verified_at, accepted)
 
 
 def _ends_with(seq, tail: tuple[int, ...]) -> bool:

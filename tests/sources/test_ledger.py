@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mlx_fill.sources.ledger import Ledger, ledger_path, load_ledger
+from mlx_fill.sources.ledger import AUDIT_EVERY, Ledger, ledger_path, load_ledger
 
 ROW = "echo:corroborated"
 
@@ -36,6 +36,24 @@ def test_first_disagreement_demotes_for_good():
     assert not led.promoted(ROW)
     for _ in range(100):
         led.record(ROW, True)
+    assert not led.promoted(ROW)
+
+
+def test_a_promoted_claim_is_verified_again_after_every_few_asserts():
+    """A promoted row is written unchecked, so its evidence goes stale: every AUDIT_EVERY-th
+    firing since the claim's last verified outcome is a verify, and the model no longer
+    writing the row (its first disagreement) demotes it for good."""
+    led = Ledger("m", "t", promote_after=2, eligible=frozenset({ROW}))
+    assert not led.asserts(ROW)
+    for _ in range(2):
+        led.record(ROW, True)
+    firings = [led.asserts(ROW) for _ in range(2 * AUDIT_EVERY)]
+    assert firings[:AUDIT_EVERY] == [True] * (AUDIT_EVERY - 1) + [False]
+    assert not any(firings[AUDIT_EVERY:])  # no verified outcome yet: still checking
+    led.record(ROW, True)  # the check agreed
+    assert [led.asserts(ROW) for _ in range(AUDIT_EVERY)] == [True] * (AUDIT_EVERY - 1) + [False]
+    led.record(ROW, False)  # the check disagreed
+    assert not any(led.asserts(ROW) for _ in range(3 * AUDIT_EVERY))
     assert not led.promoted(ROW)
 
 

@@ -167,3 +167,38 @@ def test_warming_a_tokenizer_without_call_markers_costs_nothing():
 
     warm_strict(Markerless())
     assert read == []
+
+
+def test_a_row_verified_in_part_disagrees_when_the_model_goes_on_otherwise(tmp_path):
+    """A verify cut short (here by the session's span cap) and accepted whole is no agreement;
+    when the id the model emits after it is not the row's next one (compact JSON after the
+    call-start token), the row's claim records a disagreement, so it is never promoted."""
+    from mlx_fill.sources.ledger import Ledger
+    from mlx_fill.core.proposal import DecodeView, FillSession
+    tok, tool_list = tokenizer("qwen3"), tools()
+    canonical = reply_ids(tok, USER, tool_list, REPLIES["two calls"])
+    text = tok.decode(canonical)
+    assert '{"name": "' in text
+    compact = tok.encode(text.replace('{"name": "', '{"name":"'), add_special_tokens=False)
+
+    def drive(ids: list[int]) -> dict[str, tuple[int, int]]:
+        ledger = Ledger("m", "t", promote_after=2, eligible=frozenset({"strict:"}),
+                        path=tmp_path / "l.json")
+        session = FillSession([strict_source(tok, USER, tool_list, ledger=ledger)], max_span=3)
+        pos = 0
+        while pos < len(ids):
+            p = session.propose(DecodeView([], ids[:pos]))
+            if p is None:
+                pos += 1
+                continue
+            ok = 0
+            while ok < len(p.ids) and pos + ok < len(ids) and ids[pos + ok] == p.ids[ok]:
+                ok += 1
+            session.feedback(p, ok, pos)
+            pos += ok + 1  # the ids kept and the target's own sample after them
+        session.propose(DecodeView([], ids))
+        return {c.split("@")[0]: (ev.agreements, ev.disagreements)
+                for c, ev in ledger.claims.items()}
+
+    assert drive(canonical).get("strict:scaffold", (0, 0))[1] == 0
+    assert drive(compact)["strict:scaffold"][1] >= 1
