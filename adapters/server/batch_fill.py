@@ -213,6 +213,8 @@ def _side_step(gb: Any, i: int, rnd: Round, plan: DispatchPlan, stats: FillStats
             _give_back(gb.prompt_cache, single)
     if alone is None:
         _write_back(gb.prompt_cache, i, single, len(out.ids))
+    if out.failure is not None:  # the batch's own step would raise it for this sequence
+        raise out.failure
     return out
 
 
@@ -242,6 +244,8 @@ def _fill_rounds(gb: Any, reg: dict[int, SeqFill], responses: list) -> list:
         plan = sf.session.plan if sf.session.plan is not None else plan_for(gb.model)
         # a side step stalls the whole batch: it must beat the batched step's own rate
         sf.session.pace.min_gain = batch_min_gain(plan, len(gb.uids))
+        if gb.logits_processors and gb.logits_processors[i]:
+            sf.session.allow_assert = False  # an asserted row is not sampled: no processor sees it
         room = seam.slots_left(gb, i)
         if room <= 1:
             continue  # the in-flight sample is the sequence's last token: nothing to fill

@@ -69,12 +69,16 @@ def process_row(
 class Verdict:
     """Outcome of one verify round. ``accepted`` counts proposed ids kept (``>= 1``: the first was
     pre-checked); ``logprobs[i]`` belongs to the slot after ``ids[i]``; ``next_token`` is the
-    target's sample after the last accepted id, not yet in the cache."""
+    target's sample after the last accepted id, not yet in the cache. ``failure``: what a
+    logits processor raised on the row after the last kept id, every id before it accepted (the
+    step serial decoding takes there raises it alike: it feeds that id, then processes its row);
+    ``next_token`` is then -1."""
 
     accepted: int
     next_token: int
-    next_logprobs: mx.array
+    next_logprobs: mx.array | None
     row_logprobs: list[mx.array]
+    failure: Exception | None = None
 
 
 def verify_rows(
@@ -86,21 +90,33 @@ def verify_rows(
 ) -> Verdict:
     """Sample every row of ``rows`` (``[k, V]`` for ``ids = f_1..f_k``) and apply the rule.
 
-    ``history`` is the logits-processor history before ``f_1`` (None without processors).
+    ``history`` is the logits-processor history before ``f_1`` (None without processors). A
+    processor that raises on row ``j`` (its history through ``f_{j+1}``) ends the rows there:
+    when an id before ``f_{j+1}`` was rejected, serial decoding never reaches that history and
+    the verdict is the rows' before it; otherwise the verdict keeps ``f_1..f_{j+1}`` and carries
+    the ``failure``.
     """
     samples: list[mx.array] = []
     logprobs: list[mx.array] = []
     hist = history
+    failure = None
     for i, t in enumerate(ids):
         if logits_processors:
             tok = mx.array([t], dtype=hist.dtype if hist is not None else mx.uint32)
             hist = tok if hist is None else mx.concatenate([hist, tok])
-        s, lp = process_row(rows[i:i + 1], hist, sampler, logits_processors)
+        try:
+            s, lp = process_row(rows[i:i + 1], hist, sampler, logits_processors)
+        except Exception as e:  # a processor's error: whether serial decoding meets it is below
+            failure = e
+            break
         samples.append(s)
         logprobs.append(lp)
     mx.eval(samples)
     sampled = [int(s.item()) for s in samples]
+    reached = len(ids) if failure is None else len(samples) + 1  # ids whose rows were processed
     accepted = 1
-    while accepted < len(ids) and sampled[accepted - 1] == ids[accepted]:
+    while accepted < reached and sampled[accepted - 1] == ids[accepted]:
         accepted += 1
+    if failure is not None and accepted == reached:
+        return Verdict(accepted, -1, None, logprobs, failure)
     return Verdict(accepted, sampled[accepted - 1], logprobs[accepted - 1], logprobs)

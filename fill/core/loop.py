@@ -187,6 +187,10 @@ class _Target(CacheView):
         return self.sample(logits)
 
 
+CACHE_MOVED = ("fill: the prompt cache was written by another decode while this generator was "
+               "held; it cannot go on (close it, or let it finish, before reusing the cache)")
+
+
 class _Output:
     """What the consumer has received: ``emitted`` ids (the session's ``emitted_ids``), mirrored
     in ``stats.emitted`` (the one place either is written), and the proposal rounds' bursts."""
@@ -208,19 +212,25 @@ class _Output:
         hidden while the consumer holds the generator, as serial decoding has not fed them
         yet). If the consumer stops mid-burst (``close()`` or an exception at a yield), the
         ``finally`` rewinds the cache to exactly the ids it received and reports the
-        proposal's share of them as the round's outcome."""
+        proposal's share of them as the round's outcome; if another decode wrote the cache
+        while the generator was held, the cache is that decode's: it is left alone, and
+        resuming raises :data:`CACHE_MOVED`."""
         received = 0
         finished = False
+        shown = None
         try:
             for t, lp in zip(ids, logprobs):
                 self.emit(t)
                 received += 1
-                with showing(cp, received):
+                with showing(cp, received) as shown:
                     yield t, lp
+                if shown.moved:
+                    raise RuntimeError(CACHE_MOVED)
             finished = True
         finally:
             if not finished:
-                rewind(cp, received)
+                if shown is None or not shown.moved:
+                    rewind(cp, received)
                 settle(self.fill, rnd, received)
 
 
@@ -230,6 +240,8 @@ def _apply(rnd: Round, target: _Target, out: _Output):
     done = execute(target, rnd)
     yield from out.burst(rnd, done.checkpoint, done.ids, done.logprobs)
     settle(out.fill, rnd, len(done.ids))
+    if done.failure is not None:
+        raise done.failure
     return done.next
 
 
@@ -276,6 +288,8 @@ def _fill_loop(
     if len(prompt) == 0:
         raise ValueError("Either input_embeddings or prompt (or both) must be provided.")
 
+    if logits_processors:  # an asserted row is not sampled: no processor would see it
+        fill.allow_assert = False
     plan = fill.plan if fill.plan is not None else plan_for(model)
     if kv_bits is not None:
         # Serial decode quantizes the cache right after the step that reaches the threshold;

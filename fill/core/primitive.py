@@ -268,8 +268,26 @@ def rewind(cp: Checkpoint, keep: int) -> None:
     cp.appended = kept
 
 
+@dataclass
+class Shown:
+    """What :func:`showing` found when its block ended: ``moved``, whether the cache was
+    written inside the block (another decode used it while the burst was held), in which case
+    it was left as that decode left it."""
+
+    moved: bool = False
+
+
+def _fingerprint(cache: Sequence[Any]) -> tuple:
+    """What any write to the cache changes: its entries, each counting layer's offset (and a
+    ring's write index), each recurrent layer's arrays."""
+    leaves = _leaves(cache)
+    return (tuple(map(id, cache)),
+            tuple(tuple(map(id, c.cache)) if isinstance(c, C.ArraysCache)
+                  else (int(c.offset), getattr(c, "_idx", None)) for c in leaves))
+
+
 @contextmanager
-def showing(cp: Checkpoint, keep: int) -> Iterator[None]:
+def showing(cp: Checkpoint, keep: int) -> Iterator[Shown]:
     """Inside the block the cache holds exactly ``cp.appended[:keep]`` after the checkpoint (what
     serial decoding holds once those ids are fed); on exit the ids after them are back, their
     rows as written, with no forward: KV layers only move their offset, rotating ones restore
@@ -277,32 +295,38 @@ def showing(cp: Checkpoint, keep: int) -> Iterator[None]:
     are swapped back and forth. With recurrent layers the state after ``keep`` rows was never
     computed (a chunk's forward yields only its last), and a rotating layer whose later rows
     overwrote a shown one (a round longer than its window) has no copy of it: there the cache is
-    left holding every appended id. Nothing may write the cache inside the block."""
-    if keep >= len(cp.appended) or any(s is not None for s in cp.snapshots):
-        yield
-        return
-    entries = list(cp.cache)
-    before = _entries_before_swap(cp, keep)
-    if before is not None:
-        cp.cache[:] = before
-    leaves = _leaves(cp.cache)
-    slots = _kept_slots(cp, leaves, keep)
-    if any(s is None for s in slots.values()):
-        cp.cache[:] = entries
-        yield
-        return
-    shown = [RingSnapshot.of(c) if isinstance(c, C.RotatingKVCache) else int(c.offset)
-             for c in leaves]
-    _cut(cp, leaves, keep, slots)
+    left holding every appended id. The block's :class:`Shown` says whether something wrote the
+    cache inside it; then nothing is put back."""
+    undo = None
+    if keep < len(cp.appended) and all(s is None for s in cp.snapshots):
+        entries = list(cp.cache)
+        before = _entries_before_swap(cp, keep)
+        if before is not None:
+            cp.cache[:] = before
+        leaves = _leaves(cp.cache)
+        slots = _kept_slots(cp, leaves, keep)
+        if any(s is None for s in slots.values()):
+            cp.cache[:] = entries
+        else:
+            shown = [RingSnapshot.of(c) if isinstance(c, C.RotatingKVCache) else int(c.offset)
+                     for c in leaves]
+            _cut(cp, leaves, keep, slots)
+
+            def undo() -> None:
+                for c, state in zip(leaves, shown):
+                    if isinstance(state, RingSnapshot):
+                        state.restore(c)
+                    else:
+                        c.offset = state
+                cp.cache[:] = entries
+    found = Shown()
+    mark = _fingerprint(cp.cache)
     try:
-        yield
+        yield found
     finally:
-        for c, state in zip(leaves, shown):
-            if isinstance(state, RingSnapshot):
-                state.restore(c)
-            else:
-                c.offset = state
-        cp.cache[:] = entries
+        found.moved = _fingerprint(cp.cache) != mark
+        if undo is not None and not found.moved:
+            undo()
 
 
 def _split_head(model: Any) -> tuple[Any, Any] | None:

@@ -199,13 +199,18 @@ class Outcome:
     """What a round committed: ``ids`` (the lead first) with the log-probabilities ``[V]`` each
     was emitted with, the checkpoint the cache can be rewound to (``checkpoint.appended`` is
     ``ids``), whether a stop sequence ended the sequence inside them (``stopped``), and the
-    target's sample after them (None when stopped or the round's cap is reached)."""
+    target's sample after them (None when stopped or the round's cap is reached). ``failure``:
+    what a logits processor raised on the row after ``ids``; the cache then also holds the id
+    that row follows (``checkpoint.appended`` is ``ids`` and that id), as serial decoding's
+    cache does when the step that feeds it raises, and the consumer is to get the failure
+    after ``ids``."""
 
     ids: list[int]
     logprobs: list[mx.array]
     checkpoint: Checkpoint
     stopped: bool = False
     next: Sample | None = None
+    failure: Exception | None = None
 
 
 def execute(view: CacheView, rnd: Round,
@@ -214,30 +219,52 @@ def execute(view: CacheView, rnd: Round,
     primitive, assert the span or verify it, rewind what is not kept, and sample after it.
 
     ``stop(ids)``: how many of the committed ids the sequence takes, through the one that ends
-    it (a stop sequence), or None when none does; without it every committed id is kept."""
+    it (a stop sequence), or None when none does; without it every committed id is kept. A
+    logits processor that raises where serial decoding meets it too (on the row after the
+    committed ids) is the round's ``failure`` (:class:`Outcome`); an exception while the rows
+    are appended and checked rewinds the round before it propagates."""
     feed = rnd.feed
-    if rnd.proposal.policy == "assert":
-        if not rnd.chained:
-            view.stats.wasted_samples += 1
-        cp, row = view.forward(feed, "last" if rnd.wants_next(len(rnd.proposal.ids)) else "none")
-        committed = feed
-        vocab = rnd.sample.logprobs.shape[-1]
-        logprobs = ([rnd.sample.logprobs] if rnd.chained else []) + [
-            forced_logprobs(t, vocab) for t in rnd.proposal.ids]
-    else:
-        cp, rows = view.forward(feed, "all")
-        verdict = verify_rows(rows, feed, view.history, view.sampler, view.logits_processors)
-        committed = feed[:verdict.accepted]
-        logprobs = [rnd.sample.logprobs, *verdict.row_logprobs[:verdict.accepted - 1]]
+    cp = None
+    try:
+        if rnd.proposal.policy == "assert":
+            if not rnd.chained:
+                view.stats.wasted_samples += 1
+            rows_wanted = "last" if rnd.wants_next(len(rnd.proposal.ids)) else "none"
+            cp, row = view.forward(feed, rows_wanted)
+            committed = feed
+            vocab = rnd.sample.logprobs.shape[-1]
+            logprobs = ([rnd.sample.logprobs] if rnd.chained else []) + [
+                forced_logprobs(t, vocab) for t in rnd.proposal.ids]
+            failure = None
+        else:
+            cp, rows = view.forward(feed, "all")
+            verdict = verify_rows(rows, feed, view.history, view.sampler, view.logits_processors)
+            committed = feed[:verdict.accepted]
+            logprobs = [rnd.sample.logprobs, *verdict.row_logprobs[:verdict.accepted - 1]]
+            failure = verdict.failure
+    except BaseException:
+        if cp is not None:
+            view.rewind(cp, 0)
+        raise
+    fed = committed  # what the cache keeps: the emitted ids, and the one a failure's row follows
+    if failure is not None:
+        committed = committed[:-1]
     ended = None if stop is None else stop(committed)
-    kept = len(committed) if ended is None else ended
-    view.rewind(cp, kept)
-    out = Outcome(committed[:kept], logprobs[:kept], cp, stopped=ended is not None)
-    view.remember(out.ids)
-    if out.stopped or not rnd.wants_next(kept - len(rnd.lead)):
+    if ended is not None:
+        failure = None
+        committed = fed = committed[:ended]
+    view.rewind(cp, len(fed))
+    view.remember(fed)
+    out = Outcome(committed, logprobs[:len(committed)], cp, stopped=ended is not None,
+                  failure=failure)
+    if out.stopped or failure is not None or not rnd.wants_next(len(committed) - len(rnd.lead)):
         return out
     if rnd.proposal.policy == "assert":
-        out.next = view.sample(row)
+        try:
+            out.next = view.sample(row)
+        except Exception as e:  # serial decoding's step that feeds the last id raises alike
+            out.ids, out.logprobs, out.failure = committed[:-1], out.logprobs[:-1], e
+            return out
     else:
         out.next = Sample(mx.array([verdict.next_token], dtype=rnd.sample.token.dtype),
                           verdict.next_logprobs)

@@ -168,10 +168,12 @@ def test_logits_processors_see_the_same_history():
     model = tiny_model("qwen3")
     procs = make_logits_processors(repetition_penalty=1.5, repetition_context_size=8)
     ref, _ = decode(model, logits_processors=procs)
-    for policy, corrupt in (("assert", 0.0), ("verify", 0.5)):
-        s = session(ReferenceSource(ref, policy, corrupt=corrupt))
-        out, _ = decode(model, s, logits_processors=procs)
-        assert out == ref and s.stats.injected > 0
+    s = session(ReferenceSource(ref, "verify", corrupt=0.5))
+    out, _ = decode(model, s, logits_processors=procs)
+    assert out == ref and s.stats.injected > 0
+    s = session(ReferenceSource(ref, "assert"))  # no processor would see an asserted row
+    out, _ = decode(model, s, logits_processors=procs)
+    assert out == ref and s.stats.injected == 0
 
 
 def test_a_processor_that_may_keep_state_is_served_without_fill_unless_declared_pure():
@@ -196,6 +198,94 @@ def test_a_processor_that_may_keep_state_is_served_without_fill_unless_declared_
     out, _ = decode(model, s, logits_processors=[pure_processor(counting)])
     assert out == ref and s.stats.injected > 0 and s.stats.verify_rejected > 0
     assert len(calls) > len(plain_calls)  # run on the rejected rows: declared pure, so harmless
+
+
+class Raised(Exception):
+    pass
+
+
+def run_until_raised(gen) -> tuple[list[int], bool]:
+    out = []
+    try:
+        for t, _ in gen:
+            out.append(t)
+    except Raised:
+        return out, True
+    return out, False
+
+
+@pytest.mark.parametrize("policy,corrupt", [("assert", 0.0), ("verify", 0.0), ("verify", 0.6)])
+@pytest.mark.parametrize("every", [5, 1])
+@pytest.mark.parametrize("at", [1, 6, 7, 9, 12, 13])
+def test_a_processor_that_raises_ends_the_decode_where_plain_decoding_does(policy, corrupt,
+                                                                          every, at):
+    """A logits processor that raises once its history holds ``at`` output ids: plain decoding
+    feeds that id, raises before yielding it, and its cache holds it. Fill yields the same ids,
+    raises the same error, and leaves the same cache, also when a round's rows reach it."""
+
+    @pure_processor
+    def raising(tokens, logits):
+        if tokens.shape[0] >= len(PROMPT) + at:
+            raise Raised
+        return logits
+
+    model = tiny_model("qwen3")
+    ref, _ = decode(model)
+    plain_cache, cache = make_prompt_cache(model), make_prompt_cache(model)
+    plain = run_until_raised(stock_generate_step(mx.array(PROMPT), model, max_tokens=40,
+                                                 prompt_cache=plain_cache,
+                                                 logits_processors=[raising]))
+    s = session(ReferenceSource(ref, policy, corrupt, every=every))
+    fill = run_until_raised(generate_step(mx.array(PROMPT), model, max_tokens=40,
+                                          prompt_cache=cache, logits_processors=[raising],
+                                          fill=s))
+    assert plain[1] and fill == plain
+    assert caches_equal(cache, plain_cache)
+
+
+def test_a_processor_raising_on_a_rejected_row_is_not_the_decodes_error():
+    """A pure processor may raise on ids the model never writes (a validator): a verify round
+    shows it the draft's rejected rows, where serial decoding never goes; that error is not
+    the request's."""
+    model = tiny_model("qwen3")
+    ref, _ = decode(model)
+
+    @pure_processor
+    def validating(tokens, logits):
+        written = tokens[len(PROMPT):].tolist()
+        if written != ref[:len(written)]:
+            raise Raised
+        return logits
+
+    s = session(ReferenceSource(ref, "verify", corrupt=0.6))
+    out, cache = decode(model, s, logits_processors=[validating])
+    assert out == ref and s.stats.verify_rejected > 0
+    assert caches_equal(cache, decode(model)[1])
+
+
+def test_a_held_generator_leaves_a_cache_another_decode_went_on_with():
+    """A consumer stops mid-burst, keeps the generator, and decodes its next turn on the same
+    cache: dropping the old generator then must not rewind that turn, and resuming it is one
+    error line."""
+    model = tiny_model("qwen3")
+    ref, _ = decode(model)
+    for policy in ("assert", "verify"):
+        cache = make_prompt_cache(model)
+        s = session(ReferenceSource(ref, policy, every=5))
+        gen = generate_step(mx.array(PROMPT), model, max_tokens=40, prompt_cache=cache, fill=s)
+        got = [t for _, (t, _) in zip(range(7), gen)][-1]  # the 7th id: inside the round at 5
+        assert got == ref[6]
+        turn = [t for t, _ in stock_generate_step(mx.array(ref[6:10]), model, max_tokens=5,
+                                                  prompt_cache=cache)]
+        offset = cache[0].offset
+        with pytest.raises(RuntimeError, match="written by another decode"):
+            next(gen)
+        gen.close()
+        assert cache[0].offset == offset and turn
+        plain = make_prompt_cache(model)
+        list(stock_generate_step(mx.array(PROMPT), model, max_tokens=7, prompt_cache=plain))
+        list(stock_generate_step(mx.array(ref[6:10]), model, max_tokens=5, prompt_cache=plain))
+        assert caches_equal(cache, plain)
 
 
 def test_pure_processor_refuses_what_takes_no_attribute():
