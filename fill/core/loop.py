@@ -16,9 +16,11 @@ one append-and-rewind primitive. The steps, as in mlx-lm's ``speculative_generat
 Invariants: at every yield and when the consumer stops (``close()``, ``max_tokens`` inside a
 span, an exception), the cache holds exactly prompt + yielded tokens (mid-burst, on models with
 recurrent layers, it holds the burst's ids ahead until the burst ends or the consumer stops:
-:func:`~mlx_fill.core.primitive.showing`); a proposed EOS is never
-committed (the session cuts spans at EOS); every token not yielded by ``assert`` is a target
-sample.
+:func:`~mlx_fill.core.primitive.showing`; a cache another decode wrote while the consumer held
+the generator is left as written); a logits processor's error ends the decode with the ids and
+cache serial decoding has when its step raises it; a proposed EOS is never committed (the
+session cuts spans at EOS); every token not yielded by ``assert`` is a target sample, and with
+a logits processor nothing is asserted.
 """
 
 from __future__ import annotations
