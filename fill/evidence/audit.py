@@ -118,10 +118,13 @@ def _render(tok, messages, tools, kwargs, generation: bool, case_id: str = "") -
     try:
         return tok.apply_chat_template(messages, tools=tools, tokenize=False,
                                        add_generation_prompt=generation, **kwargs)
-    except jinja2.TemplateError as err:
+    except (jinja2.TemplateError, ValueError) as err:
         raise UserError(f"case {case_id}: the chat template refuses the conversation with its "
                         f"tools ({err}); fix the case's messages or reply, or the tools (a "
                         f"field the template reads)") from err
+    except RecursionError:
+        raise UserError(f"case {case_id}: the conversation is nested too deeply to render; "
+                        f"fix the case") from None
 
 
 def case_stream(tok, case: dict, tools) -> tuple[list[int], list[int], str]:
@@ -236,15 +239,43 @@ def _case_problem(case: object) -> str | None:
     if missing:
         return f"it has no {missing[0]!r}"
     messages = case.get("messages")
-    if not (isinstance(messages, list) and all(isinstance(m, dict) for m in messages)):
-        return "its 'messages' is not a list of message objects"
+    if not (isinstance(messages, list) and messages
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)):
+        return "its 'messages' is not a non-empty list of message objects, each with a 'role'"
     if case.get("expect", "fill") not in ("fill", "none"):
         return f"its 'expect' is {case['expect']!r}, not 'fill' or 'none'"
+    if not isinstance(case.get("template_kwargs", {}), dict):
+        return "its 'template_kwargs' is not an object"
+    no_fill_in = case.get("no_fill_in", [])
+    if not (isinstance(no_fill_in, list) and all(isinstance(n, str) and n for n in no_fill_in)):
+        return "its 'no_fill_in' is not a list of non-empty strings"
+    if _has_lone_surrogate(case):
+        return "it holds a lone surrogate escape (\\ud800-\\udfff), which is no text"
+    if "raw_reply" in case and "reply" in case:
+        return "it has both 'reply' and 'raw_reply'; keep one"
     if "raw_reply" in case:
         return None if isinstance(case["raw_reply"], str) else "its 'raw_reply' is not a string"
     if "reply" in case:
         return _reply_problem(case["reply"])
     return "it has neither 'reply' nor 'raw_reply'"
+
+
+def _has_lone_surrogate(value: object) -> bool:
+    """Whether a string anywhere in the JSON ``value`` (keys included) holds a lone surrogate."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
 
 
 def load_cases(corpus: Path, family: str) -> list[dict]:

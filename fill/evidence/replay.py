@@ -160,17 +160,36 @@ def load_recordings(path: str | Path) -> tuple[list[dict], list[CorruptLine]]:
     (:func:`~mlx_fill.evidence.codex_log.rollout_line_problem`), a line that holds bytes
     that are not UTF-8, or one holding an integer longer than Python converts
     (:data:`LONG_NUMBER`), is skipped and returned as a :class:`CorruptLine`; a truncated or
-    corrupt gzip stream ends the file's read with one.
+    corrupt gzip stream ends the file's read with one. Every session is read under a name of its
+    own (:func:`_own_names`).
     """
     path = Path(path)
     if not path.is_dir():
-        return _load_file(path)
+        sessions, corrupt = _load_file(path)
+        return _own_names(sessions), corrupt
     sessions, corrupt = [], []
     for file in transcript_files(path):
         read, skipped = _load_file(file)
         sessions += read
         corrupt += [replace(c, file=path_text(file.relative_to(path))) for c in skipped]
-    return sessions, corrupt
+    return _own_names(sessions), corrupt
+
+
+def _own_names(sessions: list[dict]) -> list[dict]:
+    """``sessions``, each under a ``session_id`` no other holds (a replay's records and an A/B
+    report's pairs are keyed by it): one without a name, as OpenAI chat and Anthropic Messages
+    logs come, is named ``session N`` by its place in the read, and a name held before gets
+    ``#2``, ``#3``, ..."""
+    taken: set[str] = set()
+    for n, session in enumerate(sessions, 1):
+        base = str(session.get("session_id") or "") or f"session {n}"
+        name, again = base, 1
+        while name in taken:
+            again += 1
+            name = f"{base}#{again}"
+        taken.add(name)
+        session["session_id"] = name
+    return sessions
 
 
 def _load_file(path: Path) -> tuple[list[dict], list[CorruptLine]]:

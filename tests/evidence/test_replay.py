@@ -706,7 +706,8 @@ def test_one_file_mixing_every_format_reads_each_and_none_is_taken_for_another(t
     sessions, corrupt = replay.load_recordings(_write_lines(tmp_path / "mixed.jsonl", map(json.dumps, lines)))
     assert corrupt == []
     assert [(s["source"], s.get("session_id")) for s in sessions] == [
-        ("unit", "s-structured"), (log_formats.UNNAMED_SOURCE, "s-structured"), (log_formats.UNNAMED_SOURCE, None),
+        ("unit", "s-structured"), (log_formats.UNNAMED_SOURCE, "s-structured#2"),
+        (log_formats.UNNAMED_SOURCE, "session 3"),
         ("unit", "s-inline"), ("claude_code", "S"), ("claude_code", "S/ag1"), ("claude_code", "S#2"),
         ("codex", "019b"), ("codex", "019b#2")]
     alone, _ = replay.load_recordings(_write_lines(tmp_path / "r.jsonl", map(json.dumps, _codex_rollout())))
@@ -1068,6 +1069,31 @@ def test_replay_end_to_end(server, sessions_file, tmp_path, capsys):
     result = json.loads((out / "report.json").read_text())
     assert result["verdict"] is None and result["arms"]["replay"]["requests"] == 4
     assert (out / "report.md").read_text().startswith("# mlx-fill replay report")
+
+
+def test_sessions_logged_without_a_name_replay_as_sessions_of_their_own(server, sessions_file,
+                                                                        tmp_path, capsys):
+    """OpenAI and Anthropic logs name no session: each is replayed and reported on its own."""
+    lines = [json.loads(line) for line in sessions_file.read_text().splitlines()
+             if not line.startswith('{"source": "broken')]
+    for session in lines:
+        session.pop("session_id", None)
+    unnamed = _write_lines(tmp_path / "unnamed.jsonl", [json.dumps(s) for s in lines])
+    out = tmp_path / "replay"
+    code = main(["replay", "--sessions", str(unnamed), "--url", server, "--turns", "1",
+                 "--max-tokens", "4", "--no-stream", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    _, *turns = _records(out / "runs.jsonl")
+    assert [t["session_id"] for t in turns] == ["session 1", "session 2"]
+    assert json.loads((out / "report.json").read_text())["arms"]["replay"]["requests"] == 2
+
+
+def test_every_session_read_holds_a_name_of_its_own(tmp_path):
+    one = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    named = dict(one, session_id="a")
+    path = _write_lines(tmp_path / "s.jsonl", [json.dumps(x) for x in (one, named, named, one)])
+    sessions, _ = replay.load_recordings(path)
+    assert [s["session_id"] for s in sessions] == ["session 1", "a", "a#2", "session 4"]
 
 
 def test_ab_end_to_end(server, sessions_file, tmp_path, capsys):
