@@ -340,8 +340,9 @@ def _session_problem(obj) -> str | None:
         if not isinstance(content, (str, type(None))):
             return "a message whose content is not a string"
         calls = m.get("tool_calls") or []
-        if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str)
-                                                  for c in calls):
+        if not isinstance(calls, list):
+            return "a message whose tool_calls is not a list"
+        if not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
             return "a tool call without a name"
         if not all(isinstance(c.get("arguments_raw", ""), str) for c in calls):
             return "a tool call whose arguments_raw is not a string"

@@ -776,6 +776,8 @@ def test_an_openai_call_with_arguments_that_are_no_json_object_keeps_them_raw():
     nameless = {"type": "function", "function": {"arguments": "{}"}}
     assert replay._session_problem(replay.as_recording(
         {"messages": [{"role": "assistant", "tool_calls": [nameless]}]})) == "a tool call without a name"
+    assert replay._session_problem(replay.as_recording(
+        {"messages": [{"role": "assistant", "tool_calls": 5}]})) == "a message whose tool_calls is not a list"
 
 
 def test_truncated_gzip_keeps_what_was_read(tmp_path):
