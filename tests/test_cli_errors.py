@@ -87,30 +87,6 @@ def test_audit_corpus_without_tools_and_malformed_cases(tmp_path, capsys):
                    "no_fill_in entry 'absent' is not in the reply text")
 
 
-BASE_CASE = {"id": "a", "family": "qwen3", "messages": [{"role": "user", "content": "hi"}],
-             "raw_reply": "hello"}
-
-
-@pytest.mark.parametrize("change,needle", [
-    ({"no_fill_in": [5]}, "'no_fill_in' is not a list of non-empty strings"),
-    ({"no_fill_in": {"a": 1}}, "'no_fill_in' is not a list of non-empty strings"),
-    ({"template_kwargs": 5}, "'template_kwargs' is not an object"),
-    ({"messages": [{"content": "hi"}]}, "each with a 'role'"),
-    ({"messages": [{"role": "user", "content": "a\ud800b"}]}, "lone surrogate"),
-    ({"raw_reply": "a\udfff"}, "lone surrogate"),
-    ({"reply": {"role": "assistant", "content": "x"}}, "both 'reply' and 'raw_reply'"),
-])
-def test_an_audit_case_a_field_of_which_no_template_takes_is_one_line(tmp_path, capsys, change,
-                                                                      needle):
-    (tmp_path / "tools").mkdir()
-    (tmp_path / "tools" / "default.json").write_text(json.dumps([{"type": "function", "function": {
-        "name": "ls", "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]))
-    (tmp_path / "qwen3").mkdir()
-    (tmp_path / "qwen3" / "a.json").write_text(json.dumps({**BASE_CASE, **change}))
-    one_error_line(capsys, ["audit", "--family", "qwen3", "--corpus", str(tmp_path)],
-                   "a.json is not an audit case", needle)
-
-
 def test_serve_bad_model_path(tmp_path, capsys):
     one_error_line(capsys, ["serve", "--model", str(tmp_path / "none")], "does not exist")
     one_error_line(capsys, ["serve", "--model", str(tmp_path), "--draft-model", "./none"], "has no config.json")

@@ -394,8 +394,16 @@ def test_audit_names_the_tools_when_a_template_refuses_a_field_they_lack(tmp_pat
     ({"reply": {"role": "assistant", "tool_calls": [{"function": {"name": "ls", "arguments": 5}}]}},
      "its 'reply.tool_calls[0].function.arguments' is not an object or a string"),
     ({"raw_reply": 5}, "its 'raw_reply' is not a string"),
-    ({"messages": [1, 2], "raw_reply": "x"}, "its 'messages' is not a list of message objects"),
+    ({"messages": [1, 2], "raw_reply": "x"}, "its 'messages' is not a non-empty list of message"),
+    ({"messages": [{"content": "hi"}], "raw_reply": "x"}, "each with a 'role'"),
     ({"raw_reply": "x", "expect": "bogus"}, "its 'expect' is 'bogus', not 'fill' or 'none'"),
+    ({"raw_reply": "x", "no_fill_in": [5]}, "'no_fill_in' is not a list of non-empty strings"),
+    ({"raw_reply": "x", "no_fill_in": {"a": 1}}, "'no_fill_in' is not a list of non-empty strings"),
+    ({"raw_reply": "x", "template_kwargs": 5}, "'template_kwargs' is not an object"),
+    ({"messages": [{"role": "user", "content": "a\ud800b"}], "raw_reply": "x"}, "lone surrogate"),
+    ({"raw_reply": "a\udfff"}, "lone surrogate"),
+    ({"raw_reply": "x", "reply": {"role": "assistant", "content": "x"}},
+     "both 'reply' and 'raw_reply'"),
     (None, "cannot read"),
 ])
 def test_audit_malformed_case_files(case, needle, tmp_path, capsys):
