@@ -46,6 +46,7 @@ from mlx_fill.strict.rows import CERTAINTIES, compile_all_keys, table_for
 from mlx_fill.strict.schema import tool_schemas
 from mlx_fill.strict.source import strict_source
 from mlx_fill.strict.tokenbytes import ids_bytes, token_bytes
+from .replay import encodable
 
 DEFAULT_CORPUS = checkout.AUDIT
 # what a certainty class's containment failure or false fire means, as the summary says it
@@ -249,7 +250,7 @@ def _case_problem(case: object) -> str | None:
     no_fill_in = case.get("no_fill_in", [])
     if not (isinstance(no_fill_in, list) and all(isinstance(n, str) and n for n in no_fill_in)):
         return "its 'no_fill_in' is not a list of non-empty strings"
-    if _has_lone_surrogate(case):
+    if not encodable(case):
         return "it holds a lone surrogate escape (\\ud800-\\udfff), which is no text"
     if "raw_reply" in case and "reply" in case:
         return "it has both 'reply' and 'raw_reply'; keep one"
@@ -259,23 +260,6 @@ def _case_problem(case: object) -> str | None:
         return _reply_problem(case["reply"])
     return "it has neither 'reply' nor 'raw_reply'"
 
-
-def _has_lone_surrogate(value: object) -> bool:
-    """Whether a string anywhere in the JSON ``value`` (keys included) holds a lone surrogate."""
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
-                return True
-        elif isinstance(v, dict):
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
-    return False
 
 
 def load_cases(corpus: Path, family: str) -> list[dict]:

@@ -346,12 +346,12 @@ def _session_problem(obj) -> str | None:
             return "a tool call without a name"
         if not all(isinstance(c.get("arguments_raw", ""), str) for c in calls):
             return "a tool call whose arguments_raw is not a string"
-    if not _encodable(obj):
+    if not encodable(obj):
         return "text that is not Unicode (a lone surrogate escape such as \\ud800)"
     return None
 
 
-def _encodable(obj: Any) -> bool:
+def encodable(obj: Any) -> bool:
     """Whether every string in ``obj`` encodes to UTF-8 (JSON's ``\\ud800`` escapes decode to
     lone surrogates, which no tokenizer or file takes). Walked without recursion: a value
     nested as deeply as JSON reads is checked too."""
