@@ -286,10 +286,10 @@ def build_session(
     quick-qualified on the loaded model the first time no plan applies). Raises ValueError for
     a bad mode or ``max_span``, an ``MLX_FILL_MAX_SPAN`` or ``MLX_FILL_PLAN`` that
     :func:`check_env` refuses (:class:`BadEnvironment`), malformed messages, tools/schemas,
-    ``template_kwargs`` that are no object or a malformed prediction; TypeError for ``prompt_ids`` that are no token ids, an
-    ``acceptance`` that is no dict, a ``trace_path`` that is no path, ``extra_sources`` that
-    are no names, ``indexes``, ``global_tree``, ``ledger``, ``group`` or ``draft_model`` of
-    another kind, or no ``tokenizer`` (a Hugging Face tokenizer is wrapped as mlx-lm's
+    ``template_kwargs`` that are no object or a malformed prediction; TypeError for
+    ``prompt_ids`` that are no token ids, an ``acceptance`` that is no dict, a ``trace_path``
+    that is no path, ``extra_sources`` that are no names, ``indexes``, ``global_tree``,
+    ``ledger``, ``group`` or ``draft_model`` of another kind, or no ``tokenizer`` (a Hugging Face tokenizer is wrapped as mlx-lm's
     ``stream_generate`` wraps it).
     The caller ends it with :func:`end_session` when generation ends.
 

@@ -261,7 +261,6 @@ def _case_problem(case: object) -> str | None:
     return "it has neither 'reply' nor 'raw_reply'"
 
 
-
 def load_cases(corpus: Path, family: str) -> list[dict]:
     """The cases of ``family`` under ``corpus``; a case file that is not a JSON object with
     ``id``, ``family``, a list of message objects ``messages`` and a ``reply`` message object

@@ -40,8 +40,9 @@ def sessions_from_events(events: list[dict]) -> list[tuple[int, dict | str]]:
     event with no parent; an event without the field follows the line before it, so a log that
     keeps no links reads in file order): the log's last reply gives the conversation as it
     finally stood; an earlier reply whose chain shares no event with a conversation already
-    taken starts another (what a compaction or a subagent began; named ``SESSION#2`` and on
-    after the first of its session, ``SESSION/AGENT`` for a subagent), and one whose chain does
+    taken starts another (what a compaction or a subagent began; under its session's id, which
+    the reader makes ``SESSION#2`` and on after the first, :func:`~.replay.load_recordings`;
+    ``SESSION/AGENT`` for a subagent), and one whose chain does
     (a branch the user rewound) is dropped. Messages that no reply follows (a prompt never
     answered, local commands typed after the last reply) are in no conversation: they hold no
     turn. Events that hold no message keep their place in a chain; an error Claude Code wrote
@@ -71,12 +72,6 @@ def sessions_from_events(events: list[dict]) -> list[tuple[int, dict | str]]:
             taken.update(conversation)
         taken.update(chain)
     found.reverse()
-    named: dict[str, int] = {}
-    for _, session in found:  # a log's later conversations of one session id: "ID#2", "ID#3"
-        if isinstance(session, dict):
-            named[session["session_id"]] = count = named.get(session["session_id"], 0) + 1
-            if count > 1:
-                session["session_id"] += f"#{count}"
     return found
 
 
